@@ -1,0 +1,411 @@
+"""Plans: how one step's global batch of ``M`` samples is split among replicas of unequal speed.
+
+Adaptive SGD (Ma, Rusu, Wu, Sim, "Adaptive Elastic Training for Sparse Deep Learning on Heterogeneous
+Multi-GPU Servers", arXiv:2110.07029) gives faster replicas larger batches so that every replica makes the
+same number of updates. Here replicas run in lockstep (one local update per step each) and the global step
+batch ``M`` is constant, so a plan is a list of integer batch sizes ``b_1..b_n`` with ``Σ b_i = M``.
+
+Everything here is deterministic: every rank computes the same plan from the same all-gathered speeds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "AdditivePolicy",
+    "PlanPolicy",
+    "ProportionalPolicy",
+    "StaticPolicy",
+    "apportion",
+    "get_plan_policy",
+    "ideal_shares",
+    "linear_lr_scale",
+    "share_error",
+    "split_by_cost",
+]
+
+
+def apportion(total: int, shares: Sequence[float], min_size: int = 1, max_size: int | None = None) -> list[int]:
+    """Split ``total`` into integer sizes proportional to ``shares`` (largest-remainder / Hamilton method).
+
+    Each replica's quota is ``q_i = λ·s_i`` clamped to ``[min_size, max_size]``, with the scale ``λ`` chosen so
+    that ``Σ q_i = total`` (water-filling: replicas whose quota crosses a bound are clamped and the remainder is
+    redistributed among the others, until stable). Sizes are ``⌊q_i⌋`` plus one for the ``total − Σ⌊q_i⌋``
+    largest fractional parts, lower index first on ties. Without binding bounds ``|size_i − total·s_i/Σs| < 1``.
+    Zero shares receive ``min_size``, and take leftovers only once every positive share sits at ``max_size``.
+
+    Arithmetic is exact (``fractions.Fraction``) so that the sum is exactly ``total`` and ties are real ties.
+
+    Args:
+        total: The number to split, e.g. the global step batch ``M``.
+        shares: Non-negative relative weights (speeds, fractions, ...), not all zero.
+        min_size: Smallest size any replica may receive.
+        max_size: Largest size any replica may receive; ``None`` for no limit.
+
+    Returns:
+        One size per share, summing exactly to ``total``.
+
+    Raises:
+        ValueError: If the shares are invalid or the bounds cannot be met by any split of ``total``.
+
+    Example:
+        >>> apportion(10, [2.0, 1.0, 1.0])
+        [5, 3, 2]
+        >>> apportion(100, [10.0, 1.0, 1.0], min_size=20)
+        [60, 20, 20]
+    """
+    weights = [Fraction(share) for share in _checked_shares(shares)]
+    _check_feasible(total, len(weights), min_size, max_size)
+    return _largest_remainder(_bounded_quotas(total, weights, min_size, max_size))
+
+
+def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float], min_size: int = 1) -> list[int]:
+    """Cut one step's ordered items into consecutive slices whose costs follow ``shares``.
+
+    With per-item costs ``c_k`` (e.g. non-zeros of sparse rows) and prefix sums ``C_k = Σ_{j<k} c_j``, the
+    ``i``-th cut targets ``B_i = C_N · Σ_{j≤i} s_j / Σ s`` and lands on the item boundary ``k`` with
+    ``C_k`` nearest to ``B_i`` (the lower one on ties). Each slice's cost is then within one item's cost of
+    its share ``C_N · s_i / Σ s``, so replicas finish the step at the same time when time follows cost
+    (DESIGN.md, "Plan": cost-aware slicing). Cuts are then pushed, first forward and then backward, so that
+    every slice holds at least ``min(min_size, N // n)`` items: a short final step lowers the minimum
+    instead of failing. With zero total cost the counts fall back to :func:`apportion`.
+
+    Args:
+        costs: Non-negative, finite cost of each item, in the order the items are consumed.
+        shares: Non-negative relative weights of the replicas, not all zero.
+        min_size: Smallest number of items per slice when there are at least ``n·min_size`` items.
+
+    Returns:
+        Counts ``c_1..c_n`` with ``Σ c_i = len(costs)``; replica ``i`` takes the next ``c_i`` items.
+
+    Raises:
+        ValueError: If costs or shares are invalid or ``min_size`` is negative.
+
+    Example:
+        >>> split_by_cost([1.0, 1.0, 1.0, 1.0, 4.0], [1.0, 1.0])
+        [4, 1]
+    """
+    if min_size < 0:
+        raise ValueError(f"`min_size` must be >= 0, got {min_size}")
+    weights = _checked_shares(shares)
+    prefix = _cost_prefix_sums(costs)
+    num_items = prefix.numel() - 1
+    smallest = min(min_size, num_items // len(weights))
+    if prefix[-1].item() == 0.0:
+        return apportion(num_items, weights, min_size=smallest)
+    cuts = _spread_cuts(_nearest_cuts(prefix, weights), num_items, smallest)
+    return [end - begin for begin, end in zip([0, *cuts], [*cuts, num_items], strict=True)]
+
+
+class PlanPolicy(Protocol):
+    """A rule that turns the current plan and measured speeds into the next plan."""
+
+    def plan(self, current: Sequence[int], speeds: Sequence[float], total: int) -> list[int]:
+        """Return the next batch sizes, one per replica, summing exactly to ``total``.
+
+        Args:
+            current: The batch sizes in use, one per replica.
+            speeds: Each replica's measured speed (samples/s or cost units/s).
+            total: The global step batch ``M``.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class ProportionalPolicy:
+    """Batch size proportional to measured speed: ``b_i = apportion(M, speed)``, the default policy.
+
+    If speeds are samples per second and a replica's per-sample time does not depend on its batch size,
+    ``b_i ∝ speed_i`` makes every replica's step last ``b_i / speed_i = M / Σ speed``: balance in one plan.
+
+    Args:
+        min_batch: Smallest batch per replica (each replica makes one update per step, so at least 1).
+        max_batch: Largest batch per replica, e.g. the device's memory limit; ``None`` for no limit.
+    """
+
+    min_batch: int = 1
+    max_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_batch_bounds(self.min_batch, self.max_batch)
+
+    def plan(self, current: Sequence[int], speeds: Sequence[float], total: int) -> list[int]:
+        """Return ``apportion(total, speeds, min_batch, max_batch)``; ``current`` only fixes the replica count."""
+        _check_same_length(current, speeds)
+        return apportion(total, speeds, self.min_batch, self.max_batch)
+
+
+@dataclass(frozen=True)
+class AdditivePolicy:
+    """The paper's additive batch-size rule (algorithms.md §3.2), adapted to lockstep replicas.
+
+    In the authors' code ``p_i`` is replica ``i``'s share of the batches completed since the last merge; a
+    replica with ``p_i > 1/n`` grows by ``step``, one with ``p_i < 1/n`` shrinks by ``step``, within
+    ``[min_batch, max_batch]``. In lockstep every replica makes the same number of updates, so ``p_i`` is
+    replaced by the share the replica *would* have if it ran freely: ``u_i = speed_i / b_i`` (updates per
+    second) and ``p_i = u_i / Σ u``. The steady state is the paper's: all ``p_i = 1/n``, i.e. every replica
+    takes the same time per step.
+
+    Departure from the paper: there, the global batch per merge period floats. Here ``M`` is constant, so the
+    adjusted sizes are renormalised with ``apportion(M, adjusted, min_batch, max_batch)``; the moves keep
+    their direction but not always their exact length.
+
+    Args:
+        step: Additive change per plan (32 in the paper).
+        min_batch: Smallest batch per replica (32 in the paper).
+        max_batch: Largest batch per replica (1024 in the paper).
+    """
+
+    step: int = 32
+    min_batch: int = 32
+    max_batch: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ValueError(f"`step` must be >= 1, got {self.step}")
+        _check_batch_bounds(self.min_batch, self.max_batch)
+
+    def adjust(self, current: Sequence[int], speeds: Sequence[float]) -> list[int]:
+        """Apply ``b_i ± step`` by the sign of ``p_i − 1/n``, clamped to the bounds, before renormalisation."""
+        _check_same_length(current, speeds)
+        if any(size < 1 for size in current):
+            raise ValueError(f"`current` batch sizes must be >= 1, got {list(current)}")
+        update_rates = [speed / size for speed, size in zip(_checked_shares(speeds), current, strict=True)]
+        mean_rate = math.fsum(update_rates) / len(update_rates)
+        return [
+            min(max(size + self.step * _direction(rate, mean_rate), self.min_batch), self.max_batch)
+            for size, rate in zip(current, update_rates, strict=True)
+        ]
+
+    def plan(self, current: Sequence[int], speeds: Sequence[float], total: int) -> list[int]:
+        """Return :meth:`adjust` renormalised to sum exactly to ``total``."""
+        return apportion(total, self.adjust(current, speeds), self.min_batch, self.max_batch)
+
+
+@dataclass(frozen=True)
+class StaticPolicy:
+    """Fixed shares regardless of speed: ``b_i = apportion(M, shares)``; equal shares mean what DDP means.
+
+    Args:
+        shares: Positive relative share per replica; ``None`` for equal shares.
+    """
+
+    shares: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shares is not None:
+            checked = tuple(_checked_shares(self.shares))
+            if min(checked) <= 0.0:
+                raise ValueError(f"static `shares` must all be > 0, got {list(checked)}")
+            object.__setattr__(self, "shares", checked)
+
+    def plan(self, current: Sequence[int], speeds: Sequence[float], total: int) -> list[int]:
+        """Return ``apportion(total, shares)``; ``speeds`` are ignored."""
+        _check_same_length(current, speeds)
+        shares = self.shares if self.shares is not None else [1.0] * len(current)
+        _check_same_length(current, shares)
+        return apportion(total, shares)
+
+
+_PLAN_POLICIES: dict[str, Callable[..., PlanPolicy]] = {
+    "additive": AdditivePolicy,
+    "proportional": ProportionalPolicy,
+    "static": StaticPolicy,
+}
+
+
+def get_plan_policy(name: str, **kwargs: Any) -> PlanPolicy:
+    """Build the plan policy registered as ``name`` ("proportional", "additive" or "static") with ``kwargs``.
+
+    Raises:
+        ValueError: If ``name`` is not registered.
+    """
+    if name not in _PLAN_POLICIES:
+        raise ValueError(f"Unknown plan policy {name!r}; valid names: {', '.join(sorted(_PLAN_POLICIES))}")
+    return _PLAN_POLICIES[name](**kwargs)
+
+
+def linear_lr_scale(batch_size: int, nominal_batch_size: int) -> float:
+    """Per-replica linear learning-rate factor ``b_i / B_ref``, so that ``lr_i = η·b_i/B_ref``.
+
+    This is the authors' per-GPU rule (algorithms.md §3.2, [CODE]): a replica taking a larger batch takes
+    a proportionally larger step.
+
+    Raises:
+        ValueError: If either size is below 1.
+
+    Example:
+        >>> linear_lr_scale(512, 256)
+        2.0
+    """
+    if batch_size < 1 or nominal_batch_size < 1:
+        raise ValueError(f"batch sizes must be >= 1, got batch_size={batch_size}, nominal={nominal_batch_size}")
+    return batch_size / nominal_batch_size
+
+
+def ideal_shares(speeds: Sequence[float]) -> list[float]:
+    """Speed-proportional shares ``speed_i / Σ speed``: the split that balances step times.
+
+    Example:
+        >>> ideal_shares([3.0, 1.0])
+        [0.75, 0.25]
+    """
+    checked = _checked_shares(speeds)
+    total_speed = math.fsum(checked)
+    return [speed / total_speed for speed in checked]
+
+
+def share_error(sizes: Sequence[int], speeds: Sequence[float]) -> float:
+    """Largest relative deviation of a plan from the ideal: ``max_i |b_i/Σb − ideal_i| / ideal_i``.
+
+    Raises:
+        ValueError: If lengths differ, a speed is not positive (relative error undefined) or ``Σ sizes = 0``.
+
+    Example:
+        >>> share_error([75, 25], [1.0, 1.0])
+        0.5
+    """
+    _check_same_length(sizes, speeds)
+    ideal = ideal_shares(speeds)
+    if min(ideal) <= 0.0:
+        raise ValueError(f"`speeds` must all be > 0 for a relative error, got {list(speeds)}")
+    total = sum(sizes)
+    if total <= 0 or min(sizes) < 0:
+        raise ValueError(f"`sizes` must be >= 0 with a positive sum, got {list(sizes)}")
+    return max(abs(size / total - share) / share for size, share in zip(sizes, ideal, strict=True))
+
+
+def _checked_shares(shares: Sequence[float]) -> list[float]:
+    values = [float(share) for share in shares]
+    if not values:
+        raise ValueError("`shares` is empty: pass one share per replica")
+    if not all(math.isfinite(value) and value >= 0.0 for value in values):
+        raise ValueError(f"shares must be finite and >= 0, got {values}")
+    if not any(value > 0.0 for value in values):
+        raise ValueError(f"shares are all zero, got {values}: at least one replica needs a positive share")
+    return values
+
+
+def _check_feasible(total: int, num_replicas: int, min_size: int, max_size: int | None) -> None:
+    if total < 0:
+        raise ValueError(f"`total` must be >= 0, got {total}")
+    if min_size < 0 or (max_size is not None and max_size < min_size):
+        raise ValueError(f"need 0 <= min_size <= max_size, got min_size={min_size}, max_size={max_size}")
+    if num_replicas * min_size > total:
+        raise ValueError(
+            f"{num_replicas} replicas × minimum size {min_size} exceeds the total {total}: "
+            "lower the minimum batch size or raise the global batch size"
+        )
+    if max_size is not None and num_replicas * max_size < total:
+        raise ValueError(
+            f"{num_replicas} replicas × maximum size {max_size} is less than the total {total}: "
+            "raise the maximum batch size or lower the global batch size"
+        )
+
+
+def _bounded_quotas(total: int, weights: list[Fraction], low: int, high: int | None) -> list[Fraction]:
+    """Water-fill: quotas ``clamp(λ·w_i, low, high)`` summing to ``total``, found by fixing clamped replicas."""
+    fixed: dict[int, Fraction] = {}
+    while len(fixed) < len(weights):
+        free_weights = {i: weight for i, weight in enumerate(weights) if i not in fixed}
+        if sum(free_weights.values()) == 0:
+            # Only zero shares are left and every positive share is at `high`: they split the rest evenly.
+            free_weights = dict.fromkeys(free_weights, Fraction(1))
+        remaining = total - sum(fixed.values(), Fraction(0))
+        scale = remaining / sum(free_weights.values())
+        tentative = {i: scale * weight for i, weight in free_weights.items()}
+        clamped = {i: _clamp(quota, low, high) for i, quota in tentative.items()}
+        surplus = sum(clamped.values()) - remaining
+        newly_fixed = {i: quota for i, quota in clamped.items() if _stays_clamped(quota, tentative[i], surplus)}
+        if not newly_fixed:
+            fixed.update(tentative)
+        fixed.update(newly_fixed)
+    return [fixed[i] for i in range(len(weights))]
+
+
+def _stays_clamped(clamped: Fraction, tentative: Fraction, surplus: Fraction) -> bool:
+    """Whether a clamped quota keeps its bound at the true scale ``λ*``.
+
+    Raising quotas to ``low`` overshoots (``surplus > 0``): ``λ*`` is below the trial scale, so replicas under
+    ``low`` stay there while those over ``high`` may come back within bounds; a deficit is the mirror image;
+    with no surplus the trial scale is ``λ*`` and every clamp holds. Each round fixes at least one replica.
+    """
+    if clamped == tentative:
+        return False
+    raised = clamped > tentative
+    return surplus == 0 or (surplus > 0) == raised
+
+
+def _clamp(quota: Fraction, low: int, high: int | None) -> Fraction:
+    if quota < low:
+        return Fraction(low)
+    if high is not None and quota > high:
+        return Fraction(high)
+    return quota
+
+
+def _largest_remainder(quotas: list[Fraction]) -> list[int]:
+    sizes = [math.floor(quota) for quota in quotas]
+    leftover = int(sum(quotas, Fraction(0))) - sum(sizes)
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (sizes[i] - quotas[i], i))
+    for i in by_remainder[:leftover]:
+        sizes[i] += 1
+    return sizes
+
+
+def _cost_prefix_sums(costs: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """``C_0 = 0, C_k = Σ_{j<k} c_j`` in float64 on the CPU, after checking that costs are usable."""
+    cost = torch.as_tensor(costs).detach().to(device="cpu", dtype=torch.float64)
+    if cost.dim() != 1:
+        raise ValueError(f"`costs` must be one-dimensional, got shape {tuple(cost.shape)}")
+    if not bool(torch.isfinite(cost).all()) or bool((cost < 0).any()):
+        raise ValueError("`costs` must be finite and >= 0")
+    return torch.cat([cost.new_zeros(1), torch.cumsum(cost, dim=0)])
+
+
+def _nearest_cuts(prefix: torch.Tensor, weights: list[float]) -> list[int]:
+    """Item boundaries whose prefix cost is nearest the cumulative share targets ``B_1..B_{n−1}``."""
+    cumulative_share = torch.cumsum(torch.tensor(weights, dtype=torch.float64), dim=0)
+    targets = prefix[-1] * cumulative_share[:-1] / cumulative_share[-1]
+    above = torch.searchsorted(prefix, targets).clamp(max=prefix.numel() - 1)
+    below = (above - 1).clamp(min=0)
+    prefer_below = targets - prefix[below] <= prefix[above] - targets
+    cuts: list[int] = torch.where(prefer_below, below, above).tolist()
+    return cuts
+
+
+def _spread_cuts(cuts: list[int], num_items: int, min_size: int) -> list[int]:
+    """Push cuts so every slice has ``min_size`` items; needs ``num_items >= (len(cuts) + 1) * min_size``."""
+    spread = list(cuts)
+    for i in range(len(spread)):
+        spread[i] = max(spread[i], (spread[i - 1] if i else 0) + min_size)
+    for i in reversed(range(len(spread))):
+        spread[i] = min(spread[i], (spread[i + 1] if i + 1 < len(spread) else num_items) - min_size)
+    return spread
+
+
+def _check_batch_bounds(min_batch: int, max_batch: int | None) -> None:
+    if min_batch < 1:
+        raise ValueError(f"`min_batch` must be >= 1 (every replica makes one update per step), got {min_batch}")
+    if max_batch is not None and max_batch < min_batch:
+        raise ValueError(f"`max_batch` must be >= `min_batch` ({min_batch}) or None, got {max_batch}")
+
+
+def _check_same_length(first: Sequence[Any], second: Sequence[Any]) -> None:
+    if len(first) != len(second):
+        raise ValueError(f"need one entry per replica in both sequences, got lengths {len(first)} and {len(second)}")
+
+
+def _direction(rate: float, mean_rate: float) -> int:
+    """+1 if a replica would make more than its ``1/n`` share of updates, −1 if fewer, 0 if balanced."""
+    # Rates equal up to rounding (e.g. speeds exactly proportional to sizes) count as balanced.
+    if math.isclose(rate, mean_rate, rel_tol=1e-9, abs_tol=0.0):
+        return 0
+    return 1 if rate > mean_rate else -1
