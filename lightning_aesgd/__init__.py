@@ -1,3 +1,29 @@
-"""lightning_aesgd: adaptive elastic model-averaging SGD for heterogeneous hardware, as a Lightning strategy."""
+"""lightning_aesgd: adaptive elastic model-averaging SGD for heterogeneous hardware, as a Lightning strategy.
+
+Importing the package registers the strategy names, so an existing Trainer gains the algorithm with one
+argument::
+
+    import lightning_aesgd  # registers "adaptive_elastic"
+    trainer = Trainer(accelerator="gpu", devices=4, strategy="adaptive_elastic")
+"""
+
+from lightning_aesgd.core.merge import EASGD, SMA, CentralElastic, ElasticAverage, MergeRule
+from lightning_aesgd.registration import register_all
+from lightning_aesgd.slowdown import SlowdownChange, SlowdownProfile
+from lightning_aesgd.strategy import AdaptiveElasticStrategy
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "EASGD",
+    "SMA",
+    "AdaptiveElasticStrategy",
+    "CentralElastic",
+    "ElasticAverage",
+    "MergeRule",
+    "SlowdownChange",
+    "SlowdownProfile",
+    "register_all",
+]
+
+register_all()

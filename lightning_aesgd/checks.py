@@ -1,0 +1,34 @@
+"""Early, explicit errors for Trainer and model settings the strategy does not support."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class UnsupportedSettingError(ValueError):
+    """A Trainer or LightningModule setting that ``adaptive_elastic`` cannot honour."""
+
+
+def check_fit_settings(trainer: Any, module: Any) -> None:
+    """Raise before training starts if the run uses something the strategy cannot do correctly.
+
+    Args:
+        trainer: the Trainer about to fit.
+        module: the LightningModule it fits.
+
+    Raises:
+        UnsupportedSettingError: naming the setting and the fix.
+    """
+    if not module.automatic_optimization:
+        raise UnsupportedSettingError(
+            "adaptive_elastic supports automatic optimization only: it times and merges each replica around "
+            "Lightning's optimizer step. HINT: remove `self.automatic_optimization = False` from "
+            f"{type(module).__name__}, or train it with strategy='ddp'."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise UnsupportedSettingError(
+            "adaptive_elastic does not support gradient accumulation "
+            f"(accumulate_grad_batches={trainer.accumulate_grad_batches}): every Lightning step is one local "
+            "update of every replica. HINT: set accumulate_grad_batches=1 and raise the DataLoader's batch_size "
+            "instead."
+        )

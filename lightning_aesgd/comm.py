@@ -1,0 +1,146 @@
+"""Communication between replicas: a thin layer over ``torch.distributed`` that tests can fake.
+
+The strategy talks to other replicas only through a :class:`Communicator`. :class:`TorchCommunicator` is the
+real one (any backend: gloo, nccl); :class:`LocalCommunicator` serves a single replica without a process group.
+Tests substitute their own implementation of the protocol to count calls or simulate peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+T = TypeVar("T")
+
+
+class Communicator(Protocol):
+    """The collectives the strategy needs. Every replica must call them in the same order."""
+
+    @property
+    def world_size(self) -> int:
+        """Number of replicas taking part."""
+        ...
+
+    @property
+    def rank(self) -> int:
+        """Index of this replica, in ``[0, world_size)``."""
+        ...
+
+    def all_reduce_sum_(self, tensor: Tensor) -> None:
+        """Replace ``tensor`` in place by its elementwise sum over all replicas."""
+        ...
+
+    def broadcast_(self, tensor: Tensor, src: int = 0) -> None:
+        """Replace ``tensor`` in place by replica ``src``'s tensor."""
+        ...
+
+    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:
+        """Gather a short vector of statistics from every replica; row ``r`` is replica ``r``'s vector."""
+        ...
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Gather one picklable object from every replica (used for checkpoints, not on the hot path)."""
+        ...
+
+
+class LocalCommunicator:
+    """The communicator of a lone replica: every collective is the identity."""
+
+    @property
+    def world_size(self) -> int:  # noqa: D102
+        return 1
+
+    @property
+    def rank(self) -> int:  # noqa: D102
+        return 0
+
+    def all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
+        return None
+
+    def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
+        return None
+
+    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:  # noqa: D102
+        return [list(values)]
+
+    def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
+        return [obj]
+
+
+class TorchCommunicator:
+    """Collectives over an initialised ``torch.distributed`` process group.
+
+    Args:
+        device: where small tensors for collectives live; must be a CUDA device for NCCL.
+        group: the process group; the default (world) group when ``None``.
+    """
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchCommunicator needs an initialised torch.distributed process group.")
+        self.device = device
+        self.group = group
+
+    @property
+    def world_size(self) -> int:  # noqa: D102
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:  # noqa: D102
+        return dist.get_rank(self.group)
+
+    def all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
+        dist.broadcast(tensor, src=src, group=self.group)
+
+    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:  # noqa: D102
+        local = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        return [row.tolist() for row in gathered]
+
+    def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+
+def weighted_mean(flats: Sequence[Tensor], weight: float, comm: Communicator) -> tuple[list[Tensor], float]:
+    """Weighted means of flat tensors over all replicas, with one SUM all-reduce per dtype.
+
+    Each replica contributes one bucket ``[w·θ₁, w·θ₂, …, w]`` (all flats of one dtype back to back, then its
+    weight); after the SUM every replica divides by ``Σw``:
+
+        meanₖ = Σᵢ wᵢ θₖ,ᵢ / Σᵢ wᵢ
+
+    Args:
+        flats: this replica's flat tensors θₖ,ᵢ (left untouched), all on one device.
+        weight: this replica's weight wᵢ ≥ 0.
+        comm: the communicator.
+
+    Returns:
+        The means, one new tensor per input in the same order, and the total weight Σᵢ wᵢ.
+
+    Raises:
+        ValueError: if the total weight is not positive.
+    """
+    means: list[Tensor | None] = [None] * len(flats)
+    total_weight = 0.0
+    for dtype in dict.fromkeys(flat.dtype for flat in flats):
+        positions = [k for k, flat in enumerate(flats) if flat.dtype == dtype]
+        weighted = [flats[k].reshape(-1) * weight for k in positions]
+        bucket = torch.cat([*weighted, weighted[0].new_full((1,), weight)])
+        comm.all_reduce_sum_(bucket)
+        total_weight = float(bucket[-1])
+        if not total_weight > 0:
+            raise ValueError(f"The merge weights of all replicas sum to {total_weight}; at least one must be positive.")
+        bucket.div_(total_weight)
+        for k, mean in zip(positions, torch.split(bucket[:-1], [flats[k].numel() for k in positions]), strict=True):
+            means[k] = mean
+    return [mean for mean in means if mean is not None], total_weight

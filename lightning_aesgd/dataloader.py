@@ -1,0 +1,149 @@
+"""Rebuild the user's training DataLoader around an :class:`~lightning_aesgd.sampler.ElasticBatchSampler`.
+
+Users keep writing ``DataLoader(dataset, batch_size=..., shuffle=True, num_workers=...)``; the strategy turns it
+into an :class:`ElasticDataLoader` that keeps every option of the original loader and only replaces how indices
+are batched.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sized
+from typing import Any
+
+from torch import Tensor
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from lightning_aesgd.sampler import ElasticBatchSampler, PlanBook
+
+# DataLoader options carried over unchanged; `prefetch_factor` only exists when workers do.
+_KEPT_OPTIONS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+class ElasticDataLoader(DataLoader[Any]):
+    """A DataLoader whose position in the data is saved in checkpoints, so a resumed run continues mid-epoch.
+
+    Lightning saves and restores any training loader that has ``state_dict``/``load_state_dict``.
+    """
+
+    batch_sampler: ElasticBatchSampler
+
+    def state_dict(self) -> dict[str, int]:  # noqa: D102
+        return self.batch_sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:  # noqa: D102
+        self.batch_sampler.load_state_dict(state)
+
+
+def build_elastic_loader(
+    loader: DataLoader[Any],
+    *,
+    num_replicas: int,
+    rank: int,
+    plan_book: PlanBook,
+    step_batch_size: int | None = None,
+    costs: Tensor | None = None,
+) -> ElasticDataLoader:
+    """Return a copy of ``loader`` whose batches follow the plans in ``plan_book``.
+
+    Args:
+        loader: the training DataLoader as the user (and Lightning's sampler injection) built it.
+        num_replicas: number of replicas.
+        rank: this replica's index.
+        plan_book: the plans, shared with the strategy.
+        step_batch_size: indices per step over all replicas; by default the loader's batch size times the
+            number of replicas, so that an equal plan means exactly what DDP means.
+        costs: optional per-sample costs for cost-aware splitting.
+
+    Raises:
+        TypeError: for loaders the strategy cannot partition (iterable datasets, datasets without length,
+            custom samplers or batch samplers, ``batch_size=None``), with the fix in the message.
+    """
+    batch_size = check_train_loader(loader)
+    shuffle, seed = _ordering(loader)
+    batch_sampler = ElasticBatchSampler(
+        _dataset_size(loader),
+        step_batch_size or batch_size * num_replicas,
+        num_replicas,
+        rank,
+        plan_book,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+        costs=costs,
+    )
+    options: dict[str, Any] = {name: getattr(loader, name) for name in _KEPT_OPTIONS if hasattr(loader, name)}
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    return ElasticDataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
+
+
+def check_train_loader(loader: DataLoader[Any]) -> int:
+    """Raise the errors of :func:`build_elastic_loader` early; returns the loader's (per-replica) batch size."""
+    _dataset_size(loader)
+    _ordering(loader)
+    return _batch_size(loader)
+
+
+def prefetch_depth(loader: DataLoader[Any]) -> int:
+    """How many batches a DataLoader (plus Lightning's one-batch fetcher) can draw ahead of training."""
+    workers_ahead = loader.num_workers * (loader.prefetch_factor or 0) if loader.num_workers > 0 else 0
+    return workers_ahead + 1
+
+
+def _dataset_size(loader: DataLoader[Any]) -> int:
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(
+            "adaptive_elastic splits every step's indices among replicas, which needs a map-style dataset; "
+            f"got an IterableDataset ({type(loader.dataset).__name__}). HINT: use a map-style Dataset with "
+            "__getitem__ and __len__, or train this loader with strategy='ddp'."
+        )
+    if not isinstance(loader.dataset, Sized):
+        raise TypeError(
+            f"The training dataset {type(loader.dataset).__name__} has no length. HINT: implement __len__ so that "
+            "adaptive_elastic can plan the steps of an epoch."
+        )
+    return len(loader.dataset)
+
+
+def _ordering(loader: DataLoader[Any]) -> tuple[bool, int]:
+    """Whether to shuffle, and the seed, as the loader's sampler implied."""
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):  # injected by Lightning when several processes train
+        return sampler.shuffle, sampler.seed
+    if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+        return True, int(os.environ.get("PL_GLOBAL_SEED", 0))
+    if isinstance(sampler, SequentialSampler):
+        return False, 0
+    raise TypeError(
+        f"adaptive_elastic draws and partitions indices itself and cannot keep the sampler "
+        f"{type(sampler).__name__}. HINT: build the training DataLoader with shuffle=True or shuffle=False and "
+        "no sampler."
+    )
+
+
+def _batch_size(loader: DataLoader[Any]) -> int:
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise TypeError(
+            "adaptive_elastic sizes every replica's batches itself and cannot keep a custom batch_sampler or "
+            "batch_size=None. HINT: pass batch_size=<per-replica batch size> to the training DataLoader."
+        )
+    return loader.batch_size

@@ -1,0 +1,71 @@
+"""Flat views of a module's tensors, so that a merge moves one contiguous buffer instead of many small ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+class FlatView:
+    """Reads a fixed list of tensors into one flat tensor and writes a flat tensor back into them.
+
+    Reduced precisions (float16, bfloat16) are widened to float32 in the flat copy, so that averages do not lose
+    precision; float64 models keep float64.
+
+    Args:
+        tensors: the tensors to view, e.g. a module's trainable parameters; their order is the flat layout.
+    """
+
+    def __init__(self, tensors: Iterable[Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in self.tensors) else torch.float32
+        self.numel = sum(t.numel() for t in self.tensors)
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def read(self) -> Tensor:
+        """A new flat tensor holding the current values."""
+        if not self.tensors:
+            return torch.empty(0, dtype=self.dtype)
+        return torch.cat([t.detach().reshape(-1).to(self.dtype) for t in self.tensors])
+
+    @torch.no_grad()
+    def write_(self, flat: Tensor) -> None:
+        """Copy ``flat`` back into the viewed tensors (casting to each tensor's dtype)."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"A flat tensor of {flat.numel()} elements cannot fill {self.numel} elements.")
+        for tensor, chunk in zip(self.tensors, torch.split(flat, [t.numel() for t in self.tensors]), strict=True):
+            tensor.copy_(chunk.view_as(tensor))
+
+
+def trainable_parameters(module: nn.Module) -> list[Tensor]:
+    """Parameters that training changes; frozen ones are identical on every replica and need no merge."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def floating_buffers(module: nn.Module) -> list[Tensor]:
+    """Floating-point buffers (BatchNorm statistics); integer counters stay local, they advance in lockstep."""
+    return [b for b in module.buffers() if b.is_floating_point()]
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """Floating-point state tensors of an optimizer (momentum buffers, Adam moments) in a stable order."""
+    tensors: list[Tensor] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            tensors.extend(value for _, value in sorted(state.items()) if _is_mergeable_state(value, param))
+    return tensors
+
+
+def _is_mergeable_state(value: object, param: Tensor) -> bool:
+    # Per-parameter moments have the parameter's shape; scalars such as Adam's step count are left alone.
+    return isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape
+
+
+def clone_flat(flats: Sequence[Tensor]) -> list[Tensor]:
+    """Detached copies of flat tensors."""
+    return [flat.detach().clone() for flat in flats]

@@ -1,0 +1,401 @@
+"""The ``adaptive_elastic`` Lightning strategy: one replica per process, uneven batches, elastic model merges.
+
+Processes are launched exactly as Lightning's DDP launches them (popen script launcher, spawn, torchrun,
+SLURM), but the model is never wrapped in ``DistributedDataParallel``: every Lightning step is one local update
+of every replica, and replicas are merged by a :class:`~lightning_aesgd.core.merge.MergeRule` every ``period``
+steps. The logic lives in :class:`AdaptiveElasticMixin`, which is free of namespace imports, so the same code
+serves ``pytorch_lightning`` (this module) and the unified ``lightning`` package
+(:mod:`lightning_aesgd.unified`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.strategies import DDPStrategy
+from torch.distributed.constants import default_pg_timeout
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_aesgd.averager import OPTIMIZER_STATE_POLICIES, ElasticAverager, OptimizerStatePolicy
+from lightning_aesgd.checks import check_fit_settings
+from lightning_aesgd.comm import Communicator, LocalCommunicator, TorchCommunicator
+from lightning_aesgd.core.merge import MergeRule, get_merge_rule
+from lightning_aesgd.core.schedule import validate_schedule
+from lightning_aesgd.core.weights import WeightPolicy, replica_weight
+from lightning_aesgd.dataloader import build_elastic_loader, check_train_loader, prefetch_depth
+from lightning_aesgd.flat import FlatView, floating_buffers, trainable_parameters
+from lightning_aesgd.routing import Router, SampleCosts, resolve_sample_costs
+from lightning_aesgd.sampler import ElasticBatchSampler
+
+if TYPE_CHECKING:
+    _Base = DDPStrategy
+else:
+    _Base = object
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "adaptive_elastic"
+
+
+class AdaptiveElasticMixin(_Base):
+    """Adaptive elastic training, for any Lightning namespace's ``DDPStrategy``.
+
+    Args:
+        period: local steps between merges after warm-up (torch's ``PeriodicModelAverager`` semantics).
+        warmup_steps: steps at the start that each end with a merge.
+        merge_rule: a :class:`~lightning_aesgd.core.merge.MergeRule` or one of its names
+            (``"elastic_average"``, ``"sma"``, ``"easgd"``).
+        alpha: elastic coefficient α of a rule given by name (α = 1: replicas are reset to the merged model).
+        momentum: outer momentum μ of ``"elastic_average"`` given by name.
+        merge_weights: each replica's merge weight: ``"samples"`` since the last merge, ``"updates"`` or
+            ``"uniform"``.
+        merge_buffers: average floating buffers (BatchNorm statistics) too; otherwise they stay local.
+        optimizer_state: at a merge, ``"keep"``, ``"reset"`` or ``"average"`` the local optimizer's state.
+        planner: how per-replica batch sizes follow measured speeds; see :mod:`lightning_aesgd.routing`.
+        shares: fixed shares of the step batch for the ``"static"`` planner (equal when omitted).
+        min_batch: smallest batch a replica may get.
+        max_batch: largest batch a replica may get.
+        step_batch_size: indices consumed per step by all replicas together; by default the DataLoader's batch
+            size times the number of replicas, so that an equal plan means what DDP means.
+        plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
+        speed_smoothing: smoothing of the speed moving averages.
+        sample_costs: per-sample cost for cost-aware splitting: ``None`` (count samples), ``"dataset"`` (the
+            dataset's ``sample_costs`` attribute) or a function of the dataset.
+        lr_scaling: scale each replica's learning rate by its batch size over the nominal one during its step.
+        slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.slowdown`).
+        checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
+            exactly; otherwise every replica resumes from the merged model.
+        process_group_backend: torch.distributed backend; gloo on CPU and nccl on CUDA by default.
+        timeout: timeout of collectives.
+        start_method: how processes are launched: ``"popen"`` (re-run the script), ``"spawn"`` or ``"fork"``.
+        **kwargs: accelerator, parallel_devices, cluster_environment, checkpoint_io and precision_plugin, as
+            Lightning passes them to every strategy.
+    """
+
+    strategy_name = "adaptive_elastic"
+
+    def __init__(
+        self,
+        *,
+        period: int = 1,
+        warmup_steps: int = 0,
+        merge_rule: MergeRule | str = "elastic_average",
+        alpha: float | None = None,
+        momentum: float | None = None,
+        merge_weights: WeightPolicy = "samples",
+        merge_buffers: bool = True,
+        optimizer_state: OptimizerStatePolicy = "keep",
+        planner: str = "static",
+        shares: Sequence[float] | None = None,
+        min_batch: int = 1,
+        max_batch: int | None = None,
+        step_batch_size: int | None = None,
+        plan_lag: int | None = None,
+        speed_smoothing: float = 0.9,
+        sample_costs: SampleCosts = None,
+        lr_scaling: bool = False,
+        slowdown: Any = None,
+        checkpoint_replicas: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
+        )
+        validate_schedule(period, warmup_steps)
+        replica_weight(merge_weights, 0.0, 0)  # fails early on an unknown policy name
+        if optimizer_state not in OPTIMIZER_STATE_POLICIES:
+            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATE_POLICIES}, got {optimizer_state!r}.")
+        self.merge_rule = _resolve_rule(merge_rule, alpha, momentum)
+        self.period = period
+        self.warmup_steps = warmup_steps
+        self.merge_weights: WeightPolicy = merge_weights
+        self.merge_buffers = merge_buffers
+        # Not `self.optimizer_state`: that name is Strategy's method returning an optimizer's state dict.
+        self.merge_optimizer_state: OptimizerStatePolicy = optimizer_state
+        self.step_batch_size = step_batch_size
+        self.plan_lag = plan_lag
+        self.sample_costs = sample_costs
+        self.lr_scaling = lr_scaling
+        self.checkpoint_replicas = checkpoint_replicas
+        self.router = Router(
+            planner=planner,
+            shares=shares,
+            min_batch=min_batch,
+            max_batch=max_batch,
+            speed_smoothing=speed_smoothing,
+            slowdown=slowdown,
+        )
+        self._averager: ElasticAverager | None = None
+        self._sampler: ElasticBatchSampler | None = None
+        self._step_key = 0
+        self._last_lr: float | None = None
+        self._checkpoint_extras: dict[str, Any] | None = None
+
+    @property
+    def _module(self) -> Any:
+        module = self.lightning_module
+        assert module is not None, "the strategy is not connected to a LightningModule"
+        return module
+
+    # --- set-up -------------------------------------------------------------------------------------------
+
+    @override
+    def configure_ddp(self) -> None:
+        """Leave the model unwrapped: replicas are merged, not gradient-synchronised."""
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == "fit":
+            check_fit_settings(trainer, self._module)
+        super().setup(trainer)
+        if trainer.state.fn != "fit":
+            return
+        module = self._module
+        comm = self._communicator()
+        # Replicas must start from one model; DDP guarantees this by broadcasting rank 0's weights.
+        _broadcast_module(module, comm, self.merge_buffers)
+        self._averager = ElasticAverager(
+            module,
+            self.merge_rule,
+            comm,
+            period=self.period,
+            warmup_steps=self.warmup_steps,
+            weights=self.merge_weights,
+            merge_buffers=self.merge_buffers,
+            optimizer_state=self.merge_optimizer_state,
+        )
+        self.router.attach(comm, self.root_device)
+
+    def _communicator(self) -> Communicator:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return TorchCommunicator(self.root_device)
+        return LocalCommunicator()
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self._module.trainer
+        if self._averager is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader
+        batch_size = check_train_loader(dataloader)
+        lag = self.plan_lag if self.plan_lag is not None else prefetch_depth(dataloader) + 1
+        costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
+        total = self.step_batch_size or batch_size * self.world_size
+        plan_book = self.router.plan_book_for(total, self.world_size, lag)
+        loader = build_elastic_loader(
+            dataloader,
+            num_replicas=self.world_size,
+            rank=self.global_rank,
+            plan_book=plan_book,
+            step_batch_size=self.step_batch_size,
+            costs=costs,
+        )
+        self._sampler = loader.batch_sampler
+        self.router.cost_aware = costs is not None
+        return loader
+
+    # --- training -----------------------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._sampler is not None:
+            self._step_key = self._sampler.step_key(self._module.trainer.current_epoch, batch_idx)
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        averager, sampler = self._averager, self._sampler
+        if averager is None or sampler is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        record = sampler.pop_record(self._step_key)
+        self._reset_on_lr_drop(optimizer, averager)
+        averager.before_local_step()
+        factor = record.num_samples / (sampler.step_batch_size / self.world_size) if self.lr_scaling else 1.0
+        with _scaled_learning_rate(optimizer, factor), self.router.timing(record, self._step_key):
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if averager.after_local_step(record.num_samples):
+            self._merge(averager, optimizer)
+        return output
+
+    def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer) -> None:
+        weight = averager.own_weight()
+        self.router.exchange(weight, self._step_key)
+        averager.merge(weight, optimizer)
+
+    def _reset_on_lr_drop(self, optimizer: torch.optim.Optimizer, averager: ElasticAverager) -> None:
+        # Crossbow copies the central model into every replica when the learning rate drops.
+        lr = float(optimizer.param_groups[0]["lr"])
+        if averager.rule.resets_on_lr_drop and self._last_lr is not None and lr < self._last_lr:
+            averager.reset_to_center()
+        self._last_lr = lr
+
+    # --- evaluation and the end of fit ------------------------------------------------------------------------
+
+    @override
+    def on_validation_start(self) -> None:
+        if self._averager is not None:
+            self._averager.swap_in_global_model()
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._averager is not None:
+            self._averager.swap_out()
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        # The module leaves fit holding the merged model: that is what `trainer.test` and users' code see.
+        if self._averager is not None:
+            self._averager.adopt_global_model()
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        self._averager = None
+        self._sampler = None
+        self.router.detach()
+        super().teardown()
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The merged model (a collective: Lightning calls this on every rank), plus the replicas' own states."""
+        averager = self._averager
+        if averager is None:
+            return super().lightning_module_state_dict()
+        was_swapped = averager.swapped_in
+        averager.swap_in_global_model()
+        state = {name: tensor.clone() for name, tensor in self._module.state_dict().items()}
+        if not was_swapped:
+            averager.swap_out()
+        self._checkpoint_extras = self._gather_extras(averager)
+        return state
+
+    def _gather_extras(self, averager: ElasticAverager) -> dict[str, Any]:
+        shared = {"averager": averager.shared_state(), "router": self.router.shared_state()}
+        if not self.checkpoint_replicas:
+            return {"world_size": self.world_size, "shared": shared, "replicas": None}
+        params, buffers = averager.local_model()
+        own = {
+            "params": params.cpu(),
+            "buffers": buffers.cpu(),
+            "optimizer": _cpu_state(self.optimizers[0].state_dict()) if self.optimizers else None,
+            "averager": averager.local_state(),
+            "router": self.router.local_state(),
+        }
+        replicas = averager.comm.all_gather_object(own)
+        return {"world_size": self.world_size, "shared": shared, "replicas": replicas}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        # Weights-only checkpoints carry no training state, so they get no replica states either.
+        if self._checkpoint_extras is not None and "optimizer_states" in checkpoint:
+            checkpoint[CHECKPOINT_KEY] = self._checkpoint_extras
+        self._checkpoint_extras = None
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        extras = checkpoint.get(CHECKPOINT_KEY)
+        if extras is None or self._averager is None:
+            return
+        self._averager.load_shared_state(extras["shared"]["averager"])
+        self.router.load_shared_state(extras["shared"]["router"])
+        replicas = extras["replicas"]
+        if replicas is None or extras["world_size"] != self.world_size:
+            if replicas is not None:
+                log.warning(
+                    "The checkpoint holds %d replicas, this run has %d: all start from the merged model.",
+                    extras["world_size"],
+                    self.world_size,
+                )
+            return
+        own = replicas[self.global_rank]
+        device = self.root_device
+        self._averager.load_local_model(own["params"].to(device), own["buffers"].to(device))
+        self._averager.load_local_state(own["averager"])
+        self.router.load_local_state(own["router"])
+        if own["optimizer"] is not None:
+            self.optimizers[0].load_state_dict(own["optimizer"])
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``adaptive_elastic`` (popen launcher) and ``adaptive_elastic_spawn``, idempotently."""
+        entries = ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn"))
+        for name, start_method in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"Adaptive elastic model-averaging SGD with start_method '{start_method}'",
+                    start_method=start_method,
+                )
+
+
+class AdaptiveElasticStrategy(AdaptiveElasticMixin, DDPStrategy):
+    """Adaptive elastic training as a ``pytorch_lightning`` strategy. See :class:`AdaptiveElasticMixin`."""
+
+
+# Which constructor argument of each named rule the strategy's `alpha` and `momentum` set.
+_RULE_ARGUMENTS = {
+    "elastic_average": {"alpha": "alpha", "momentum": "momentum"},
+    "sma": {"alpha": "alpha", "momentum": "central_momentum"},
+    "easgd": {},
+}
+
+
+def _resolve_rule(rule: MergeRule | str, alpha: float | None, momentum: float | None) -> MergeRule:
+    given = {name: value for name, value in (("alpha", alpha), ("momentum", momentum)) if value is not None}
+    if not isinstance(rule, str):
+        if given:
+            raise ValueError(f"Set {sorted(given)} on the {type(rule).__name__} object, not on the strategy.")
+        return rule
+    names = _RULE_ARGUMENTS.get(rule, {})
+    unknown = sorted(set(given) - set(names))
+    if unknown and rule in _RULE_ARGUMENTS:
+        raise ValueError(
+            f"The {rule!r} merge rule takes no {unknown}. HINT: pass merge_rule=EASGD(beta=...) to tune EASGD."
+        )
+    return get_merge_rule(rule, **{names[key]: value for key, value in given.items()})
+
+
+def _broadcast_module(module: torch.nn.Module, comm: Communicator, with_buffers: bool) -> None:
+    for view in (FlatView(trainable_parameters(module)), FlatView(floating_buffers(module) if with_buffers else [])):
+        if view:
+            flat = view.read()
+            comm.broadcast_(flat, src=0)
+            view.write_(flat)
+
+
+@contextmanager
+def _scaled_learning_rate(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Scale every param group's learning rate for one optimizer step, then restore it.
+
+    Restoring keeps the user's schedulers in charge: they read and write the unscaled rate between steps.
+    """
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+
+
+def _cpu_state(state: Any) -> Any:
+    return apply_to_collection(state, torch.Tensor, lambda tensor: tensor.cpu())

@@ -1,0 +1,116 @@
+"""Small models, data and fakes shared by the tests (importable by spawned test processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class RegressionData(Dataset):
+    """A fixed linear-regression problem: y = X·w* + noise, drawn from a seeded generator."""
+
+    def __init__(self, size: int = 64, features: int = 8, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, features, generator=generator)
+        true_weight = torch.randn(features, 1, generator=generator)
+        self.y = self.x @ true_weight + 0.1 * torch.randn(size, 1, generator=generator)
+        self.sample_costs = torch.arange(size, dtype=torch.float64) % 5 + 1
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.x[index], self.y[index], torch.tensor(index)
+
+
+class RegressionModel(pl.LightningModule):
+    """A two-layer regression net trained with SGD; records which indices each step saw."""
+
+    def __init__(
+        self, size: int = 64, batch_size: int = 4, lr: float = 0.05, momentum: float = 0.0, shuffle: bool = True
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.seen: list[list[int]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y, index = batch
+        self.seen.append(index.tolist())
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val/loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("test/loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            RegressionData(self.hparams.size), batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(RegressionData(32, seed=1), batch_size=8)
+
+
+def flat_parameters(module: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+class FakeCommunicator:
+    """A communicator for one process that simulates identical or scripted peers and records every call.
+
+    Args:
+        world_size: the number of replicas to pretend.
+        peers_sum: returns what the other replicas add to an all-reduced tensor; by default they are identical
+            to this replica, so a SUM multiplies by ``world_size``.
+        peer_rows: the other replicas' rows for ``all_gather_floats``; by default copies of this replica's.
+    """
+
+    def __init__(
+        self,
+        world_size: int = 2,
+        rank: int = 0,
+        peers_sum: Callable[[Tensor], Tensor] | None = None,
+        peer_rows: Callable[[Sequence[float]], list[list[float]]] | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.peers_sum = peers_sum or (lambda tensor: tensor * (world_size - 1))
+        self.peer_rows = peer_rows or (lambda row: [list(row) for _ in range(world_size - 1)])
+        self.calls: list[str] = []
+
+    def all_reduce_sum_(self, tensor: Tensor) -> None:
+        self.calls.append("all_reduce_sum_")
+        tensor.add_(self.peers_sum(tensor.clone()))
+
+    def broadcast_(self, tensor: Tensor, src: int = 0) -> None:
+        self.calls.append("broadcast_")
+
+    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:
+        self.calls.append("all_gather_floats")
+        rows = self.peer_rows(values)
+        return [*rows[: self.rank], list(values), *rows[self.rank :]]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self.calls.append("all_gather_object")
+        return [obj] * self.world_size

@@ -1,0 +1,94 @@
+"""Rebuilding the user's DataLoader: every option kept, unsupported loaders refused with the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import RegressionData
+from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
+
+from lightning_aesgd.dataloader import ElasticDataLoader, build_elastic_loader, prefetch_depth
+from lightning_aesgd.sampler import PlanBook
+
+
+def _collate(samples):
+    return torch.stack([s[0] for s in samples])
+
+
+def _init_worker(worker_id: int) -> None:
+    return None
+
+
+def _build(loader: DataLoader, **kwargs) -> ElasticDataLoader:
+    return build_elastic_loader(loader, num_replicas=2, rank=1, plan_book=PlanBook([5, 3]), **kwargs)
+
+
+def test_options_of_the_original_loader_are_kept():
+    generator = torch.Generator()
+    loader = DataLoader(
+        RegressionData(40),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=_collate,
+        pin_memory=False,
+        timeout=30,
+        worker_init_fn=_init_worker,
+        generator=generator,
+        prefetch_factor=3,
+        persistent_workers=True,
+    )
+    rebuilt = _build(loader)
+    for name in (
+        "num_workers",
+        "collate_fn",
+        "timeout",
+        "worker_init_fn",
+        "generator",
+        "prefetch_factor",
+        "persistent_workers",
+        "dataset",
+    ):
+        assert getattr(rebuilt, name) is getattr(loader, name)
+    assert rebuilt.batch_sampler.step_batch_size == 8  # batch_size × replicas by default
+    assert rebuilt.batch_sampler.sampler.shuffle
+    batches = list(rebuilt)
+    assert [len(b) for b in batches] == [3] * 5  # rank 1 takes 3 of every 8 indices
+    assert prefetch_depth(rebuilt) == 2 * 3 + 1
+
+
+def test_rebuilt_loader_state_round_trips():
+    rebuilt = _build(DataLoader(RegressionData(40), batch_size=4))
+    assert not rebuilt.batch_sampler.sampler.shuffle
+    rebuilt.load_state_dict({"epoch": 3, "steps_done": 2})
+    assert rebuilt.batch_sampler.epoch == 3
+    assert len(list(rebuilt)) == 3  # 5 steps per epoch, 2 already done
+
+
+def test_explicit_step_batch_size_overrides_the_default():
+    rebuilt = _build(DataLoader(RegressionData(40), batch_size=4), step_batch_size=16)
+    assert len(rebuilt) == 3
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+class _NoLength(torch.utils.data.Dataset):
+    def __getitem__(self, index):
+        return index
+
+
+@pytest.mark.parametrize(
+    ("loader", "hint"),
+    [
+        (DataLoader(_Stream(), batch_size=2), "map-style"),
+        (DataLoader(_NoLength(), batch_size=2, sampler=range(4)), "__len__"),
+        (DataLoader(RegressionData(8), batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8)), "shuffle=True"),
+        (DataLoader(RegressionData(8), batch_size=None), "batch_size"),
+    ],
+)
+def test_unsupported_loaders_are_refused_with_the_fix(loader, hint):
+    with pytest.raises(TypeError, match=hint):
+        _build(loader)

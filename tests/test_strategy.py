@@ -1,0 +1,131 @@
+"""The strategy in one process: fit, evaluate, checkpoints, both namespaces, and early errors."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import pytorch_lightning as pl
+import torch
+from helpers import RegressionModel, flat_parameters
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from lightning_aesgd import SMA, AdaptiveElasticStrategy
+from lightning_aesgd.averager import ElasticAverager
+from lightning_aesgd.checks import UnsupportedSettingError
+
+pytestmark = pytest.mark.slow
+
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def _trainer(strategy="adaptive_elastic", trainer_cls=pl.Trainer, **kwargs):
+    options = {"accelerator": "cpu", "devices": 1, "enable_checkpointing": False, **QUIET, **kwargs}
+    return trainer_cls(strategy=strategy, **options)
+
+
+def test_fit_covers_every_sample_each_epoch_then_evaluates_and_predicts():
+    model = RegressionModel(size=40, batch_size=8)
+    trainer = _trainer(max_epochs=2)
+    trainer.fit(model)
+    assert trainer.global_step == 10
+    for epoch in range(2):
+        seen = sorted(i for batch in model.seen[5 * epoch : 5 * (epoch + 1)] for i in batch)
+        assert seen == list(range(40))
+    validated = trainer.validate(model, verbose=False)[0]["val/loss"]
+    tested = trainer.test(model, dataloaders=model.val_dataloader(), verbose=False)[0]["test/loss"]
+    assert validated == pytest.approx(tested)
+    predictions = trainer.predict(model, dataloaders=model.val_dataloader())
+    assert sum(len(p) for p in predictions) == 32
+
+
+def test_model_checkpoint_loads_into_the_plain_module(tmp_path):
+    model = RegressionModel()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last", every_n_train_steps=6)
+    trainer = _trainer(max_steps=6, callbacks=[checkpoint], enable_checkpointing=True)
+    trainer.fit(model)
+    loaded = RegressionModel.load_from_checkpoint(tmp_path / "last.ckpt")
+    torch.testing.assert_close(flat_parameters(loaded), flat_parameters(model))
+    payload = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert set(payload["adaptive_elastic"]) == {"world_size", "shared", "replicas"}
+    assert all(not key.startswith("module.") for key in payload["state_dict"])
+
+
+class _UnifiedRegression(L.LightningModule):
+    """The same model in the unified `lightning` namespace, whose Trainer takes only its own modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return RegressionModel().train_dataloader()
+
+
+def test_the_unified_lightning_trainer_trains_with_the_strategy_name():
+    model = _UnifiedRegression()
+    before = flat_parameters(model)
+    trainer = _trainer(trainer_cls=L.Trainer, max_steps=3, limit_val_batches=0)
+    trainer.fit(model)
+    assert trainer.global_step == 3
+    assert not torch.allclose(flat_parameters(model), before)
+
+
+@pytest.mark.parametrize(("rule", "expected_resets"), [(SMA(alpha=0.1), 2), ("elastic_average", 0)])
+def test_replicas_reset_to_the_central_model_when_the_learning_rate_drops(monkeypatch, rule, expected_resets):
+    class Decaying(RegressionModel):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    resets = []
+    monkeypatch.setattr(ElasticAverager, "reset_to_center", lambda self: resets.append(self.local_steps))
+    strategy = AdaptiveElasticStrategy(merge_rule=rule, period=100)
+    _trainer(strategy, max_epochs=3, limit_val_batches=0).fit(Decaying(size=16, batch_size=8))
+    assert resets == [2, 4][:expected_resets]  # the rate halves after each 2-step epoch (Crossbow's LR drops)
+
+
+class _Manual(RegressionModel):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer_kwargs", "match"),
+    [
+        (_Manual(), {}, "automatic optimization"),
+        (RegressionModel(), {"accumulate_grad_batches": 2}, "accumulate_grad_batches=1"),
+    ],
+)
+def test_unsupported_settings_fail_before_training(model, trainer_kwargs, match):
+    before = flat_parameters(model)
+    with pytest.raises(UnsupportedSettingError, match=match):
+        _trainer(max_steps=2, **trainer_kwargs).fit(model)
+    torch.testing.assert_close(flat_parameters(model), before)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"alpha": 1.5}, "alpha"),
+        ({"period": 0}, "period"),
+        ({"warmup_steps": -1}, "warmup"),
+        ({"merge_weights": "loss"}, "samples"),
+        ({"merge_rule": "gossip"}, "elastic_average"),
+        ({"merge_rule": "easgd", "alpha": 0.1}, "EASGD"),
+        ({"optimizer_state": "drop"}, "keep"),
+        ({"planner": "greedy"}, "proportional"),
+        ({"planner": "proportional", "shares": [1, 2]}, "static"),
+        ({"slowdown": [1.0, 0.5]}, ">= 1"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction_with_a_hint(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveElasticStrategy(**kwargs)
