@@ -81,7 +81,7 @@ def test_epochs_draw_different_orders_and_shuffle_false_keeps_dataset_order():
     first, second = _epoch([sampler], 0)[0], _epoch([sampler], 1)[0]
     assert first != second
     (ordered,) = _samplers(30, 10, [10], shuffle=False)
-    assert sum(_epoch([ordered])[0], []) == list(range(30))
+    assert [i for batch in _epoch([ordered])[0] for i in batch] == list(range(30))
 
 
 def test_cost_aware_split_balances_cost_not_count():
