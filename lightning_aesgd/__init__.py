@@ -7,6 +7,9 @@ argument::
     trainer = Trainer(accelerator="gpu", devices=4, strategy="adaptive_elastic")
 """
 
+import logging
+
+from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.core.merge import EASGD, SMA, CentralElastic, ElasticAverage, MergeRule
 from lightning_aesgd.registration import register_all
 from lightning_aesgd.slowdown import SlowdownChange, SlowdownProfile
@@ -21,9 +24,17 @@ __all__ = [
     "CentralElastic",
     "ElasticAverage",
     "MergeRule",
+    "SlowdownCallback",
     "SlowdownChange",
     "SlowdownProfile",
     "register_all",
 ]
 
 register_all()
+
+# Like Lightning's own loggers: the end-of-fit summary shows without any logging configuration.
+_log = logging.getLogger(__name__)
+if not _log.handlers:
+    _log.addHandler(logging.StreamHandler())
+    _log.setLevel(logging.INFO)
+    _log.propagate = False

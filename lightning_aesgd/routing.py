@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Literal, Union
 
 import torch
@@ -36,10 +36,6 @@ class ReplicaStats:
     speed: float
     samples: float
     wait_fraction: float
-
-    @classmethod
-    def from_row(cls, row: Sequence[float]) -> ReplicaStats:  # noqa: D102
-        return cls(*row)
 
 
 def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
@@ -67,7 +63,8 @@ class Router:
     """Measures this replica's speed and turns all replicas' speeds into batch-size plans.
 
     Args:
-        planner: ``"proportional"`` (shares ∝ speed), ``"additive"`` (the paper's ±step rule) or ``"static"``.
+        planner: ``"proportional"`` (shares ∝ speed), ``"additive"`` (the paper's ±step rule), ``"static"``, or
+            any :class:`~lightning_aesgd.core.planning.PlanPolicy`.
         shares: fixed shares for the static planner (equal when omitted).
         min_batch: smallest batch per replica.
         max_batch: largest batch per replica.
@@ -78,11 +75,11 @@ class Router:
 
     def __init__(
         self,
-        planner: str = "static",
+        planner: str | PlanPolicy = "static",
         shares: Sequence[float] | None = None,
         min_batch: int = 1,
         max_batch: int | None = None,
-        speed_smoothing: float = 0.9,
+        speed_smoothing: float = 0.8,
         slowdown: SlowdownProfile | Sequence[float] | None = None,
         **planner_options: Any,
     ) -> None:
@@ -96,7 +93,8 @@ class Router:
         self.plan_book: PlanBook | None = None
         self.lag = 1
         self.total = 0
-        self.history: list[tuple[int, list[ReplicaStats], tuple[int, ...]]] = []
+        # The latest exchanges, for the end-of-fit summary and the benchmark's plots; bounded for long runs.
+        self.history: deque[tuple[int, list[ReplicaStats], tuple[int, ...]]] = deque(maxlen=100_000)
         self._saved_plans: dict[str, Any] | None = None
         self._comm: Communicator | None = None
         self._timer: BusyTimer | None = None
@@ -150,18 +148,26 @@ class Router:
         self._timer.stop()
         self._pending_work.append(work)
         self._period.samples += record.num_samples
+        # On CUDA a step's time is known a step or two later; work and times pair up in order.
         for seconds in self._timer.pop_completed():
-            finished_work = self._pending_work.popleft()
-            if seconds > 0:  # a region that launched no device work measures nothing
-                self.speed.update(finished_work, seconds)
-                self._period.busy += seconds
+            self.record(self._pending_work.popleft(), seconds)
+
+    def record(self, work: float, seconds: float) -> None:
+        """Account one finished local step of ``work`` samples (or cost units) that kept the device busy."""
+        if seconds > 0:  # a region that launched no device work measures nothing
+            self.speed.update(work, seconds)
+            self._period.busy += seconds
+
+    def own_stats(self, merge_weight: float) -> ReplicaStats:
+        """What this replica reports at the coming exchange."""
+        return ReplicaStats(merge_weight, self.speed.rate or 0.0, self._period.samples, self._period.wait_fraction())
 
     def exchange(self, merge_weight: float, step: int) -> list[ReplicaStats]:
         """All-gather every replica's statistics (a collective) and schedule the next plan from their speeds."""
         assert self._comm is not None
         assert self.plan_book is not None
-        own = [merge_weight, self.speed.rate or 0.0, self._period.samples, self._period.wait_fraction()]
-        stats = [ReplicaStats.from_row(row) for row in self._comm.all_gather_floats(own)]
+        own = astuple(self.own_stats(merge_weight))
+        stats = [ReplicaStats(*row) for row in self._comm.all_gather_floats(own)]
         speeds = [s.speed for s in stats]
         # Every replica sees the same numbers, so every replica takes the same decision here.
         if self.adaptive and all(speed > 0 for speed in speeds):
@@ -204,8 +210,14 @@ class _PeriodTotals:
 
 
 def _make_policy(
-    planner: str, shares: Sequence[float] | None, min_batch: int, max_batch: int | None, options: dict[str, Any]
+    planner: str | PlanPolicy,
+    shares: Sequence[float] | None,
+    min_batch: int,
+    max_batch: int | None,
+    options: dict[str, Any],
 ) -> PlanPolicy:
+    if not isinstance(planner, str):
+        return planner
     if planner == "static":
         return StaticPolicy(shares)
     if shares is not None:

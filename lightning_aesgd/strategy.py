@@ -27,12 +27,14 @@ from lightning_aesgd.averager import OPTIMIZER_STATE_POLICIES, ElasticAverager, 
 from lightning_aesgd.checks import check_fit_settings
 from lightning_aesgd.comm import Communicator, LocalCommunicator, TorchCommunicator
 from lightning_aesgd.core.merge import MergeRule, get_merge_rule
+from lightning_aesgd.core.planning import PlanPolicy
 from lightning_aesgd.core.schedule import validate_schedule
 from lightning_aesgd.core.weights import WeightPolicy, replica_weight
 from lightning_aesgd.dataloader import build_elastic_loader, check_train_loader, prefetch_depth
 from lightning_aesgd.flat import FlatView, floating_buffers, trainable_parameters
 from lightning_aesgd.routing import Router, SampleCosts, resolve_sample_costs
 from lightning_aesgd.sampler import ElasticBatchSampler
+from lightning_aesgd.telemetry import replica_metrics, summary_table
 
 if TYPE_CHECKING:
     _Base = DDPStrategy
@@ -65,13 +67,15 @@ class AdaptiveElasticMixin(_Base):
         step_batch_size: indices consumed per step by all replicas together; by default the DataLoader's batch
             size times the number of replicas, so that an equal plan means what DDP means.
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
-        speed_smoothing: smoothing of the speed moving averages.
+        speed_smoothing: smoothing β of the speed moving averages; 0.8 follows a 4× slowdown within about 16
+            steps while averaging out single noisy steps.
         sample_costs: per-sample cost for cost-aware splitting: ``None`` (count samples), ``"dataset"`` (the
             dataset's ``sample_costs`` attribute) or a function of the dataset.
         lr_scaling: scale each replica's learning rate by its batch size over the nominal one during its step.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
             exactly; otherwise every replica resumes from the merged model.
+        telemetry: log ``aesgd/...`` metrics at every merge and print a per-replica summary when fit ends.
         process_group_backend: torch.distributed backend; gloo on CPU and nccl on CUDA by default.
         timeout: timeout of collectives.
         start_method: how processes are launched: ``"popen"`` (re-run the script), ``"spawn"`` or ``"fork"``.
@@ -92,17 +96,18 @@ class AdaptiveElasticMixin(_Base):
         merge_weights: WeightPolicy = "samples",
         merge_buffers: bool = True,
         optimizer_state: OptimizerStatePolicy = "keep",
-        planner: str = "static",
+        planner: str | PlanPolicy = "static",
         shares: Sequence[float] | None = None,
         min_batch: int = 1,
         max_batch: int | None = None,
         step_batch_size: int | None = None,
         plan_lag: int | None = None,
-        speed_smoothing: float = 0.9,
+        speed_smoothing: float = 0.8,
         sample_costs: SampleCosts = None,
         lr_scaling: bool = False,
         slowdown: Any = None,
         checkpoint_replicas: bool = True,
+        telemetry: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -127,6 +132,7 @@ class AdaptiveElasticMixin(_Base):
         self.sample_costs = sample_costs
         self.lr_scaling = lr_scaling
         self.checkpoint_replicas = checkpoint_replicas
+        self.telemetry = telemetry
         self.router = Router(
             planner=planner,
             shares=shares,
@@ -222,7 +228,7 @@ class AdaptiveElasticMixin(_Base):
         self._reset_on_lr_drop(optimizer, averager)
         averager.before_local_step()
         factor = record.num_samples / (sampler.step_batch_size / self.world_size) if self.lr_scaling else 1.0
-        with _scaled_learning_rate(optimizer, factor), self.router.timing(record, self._step_key):
+        with _scaled_learning_rate(optimizer, factor), self.router.timing(record, self._module.trainer.global_step):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if averager.after_local_step(record.num_samples):
             self._merge(averager, optimizer)
@@ -230,8 +236,11 @@ class AdaptiveElasticMixin(_Base):
 
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer) -> None:
         weight = averager.own_weight()
-        self.router.exchange(weight, self._step_key)
+        stats = self.router.exchange(weight, self._step_key)
         averager.merge(weight, optimizer)
+        if self.telemetry and self.router.plan_book is not None:
+            # Lightning allows logging from `optimizer_step`; every rank holds the same gathered numbers.
+            self._module.log_dict(replica_metrics(stats, self.router.plan_book.latest), on_step=True, on_epoch=False)
 
     def _reset_on_lr_drop(self, optimizer: torch.optim.Optimizer, averager: ElasticAverager) -> None:
         # Crossbow copies the central model into every replica when the learning rate drops.
@@ -259,6 +268,10 @@ class AdaptiveElasticMixin(_Base):
         # The module leaves fit holding the merged model: that is what `trainer.test` and users' code see.
         if self._averager is not None:
             self._averager.adopt_global_model()
+            if self.telemetry and self.is_global_zero and self.router.history:
+                _, stats, sizes = self.router.history[-1]
+                unit = "units" if self.router.cost_aware else "samples"
+                log.info("\n%s", summary_table(stats, sizes, self._averager.merges, unit))
         super().on_train_end()
 
     @override

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 from datetime import timedelta
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from helpers import RegressionModel, flat_parameters
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
+from torch.utils.data import DataLoader
 
 from lightning_aesgd import AdaptiveElasticStrategy
 
@@ -74,3 +77,54 @@ def test_resume_from_a_mid_epoch_checkpoint_reaches_the_uninterrupted_parameters
     model = RegressionModel(**model_kwargs)
     _trainer(_stateful_strategy(), max_steps=steps).fit(model, ckpt_path=str(path))
     torch.testing.assert_close(flat_parameters(model), uninterrupted, atol=1e-6, rtol=0)
+
+
+class _RotatingPlan:
+    """A planner that changes the plan at every merge, whatever the speeds: the hardest case for plan lag."""
+
+    PLANS = ((5, 3), (2, 6), (7, 1))
+
+    def plan(self, current, speeds, total):
+        current = tuple(current)
+        following = self.PLANS.index(current) + 1 if current in self.PLANS else 0
+        return list(self.PLANS[following % len(self.PLANS)])
+
+
+class _SeenWriter(pl.Callback):
+    def __init__(self, directory):
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        path = self.directory / f"seen_{trainer.global_rank}.json"
+        path.write_text(json.dumps(pl_module.seen))
+
+
+class _WorkerModel(RegressionModel):
+    def __init__(self, num_workers: int):
+        super().__init__(size=96, batch_size=4)
+        self.num_workers = num_workers
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        return DataLoader(loader.dataset, batch_size=4, shuffle=True, num_workers=self.num_workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_changing_plans_use_every_index_exactly_once_across_ranks(tmp_path, num_workers):
+    strategy = AdaptiveElasticStrategy(planner=_RotatingPlan(), start_method="fork", timeout=TIMEOUT)
+    pl.seed_everything(7)
+    model = _WorkerModel(num_workers)
+    _trainer(strategy, max_epochs=2, callbacks=[_SeenWriter(tmp_path)]).fit(model)
+    seen = [json.loads((tmp_path / f"seen_{rank}.json").read_text()) for rank in range(2)]
+    steps_per_epoch = 96 // 8
+    assert [len(batches) for batches in seen] == [2 * steps_per_epoch] * 2
+    for epoch in range(2):
+        steps = range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch)
+        indices = [i for rank in range(2) for step in steps for i in seen[rank][step]]
+        assert sorted(indices) == list(range(96)), f"epoch {epoch}: some index lost or seen twice"
+    sizes = [(len(seen[0][step]), len(seen[1][step])) for step in range(2 * steps_per_epoch)]
+    lag = 2 if num_workers == 0 else num_workers * 2 + 2  # just above the prefetch depth
+    assert set(sizes[:lag]) == {(4, 4)}
+    changes = list(itertools.pairwise(sizes[lag:]))
+    assert all(a != b for a, b in changes), "the plan must change step after step"
+    assert set(sizes[lag:]) == set(_RotatingPlan.PLANS)

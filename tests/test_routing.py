@@ -1,0 +1,127 @@
+"""Routing by measured speed: four routers exchange recorded (synthetic) timings through a fake group."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import astuple
+
+import pytest
+import torch
+from helpers import FakeCommunicator, RegressionData
+
+from lightning_aesgd import slowdown
+from lightning_aesgd.core.planning import share_error
+from lightning_aesgd.routing import Router, resolve_sample_costs
+from lightning_aesgd.sampler import StepRecord
+
+STEP_BATCH = 256
+SECONDS_PER_SAMPLE = 1e-3
+
+
+def _group(num_replicas: int, **router_kwargs) -> list[Router]:
+    """Routers wired so that each one's all-gather returns every router's current statistics."""
+    routers = [Router(**router_kwargs) for _ in range(num_replicas)]
+    for rank, router in enumerate(routers):
+        others = [r for r in routers if r is not router]
+        comm = FakeCommunicator(
+            world_size=num_replicas,
+            rank=rank,
+            peer_rows=lambda row, others=others: [list(astuple(r.own_stats(row[0]))) for r in others],
+        )
+        router.attach(comm, torch.device("cpu"))
+        router.plan_book_for(STEP_BATCH, num_replicas, lag=3)
+    return routers
+
+
+def _run(routers, factors_at, steps: int) -> list[tuple[int, ...]]:
+    """Each step every replica takes its planned batch at factor × the base per-sample time; merge every step."""
+    plans = []
+    for step in range(steps):
+        sizes = routers[0].plan_book.sizes_at(step)
+        for router in routers[1:]:
+            assert router.plan_book.sizes_at(step) == sizes  # every replica slices the step the same way
+        for rank, router in enumerate(routers):
+            router.record(sizes[rank], sizes[rank] * factors_at(step)[rank] * SECONDS_PER_SAMPLE)
+        for router in routers:
+            router.exchange(merge_weight=1.0, step=step)
+        plans.append(sizes)
+    return plans
+
+
+def _speeds(factors):
+    return [1 / f for f in factors]
+
+
+def test_shares_converge_to_the_speed_proportional_ideal_within_30_steps():
+    factors = (1, 1, 2, 4)
+    plans = _run(_group(4, planner="proportional"), lambda step: factors, steps=30)
+    assert share_error(plans[0], _speeds(factors)) > 0.5  # starts equal, far from the ideal
+    assert share_error(plans[-1], _speeds(factors)) < 0.10
+
+
+def test_the_plan_follows_a_replica_that_becomes_4x_slower_within_30_steps():
+    def factors_at(step):
+        return (1, 1, 1, 4) if step >= 40 else (1, 1, 1, 1)
+
+    plans = _run(_group(4, planner="proportional"), factors_at, steps=70)
+    assert share_error(plans[39], _speeds((1, 1, 1, 1))) < 0.05
+    assert share_error(plans[45], _speeds((1, 1, 1, 4))) > 0.10  # the change takes time to show...
+    assert share_error(plans[69], _speeds((1, 1, 1, 4))) < 0.10  # ...and is followed within 30 steps
+
+
+def test_additive_planner_moves_towards_equal_step_times():
+    factors = (1, 2)
+    routers = _group(2, planner="additive", step=8, min_batch=8, max_batch=248)
+    plans = _run(routers, lambda step: factors, steps=40)
+    times = [size * f for size, f in zip(plans[-1], factors, strict=True)]
+    assert plans[0] == (128, 128)
+    assert max(times) / min(times) < 1.15
+
+
+def test_static_planner_never_changes_the_plan():
+    plans = _run(_group(2, planner="static", shares=[3, 1]), lambda step: (1, 5), steps=10)
+    assert set(plans) == {(192, 64)}
+
+
+def test_timing_counts_the_emulated_slowdown_as_busy_time():
+    (router,) = _group(1, slowdown=[3.0])
+    started = time.process_time()
+    with router.timing(StepRecord(num_samples=10, cost=10.0), step=0):
+        sum(i * i for i in range(200_000))  # real CPU work
+    compute = time.process_time() - started
+    # The device "took" its real time plus 2× its compute time; sleeps never end early, so this bound is safe.
+    assert router.speed.mean_seconds >= 3 * compute * 0.99
+    assert router.speed.rate == pytest.approx(10 / router.speed.mean_seconds)
+
+
+def test_emulated_slowdown_sleeps_factor_minus_one_times_the_compute_time(monkeypatch):
+    class Clock:
+        readings = iter([2.0, 2.5])
+
+        def now(self):
+            return next(self.readings)
+
+    sleeps = []
+    monkeypatch.setattr(slowdown.time, "sleep", sleeps.append)
+    with slowdown.emulated_slowdown(Clock(), factor=4.0):
+        pass
+    assert sleeps == [pytest.approx(1.5)]
+
+
+def test_sample_costs_come_from_the_dataset_or_a_function():
+    data = RegressionData(10)
+    torch.testing.assert_close(resolve_sample_costs("dataset", data), data.sample_costs)
+    torch.testing.assert_close(
+        resolve_sample_costs(lambda d: [2.0] * len(d), data), torch.full((10,), 2.0, dtype=torch.float64)
+    )
+    assert resolve_sample_costs(None, data) is None
+    with pytest.raises(TypeError, match="sample_costs"):
+        resolve_sample_costs("dataset", list(range(3)))
+    with pytest.raises(ValueError, match="non-negative"):
+        resolve_sample_costs(lambda d: [-1.0] * len(d), data)
+
+
+def test_static_shares_must_match_the_replica_count():
+    router = Router(shares=[1, 2, 3])
+    with pytest.raises(ValueError, match="3 static shares for 2 replicas"):
+        router.plan_book_for(12, 2, lag=2)
