@@ -96,8 +96,8 @@ class ElasticAverager:
         return replica_weight(self.weights, self.samples_since_merge, self.updates_since_merge)
 
     @torch.no_grad()
-    def merge(self, weight: float, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Merge with all replicas (a collective) using this replica's ``weight``."""
+    def merge(self, weight: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """Merge with all replicas (a collective) using this replica's ``weight``; returns the new global model."""
         local = self.params.read()
         contributed = local if self._snapshot is None else self._snapshot
         flats = [contributed, self.buffers.read()]
@@ -106,7 +106,7 @@ class ElasticAverager:
         if moment_view:
             flats.append(moment_view.read())
         means, _ = weighted_mean(flats, weight, self.comm)
-        self.rule.merge_(local, contributed, means[0], self.comm.world_size, self.rule_state)
+        center = self.rule.merge_(local, contributed, means[0], self.comm.world_size, self.rule_state)
         self.params.write_(local)
         self.buffers.write_(means[1])
         if moment_view:
@@ -117,6 +117,7 @@ class ElasticAverager:
         self.merges += 1
         self.last_weight = weight
         self.samples_since_merge, self.updates_since_merge = 0.0, 0
+        return center
 
     @torch.no_grad()
     def global_model(self) -> tuple[Tensor, Tensor]:

@@ -29,7 +29,7 @@ from lightning_aesgd.comm import Communicator, LocalCommunicator, TorchCommunica
 from lightning_aesgd.core.merge import MergeRule, get_merge_rule
 from lightning_aesgd.core.planning import PlanPolicy
 from lightning_aesgd.core.schedule import validate_schedule
-from lightning_aesgd.core.weights import WeightPolicy, replica_weight
+from lightning_aesgd.core.weights import L2Trend, WeightPolicy, normalize, nudge_extremes, replica_weight
 from lightning_aesgd.dataloader import build_elastic_loader, check_train_loader, prefetch_depth
 from lightning_aesgd.flat import FlatView, floating_buffers, trainable_parameters
 from lightning_aesgd.routing import Router, SampleCosts, resolve_sample_costs
@@ -58,6 +58,9 @@ class AdaptiveElasticMixin(_Base):
         momentum: outer momentum μ of ``"elastic_average"`` given by name.
         merge_weights: each replica's merge weight: ``"samples"`` since the last merge, ``"updates"`` or
             ``"uniform"``.
+        l2_nudge: Adaptive SGD's "adaptive normalization": after warm-up, while the merged model's L2 norm keeps
+            growing, the largest merge weight is raised by 10% and the smallest lowered by 10% (weights then
+            renormalised; the authors' code does not renormalise).
         merge_buffers: average floating buffers (BatchNorm statistics) too; otherwise they stay local.
         optimizer_state: at a merge, ``"keep"``, ``"reset"`` or ``"average"`` the local optimizer's state.
         planner: how per-replica batch sizes follow measured speeds; see :mod:`lightning_aesgd.routing`.
@@ -94,6 +97,7 @@ class AdaptiveElasticMixin(_Base):
         alpha: float | None = None,
         momentum: float | None = None,
         merge_weights: WeightPolicy = "samples",
+        l2_nudge: bool = False,
         merge_buffers: bool = True,
         optimizer_state: OptimizerStatePolicy = "keep",
         planner: str | PlanPolicy = "static",
@@ -124,6 +128,8 @@ class AdaptiveElasticMixin(_Base):
         self.period = period
         self.warmup_steps = warmup_steps
         self.merge_weights: WeightPolicy = merge_weights
+        self.l2_nudge = l2_nudge
+        self._l2_trend = L2Trend()
         self.merge_buffers = merge_buffers
         # Not `self.optimizer_state`: that name is Strategy's method returning an optimizer's state dict.
         self.merge_optimizer_state: OptimizerStatePolicy = optimizer_state
@@ -237,7 +243,12 @@ class AdaptiveElasticMixin(_Base):
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer) -> None:
         weight = averager.own_weight()
         stats = self.router.exchange(weight, self._step_key)
-        averager.merge(weight, optimizer)
+        nudging = self.l2_nudge and self._l2_trend.active and averager.local_steps > self.warmup_steps
+        if nudging:
+            weight = nudge_extremes(normalize([s.merge_weight for s in stats]))[self.global_rank]
+        center = averager.merge(weight, optimizer)
+        if self.l2_nudge:
+            self._l2_trend.update(float(center.norm()))
         if self.telemetry and self.router.plan_book is not None:
             # Lightning allows logging from `optimizer_step`; every rank holds the same gathered numbers.
             self._module.log_dict(replica_metrics(stats, self.router.plan_book.latest), on_step=True, on_epoch=False)
@@ -298,7 +309,11 @@ class AdaptiveElasticMixin(_Base):
         return state
 
     def _gather_extras(self, averager: ElasticAverager) -> dict[str, Any]:
-        shared = {"averager": averager.shared_state(), "router": self.router.shared_state()}
+        shared = {
+            "averager": averager.shared_state(),
+            "router": self.router.shared_state(),
+            "l2_trend": self._l2_trend.state_dict(),
+        }
         if not self.checkpoint_replicas:
             return {"world_size": self.world_size, "shared": shared, "replicas": None}
         params, buffers = averager.local_model()
@@ -328,6 +343,7 @@ class AdaptiveElasticMixin(_Base):
             return
         self._averager.load_shared_state(extras["shared"]["averager"])
         self.router.load_shared_state(extras["shared"]["router"])
+        self._l2_trend.load_state_dict(extras["shared"]["l2_trend"])
         replicas = extras["replicas"]
         if replicas is None or extras["world_size"] != self.world_size:
             if replicas is not None:

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionModel, flat_parameters
+from helpers import RegressionData, RegressionModel, flat_parameters
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader
@@ -128,3 +128,39 @@ def test_changing_plans_use_every_index_exactly_once_across_ranks(tmp_path, num_
     changes = list(itertools.pairwise(sizes[lag:]))
     assert all(a != b for a, b in changes), "the plan must change step after step"
     assert set(sizes[lag:]) == set(_RotatingPlan.PLANS)
+
+
+class _StepRecorder(pl.Callback):
+    """Writes, per rank, each step's indices, the learning rate the optimizer used and the one left after."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.steps = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps.append({"lr_used": optimizer.param_groups[0]["lr"], "indices": pl_module.seen[-1]})
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.steps[-1]["lr_after"] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_end(self, trainer, pl_module):
+        (self.directory / f"steps_{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+def test_cost_aware_batches_and_per_replica_learning_rate_scaling(tmp_path):
+    strategy = AdaptiveElasticStrategy(sample_costs="dataset", lr_scaling=True, start_method="fork", timeout=TIMEOUT)
+    pl.seed_everything(7)
+    model = RegressionModel(size=64, batch_size=4, lr=0.05)
+    _trainer(strategy, max_epochs=1, callbacks=[_StepRecorder(tmp_path)]).fit(model)
+    ranks = [json.loads((tmp_path / f"steps_{rank}.json").read_text()) for rank in range(2)]
+    costs = RegressionData(64).sample_costs
+    counts = set()
+    for first, second in zip(*ranks, strict=True):
+        cost_first, cost_second = costs[first["indices"]].sum(), costs[second["indices"]].sum()
+        assert abs(cost_first - cost_second) <= costs.max(), "each step is split by cost, not by count"
+        for step in (first, second):
+            counts.add(len(step["indices"]))
+            # lr_i = η·b_i/B_nominal during the step; the scheduler's rate is untouched after it.
+            assert step["lr_used"] == pytest.approx(0.05 * len(step["indices"]) / 4)
+            assert step["lr_after"] == pytest.approx(0.05)
+    assert len(counts) > 1, "cost-aware splits give uneven counts on this data"

@@ -54,7 +54,7 @@ def test_collated_batch_round_trips_the_csr_rows() -> None:
         dense[batch.indices[start:end]] = batch.weights[start:end]
         torch.testing.assert_close(dense, torch.from_numpy(features[row].toarray().ravel()))
     torch.testing.assert_close(batch.dense_labels(12), torch.from_numpy(labels[[4, 0, 7]].toarray()))
-    torch.testing.assert_close(dataset.costs, torch.from_numpy(np.diff(features.indptr)).float())
+    torch.testing.assert_close(dataset.sample_costs, torch.from_numpy(np.diff(features.indptr)).float())
 
 
 def test_embedding_bag_forward_equals_dense_matmul() -> None:

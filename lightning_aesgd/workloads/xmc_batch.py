@@ -60,7 +60,7 @@ class SparseXMCDataset(Dataset[SparseSample]):
         )
 
     @property
-    def costs(self) -> Tensor:
+    def sample_costs(self) -> Tensor:
         """Cost of every row for cost-aware routing: its number of non-zeros (float32)."""
         return torch.from_numpy(np.diff(self._feature_ptr)).float()
 

@@ -94,7 +94,7 @@ class XMCDataModule(pl.LightningDataModule):
     @property
     def train_costs(self) -> Tensor:
         """Non-zeros of every training row, in dataset order (for cost-aware routing)."""
-        return self.train_set.costs
+        return self.train_set.sample_costs
 
     def setup(self, stage: str) -> None:
         """Generate the data (once per process; later calls reuse it)."""
