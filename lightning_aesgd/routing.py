@@ -25,7 +25,7 @@ from lightning_aesgd.core.speed import BusyTimer, SpeedEstimator
 from lightning_aesgd.sampler import PlanBook, StepRecord
 from lightning_aesgd.slowdown import ComputeClock, SlowdownProfile, as_profile, emulated_slowdown
 
-SampleCosts = Union[None, Literal["dataset"], Callable[[Any], "Sequence[float] | Tensor"]]  # noqa: UP007
+SampleCosts = Union[None, Literal["dataset", "auto"], Callable[[Any], "Sequence[float] | Tensor"]]  # noqa: UP007
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,14 @@ class ReplicaStats:
 
 
 def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
-    """Per-sample costs for cost-aware splitting, from the dataset's ``sample_costs`` or a function of it."""
-    if spec is None:
+    """Per-sample costs for cost-aware splitting, from the dataset's ``sample_costs`` or a function of it.
+
+    ``"auto"`` uses the dataset's ``sample_costs`` where it has them and counts samples otherwise.
+    """
+    if spec is None or (spec == "auto" and not hasattr(dataset, "sample_costs")):
         return None
+    if spec == "auto":
+        spec = "dataset"
     if spec == "dataset":
         if not hasattr(dataset, "sample_costs"):
             raise TypeError(
@@ -52,7 +57,7 @@ def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
     elif callable(spec):
         costs = spec(dataset)
     else:
-        raise ValueError(f"sample_costs must be None, 'dataset' or a function of the dataset, got {spec!r}.")
+        raise ValueError(f"sample_costs must be None, 'auto', 'dataset' or a function of the dataset, got {spec!r}.")
     costs = torch.as_tensor(costs, dtype=torch.float64)
     if costs.ndim != 1 or not bool(torch.isfinite(costs).all()) or bool((costs < 0).any()):
         raise ValueError("Sample costs must be one finite, non-negative number per sample.")

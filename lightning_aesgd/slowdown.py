@@ -35,26 +35,34 @@ class SlowdownProfile:
     """Slowdown factors per replica, optionally changing at given steps.
 
     Args:
-        factors: fᵢ ≥ 1 for every replica, in rank order.
+        factors: fᵢ ≥ 1 for every replica, in rank order: the devices' relative slowness.
         changes: later changes of single replicas' factors, e.g. one replica becoming 4× slower halfway.
+        base: a common factor b ≥ 1 applied to every replica, so that replica i runs b·fᵢ times slower than
+            real. With more replicas than cores (4 replicas on 2 cores), b = 4 keeps real computation a small
+            part of every emulated step, so that replicas do not slow each other down by competing for cores
+            and the devices' speeds keep the ratios fᵢ.
 
     Example:
         >>> profile = SlowdownProfile((1, 1, 2, 4), (SlowdownChange(step=100, replica=0, factor=4),))
         >>> profile.factor(replica=0, step=99), profile.factor(replica=0, step=100), profile.factor(3, 0)
-        (1, 4, 4)
+        (1.0, 4.0, 4.0)
+        >>> SlowdownProfile((1, 2), base=3).factor(1, 0)
+        6.0
     """
 
     factors: tuple[float, ...]
     changes: tuple[SlowdownChange, ...] = field(default_factory=tuple)
+    base: float = 1.0
 
     def __post_init__(self) -> None:
         factors = tuple(self.factors)
         changes = tuple(c if isinstance(c, SlowdownChange) else SlowdownChange(**c) for c in self.changes)
         object.__setattr__(self, "factors", factors)
+        object.__setattr__(self, "base", float(self.base))
         object.__setattr__(self, "changes", tuple(sorted(changes, key=lambda c: c.step)))
         if not factors:
             raise ValueError("A slowdown profile needs one factor per replica.")
-        for value in (*factors, *(c.factor for c in changes)):
+        for value in (*factors, *(c.factor for c in changes), self.base):
             if not value >= 1:
                 raise ValueError(f"Slowdown factors must be >= 1 (1 = real speed), got {value}.")
         for change in changes:
@@ -67,12 +75,12 @@ class SlowdownProfile:
         return len(self.factors)
 
     def factor(self, replica: int, step: int) -> float:
-        """The factor of ``replica`` at ``step``."""
+        """The total factor (base × fᵢ) of ``replica`` at ``step``."""
         value = self.factors[replica]
         for change in self.changes:
             if change.step <= step and change.replica == replica:
                 value = change.factor
-        return value
+        return self.base * value
 
     def check_replicas(self, world_size: int) -> None:
         """Raise if the profile does not describe exactly ``world_size`` replicas."""
@@ -88,7 +96,7 @@ def as_profile(spec: SlowdownProfile | Sequence[float] | Mapping[str, Any] | Non
     if spec is None or isinstance(spec, SlowdownProfile):
         return spec
     if isinstance(spec, Mapping):
-        return SlowdownProfile(tuple(spec["factors"]), tuple(spec.get("changes") or ()))
+        return SlowdownProfile(tuple(spec["factors"]), tuple(spec.get("changes") or ()), float(spec.get("base", 1)))
     return SlowdownProfile(tuple(spec))
 
 
@@ -109,7 +117,7 @@ class ComputeClock:
 @contextmanager
 def emulated_slowdown(clock: ComputeClock, factor: float) -> Iterator[None]:
     """Run the body, then sleep ``(factor − 1) ×`` its compute time."""
-    if factor == 1:
+    if factor <= 1:
         yield
         return
     start = clock.now()

@@ -125,3 +125,9 @@ def test_static_shares_must_match_the_replica_count():
     router = Router(shares=[1, 2, 3])
     with pytest.raises(ValueError, match="3 static shares for 2 replicas"):
         router.plan_book_for(12, 2, lag=2)
+
+
+def test_auto_sample_costs_use_the_dataset_costs_where_present():
+    data = RegressionData(10)
+    torch.testing.assert_close(resolve_sample_costs("auto", data), data.sample_costs)
+    assert resolve_sample_costs("auto", list(range(3))) is None

@@ -1,0 +1,105 @@
+"""The main job: ``python -m lightning_aesgd.train`` (or ``aesgd-train``) trains and tests one configuration.
+
+Hydra composes ``configs/train.yaml``: a workload (``data`` and ``model``), an ``algorithm`` (this project's
+strategy configured as Adaptive SGD, SMA, EASGD or local SGD, or Lightning's own DDP), a ``trainer`` and a
+``devices`` profile. Any group can be swapped on the command line, and ``-m`` sweeps over several.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import hydra
+import pytorch_lightning as pl
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_aesgd.callbacks import SlowdownCallback
+from lightning_aesgd.slowdown import as_profile
+from lightning_aesgd.strategy import AdaptiveElasticMixin
+
+log = logging.getLogger(__name__)
+
+
+def config_dir() -> str:
+    """The ``configs/`` directory: ``$AESGD_CONFIG_DIR``, or the one beside this package in a source checkout."""
+    return os.environ.get("AESGD_CONFIG_DIR") or str(Path(__file__).resolve().parent.parent / "configs")
+
+
+class _ShapedDataModule(Protocol):
+    def model_dimensions(self) -> dict[str, int]: ...
+
+
+def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.LightningDataModule]:
+    """Instantiate the data, the model (sized by the data), the strategy and the Trainer of a configuration."""
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, **_dimensions(datamodule))
+    strategy = instantiate(cfg.algorithm)
+    callbacks: list[pl.Callback] = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    profile = as_profile(OmegaConf.to_container(cfg.devices.slowdown) if cfg.devices.slowdown else None)
+    if profile is not None and not isinstance(strategy, AdaptiveElasticMixin):
+        # Baselines get the same emulated devices through a callback; this project's strategy applies it itself.
+        callbacks.append(SlowdownCallback(profile))
+    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks)
+    return trainer, model, datamodule
+
+
+def _dimensions(datamodule: Any) -> dict[str, int]:
+    shaped: _ShapedDataModule | None = datamodule if hasattr(datamodule, "model_dimensions") else None
+    return shaped.model_dimensions() if shaped is not None else {}
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Fit, then test the final (merged) model; returns the test metrics and the first validation metrics."""
+    trainer, model, datamodule = build(cfg)
+    trainer.fit(model, datamodule=datamodule)
+    results: dict[str, float] = {}
+    if cfg.test:
+        # Every replica holds the same merged model after fit: one process tests it, each sample exactly once.
+        tester = pl.Trainer(accelerator=trainer.accelerator, devices=1, logger=False, enable_progress_bar=False)
+        tested = tester.test(model, datamodule=datamodule, verbose=False)
+        results.update({name: float(value) for name, value in tested[0].items()})
+    results.update({f"first_{name}": value for name, value in _first_validation(trainer).items()})
+    log.info("%s", _report(results))
+    return results
+
+
+def _first_validation(trainer: pl.Trainer) -> dict[str, float]:
+    """The first logged validation metrics, read back from the CSV log (rank zero wrote it)."""
+    log_dir = getattr(trainer.logger, "log_dir", None)
+    path = Path(log_dir) / "metrics.csv" if log_dir else None
+    if path is None or not path.exists():
+        return {}
+    with path.open() as handle:
+        for row in csv.DictReader(handle):
+            values = {k: float(v) for k, v in row.items() if k.startswith("val/") and v not in ("", None)}
+            if values:
+                return values
+    return {}
+
+
+def _report(results: dict[str, float]) -> str:
+    shown = {name: value for name, value in sorted(results.items()) if not math.isnan(value)}
+    return "results: " + ", ".join(f"{name}={value:.4f}" for name, value in shown.items())
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
+def _main(cfg: DictConfig) -> float:
+    results = run(cfg)
+    # The value Hydra sweepers optimise: the first test metric, e.g. test/p@1 or test/acc.
+    return next((v for k, v in results.items() if k.startswith("test/") and "loss" not in k), math.nan)
+
+
+def main() -> None:
+    """Console entry point (``aesgd-train``): Hydra parses the command line."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()
