@@ -73,7 +73,8 @@ class AdaptiveElasticMixin(_Base):
         speed_smoothing: smoothing β of the speed moving averages; 0.8 follows a 4× slowdown within about 16
             steps while averaging out single noisy steps.
         sample_costs: per-sample cost for cost-aware splitting: ``None`` (count samples), ``"dataset"`` (the
-            dataset's ``sample_costs`` attribute) or a function of the dataset.
+            dataset's ``sample_costs`` attribute), ``"auto"`` (those where the dataset has them) or a function of
+            the dataset.
         lr_scaling: scale each replica's learning rate by its batch size over the nominal one during its step.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues

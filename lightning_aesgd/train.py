@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import hydra
 import pytorch_lightning as pl
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.slowdown import as_profile
@@ -42,7 +42,7 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     model = instantiate(cfg.model, **_dimensions(datamodule))
     strategy = instantiate(cfg.algorithm)
     callbacks: list[pl.Callback] = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    profile = as_profile(OmegaConf.to_container(cfg.devices.slowdown) if cfg.devices.slowdown else None)
+    profile = as_profile(cfg.devices.slowdown)
     if profile is not None and not isinstance(strategy, AdaptiveElasticMixin):
         # Baselines get the same emulated devices through a callback; this project's strategy applies it itself.
         callbacks.append(SlowdownCallback(profile))
