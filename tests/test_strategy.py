@@ -129,3 +129,29 @@ def test_unsupported_settings_fail_before_training(model, trainer_kwargs, match)
 def test_invalid_arguments_fail_at_construction_with_a_hint(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdaptiveElasticStrategy(**kwargs)
+
+
+def test_telemetry_reaches_csv_and_tensorboard_loggers(tmp_path):
+    from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    loggers = [CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")]
+    strategy = AdaptiveElasticStrategy(planner="proportional", period=2)
+    trainer = _trainer(strategy, max_steps=8, logger=loggers, log_every_n_steps=1, limit_val_batches=0)
+    trainer.fit(RegressionModel())
+    header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    for name in ("samples_per_sec", "batch_size", "share", "merge_weight", "wait_fraction"):
+        assert f"aesgd/replica_0/{name}" in header
+    assert "aesgd/share_error" in header
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    events.Reload()
+    assert "aesgd/replica_0/samples_per_sec" in events.Tags()["scalars"]
+
+
+def test_end_of_fit_summary_shows_every_replica(caplog):
+    strategy = AdaptiveElasticStrategy(planner="proportional")
+    with caplog.at_level("INFO", logger="lightning_aesgd"):
+        _trainer(strategy, max_steps=4, limit_val_batches=0).fit(RegressionModel())
+    summary = "\n".join(record.getMessage() for record in caplog.records if record.name.startswith("lightning_aesgd"))
+    assert "replicas at the end of fit" in summary
+    assert "merges: 4" in summary

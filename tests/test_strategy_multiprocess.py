@@ -56,27 +56,42 @@ def test_matches_ddp_with_plain_sgd_equal_batches_and_hard_averaging():
     torch.testing.assert_close(ours, ddp, atol=1e-5, rtol=0)
 
 
-def _stateful_strategy() -> AdaptiveElasticStrategy:
+def _stateful_strategy(planner) -> AdaptiveElasticStrategy:
     # Outer momentum, an elastic pull, uneven merge spacing and SGD momentum: every piece of state matters.
+    shares = [3, 1] if planner == "static" else None
     return AdaptiveElasticStrategy(
-        period=3, warmup_steps=2, alpha=0.5, momentum=0.5, shares=[3, 1], start_method="fork", timeout=TIMEOUT
+        period=3,
+        warmup_steps=2,
+        alpha=0.5,
+        momentum=0.5,
+        planner=planner,
+        shares=shares,
+        l2_nudge=True,
+        start_method="fork",
+        timeout=TIMEOUT,
     )
 
 
-def test_resume_from_a_mid_epoch_checkpoint_reaches_the_uninterrupted_parameters(tmp_path):
+@pytest.mark.parametrize("planner", ["static", "rotating"])
+def test_resume_from_a_mid_epoch_checkpoint_reaches_the_uninterrupted_parameters(tmp_path, planner):
+    def strategy():
+        return _stateful_strategy(_RotatingPlan() if planner == "rotating" else planner)
+
     model_kwargs = {"momentum": 0.9}
     steps = 20  # 8 steps per epoch: the checkpoint at step 11 is mid-epoch
-    uninterrupted = _fit(_stateful_strategy(), model_kwargs, max_steps=steps)
+    uninterrupted = _fit(strategy(), model_kwargs, max_steps=steps)
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=11, save_top_k=-1, filename="{step}")
-    _fit(_stateful_strategy(), model_kwargs, max_steps=11, callbacks=[checkpoint], enable_checkpointing=True)
+    _fit(strategy(), model_kwargs, max_steps=11, callbacks=[checkpoint], enable_checkpointing=True)
     path = tmp_path / "step=11.ckpt"
     assert path.exists()
+    loaded = RegressionModel.load_from_checkpoint(path)  # the merged model, into the plain module
 
     pl.seed_everything(7)
     model = RegressionModel(**model_kwargs)
-    _trainer(_stateful_strategy(), max_steps=steps).fit(model, ckpt_path=str(path))
+    _trainer(strategy(), max_steps=steps).fit(model, ckpt_path=str(path))
     torch.testing.assert_close(flat_parameters(model), uninterrupted, atol=1e-6, rtol=0)
+    assert not torch.allclose(flat_parameters(loaded), uninterrupted)
 
 
 class _RotatingPlan:
