@@ -36,6 +36,7 @@ class ReplicaStats:
     speed: float
     samples: float
     wait_fraction: float
+    step_seconds: float
 
 
 def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
@@ -165,7 +166,13 @@ class Router:
 
     def own_stats(self, merge_weight: float) -> ReplicaStats:
         """What this replica reports at the coming exchange."""
-        return ReplicaStats(merge_weight, self.speed.rate or 0.0, self._period.samples, self._period.wait_fraction())
+        return ReplicaStats(
+            merge_weight,
+            self.speed.rate or 0.0,
+            self._period.samples,
+            self._period.wait_fraction(),
+            self.speed.mean_seconds or 0.0,
+        )
 
     def exchange(self, merge_weight: float, step: int) -> list[ReplicaStats]:
         """All-gather every replica's statistics (a collective) and schedule the next plan from their speeds."""

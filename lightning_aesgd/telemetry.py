@@ -22,8 +22,9 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
 
     Returns:
         samples (or cost units) per second, batch size, share of the step batch, normalised merge weight and
-        fraction of wall time spent waiting, per replica; and ``aesgd/share_error`` (the largest relative
-        distance of a share from the speed-proportional ideal) once every replica has a speed.
+        fraction of wall time spent waiting and busy seconds per step, per replica; ``aesgd/share_error`` (the
+        largest relative distance of a share from the speed-proportional target) once every replica has a
+        speed; and ``aesgd/step_time_balance``.
     """
     total = sum(sizes)
     total_weight = sum(s.merge_weight for s in stats) or 1.0
@@ -35,22 +36,21 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
         metrics[f"{prefix}/share"] = size / total
         metrics[f"{prefix}/merge_weight"] = replica.merge_weight / total_weight
         metrics[f"{prefix}/wait_fraction"] = replica.wait_fraction
+        metrics[f"{prefix}/step_seconds"] = replica.step_seconds
     speeds = [s.speed for s in stats]
     if all(speed > 0 for speed in speeds):
         metrics["aesgd/share_error"] = share_error(sizes, speeds)
+        metrics["aesgd/step_time_balance"] = step_time_balance(stats)
     return metrics
 
 
-def routing_gain(sizes: Sequence[int], speeds: Sequence[float]) -> float:
-    """How much faster a step runs with this plan than with an equal split, at the measured speeds.
+def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
+    """The slowest replica's busy time per step over the fastest's: 1.0 when all finish their step together.
 
-    A step lasts as long as its slowest replica: ``max_i b_i / v_i``. The gain is that time for equal batches
-    ``M/n`` divided by that time for the plan.
+    Lockstep replicas wait for the slowest at every step, so this is what routing exists to bring to 1.
     """
-    equal = sum(sizes) / len(sizes)
-    planned_time = max(size / speed for size, speed in zip(sizes, speeds, strict=True))
-    equal_time = max(equal / speed for speed in speeds)
-    return equal_time / planned_time
+    times = [s.step_seconds for s in stats]
+    return max(times) / min(times) if min(times) > 0 else float("nan")
 
 
 def summary_table(stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: int, unit: str = "samples") -> str:
@@ -64,21 +64,22 @@ def summary_table(stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: i
     """
     speeds = [s.speed for s in stats]
     measured = all(speed > 0 for speed in speeds)
-    ideal = ideal_shares(speeds) if measured else [float("nan")] * len(stats)
+    targets = ideal_shares(speeds) if measured else [float("nan")] * len(stats)
     total, total_weight = sum(sizes), sum(s.merge_weight for s in stats) or 1.0
     header = (
         f"{'replica':>7}  {unit + '/s':>12}  {'batch':>6}  {'share':>6}  {'ideal':>6}  {'weight':>6}  {'waiting':>7}"
     )
     lines = ["adaptive_elastic: replicas at the end of fit", header, "-" * len(header)]
-    for rank, (replica, size, target) in enumerate(zip(stats, sizes, ideal, strict=True)):
+    for rank, (replica, size, target) in enumerate(zip(stats, sizes, targets, strict=True)):
         lines.append(
             f"{rank:>7}  {replica.speed:>12.1f}  {size:>6d}  {size / total:>6.3f}  {target:>6.3f}  "
-            f"{replica.merge_weight / total_weight:>6.3f}  {replica.wait_fraction:>7.1%}"
+            f"{replica.merge_weight / total_weight:>6.3f}  {1000 * replica.step_seconds:>8.1f}  "
+            f"{replica.wait_fraction:>7.1%}"
         )
     lines.append(f"merges: {merges}")
     if measured:
         lines.append(
-            f"plan vs speed-proportional ideal: largest relative share error {share_error(sizes, speeds):.1%}; "
-            f"estimated step time {routing_gain(sizes, speeds):.2f}x shorter than with equal batches"
+            f"plan vs speed-proportional target: largest relative share error {share_error(sizes, speeds):.1%}; "
+            f"slowest/fastest busy time per step: {step_time_balance(stats):.2f} (1.00: all finish together)"
         )
     return "\n".join(lines)
