@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_aesgd.comm import Communicator, weighted_mean
+from lightning_aesgd.comm import Communicator, WeightedMean
 from lightning_aesgd.core.merge import MergeRule
 from lightning_aesgd.core.schedule import merge_due, validate_schedule
 from lightning_aesgd.core.weights import WeightPolicy, replica_weight
@@ -60,8 +60,10 @@ class ElasticAverager:
         self.warmup_steps = warmup_steps
         self.weights = weights
         self.optimizer_state = optimizer_state
-        self.params = FlatView(trainable_parameters(module))
+        # Parameters become views of one flat buffer: merges then work on the model in place.
+        self.params = FlatView(trainable_parameters(module), bind=True)
         self.buffers = FlatView(floating_buffers(module) if merge_buffers else [])
+        self._mean = WeightedMean(comm)
         self.rule_state = rule.init_state(self.params.read())
         self.local_steps = 0
         self.merges = 0
@@ -69,6 +71,7 @@ class ElasticAverager:
         self.updates_since_merge = 0
         self.last_weight = 1.0
         self._snapshot: Tensor | None = None
+        self._snapshot_buffer: Tensor | None = None
         self._stash: tuple[Tensor, Tensor] | None = None
 
     @property
@@ -79,7 +82,9 @@ class ElasticAverager:
     def before_local_step(self) -> None:
         """Keep the pre-step model when the coming merge averages pre-step models (SMA, EASGD)."""
         if self.rule.needs_snapshot and self.merge_due_after_this_step:
-            self._snapshot = self.params.read()
+            if self._snapshot_buffer is None:
+                self._snapshot_buffer = self.params.read()
+            self._snapshot = self.params.read_into(self._snapshot_buffer)
 
     def after_local_step(self, num_samples: float) -> bool:
         """Count a finished local step; returns whether a merge is due now."""
@@ -98,16 +103,16 @@ class ElasticAverager:
     @torch.no_grad()
     def merge(self, weight: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
         """Merge with all replicas (a collective) using this replica's ``weight``; returns the new global model."""
-        local = self.params.read()
+        local = self.params.current()
         contributed = local if self._snapshot is None else self._snapshot
         flats = [contributed, self.buffers.read()]
         moments = optimizer_state_tensors(optimizer) if optimizer and self.optimizer_state == "average" else []
         moment_view = FlatView(moments)
         if moment_view:
             flats.append(moment_view.read())
-        means, _ = weighted_mean(flats, weight, self.comm)
+        means, _ = self._mean(flats, weight)
         center = self.rule.merge_(local, contributed, means[0], self.comm.world_size, self.rule_state)
-        self.params.write_(local)
+        self.params.write_(local)  # a no-op when the parameters are views of `local`
         self.buffers.write_(means[1])
         if moment_view:
             moment_view.write_(means[2])
@@ -125,8 +130,8 @@ class ElasticAverager:
 
         Nothing changes: training continues from the replicas as they were.
         """
-        means, _ = weighted_mean([self.params.read(), self.buffers.read()], self.own_weight(), self.comm)
-        return self.rule.center(means[0], self.rule_state), means[1]
+        means, _ = self._mean([self.params.current(), self.buffers.read()], self.own_weight())
+        return self.rule.center(means[0], self.rule_state), means[1].clone()
 
     def swap_in_global_model(self) -> None:
         """Load the global model into the module (a collective); :meth:`swap_out` restores the replica."""

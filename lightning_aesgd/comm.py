@@ -111,7 +111,7 @@ class TorchCommunicator:
         return gathered
 
 
-def weighted_mean(flats: Sequence[Tensor], weight: float, comm: Communicator) -> tuple[list[Tensor], float]:
+class WeightedMean:
     """Weighted means of flat tensors over all replicas, with one SUM all-reduce per dtype.
 
     Each replica contributes one bucket ``[w·θ₁, w·θ₂, …, w]`` (all flats of one dtype back to back, then its
@@ -119,28 +119,52 @@ def weighted_mean(flats: Sequence[Tensor], weight: float, comm: Communicator) ->
 
         meanₖ = Σᵢ wᵢ θₖ,ᵢ / Σᵢ wᵢ
 
+    Buckets are kept between calls: a merge runs on the training path, and a fresh model-sized buffer costs as
+    much as a copy of the model.
+
     Args:
-        flats: this replica's flat tensors θₖ,ᵢ (left untouched), all on one device.
-        weight: this replica's weight wᵢ ≥ 0.
         comm: the communicator.
-
-    Returns:
-        The means, one new tensor per input in the same order, and the total weight Σᵢ wᵢ.
-
-    Raises:
-        ValueError: if the total weight is not positive.
     """
-    means: list[Tensor | None] = [None] * len(flats)
-    total_weight = 0.0
-    for dtype in dict.fromkeys(flat.dtype for flat in flats):
-        positions = [k for k, flat in enumerate(flats) if flat.dtype == dtype]
-        weighted = [flats[k].reshape(-1) * weight for k in positions]
-        bucket = torch.cat([*weighted, weighted[0].new_full((1,), weight)])
-        comm.all_reduce_sum_(bucket)
-        total_weight = float(bucket[-1])
-        if not total_weight > 0:
-            raise ValueError(f"The merge weights of all replicas sum to {total_weight}; at least one must be positive.")
-        bucket.div_(total_weight)
-        for k, mean in zip(positions, torch.split(bucket[:-1], [flats[k].numel() for k in positions]), strict=True):
-            means[k] = mean
-    return [mean for mean in means if mean is not None], total_weight
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self._buckets: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
+
+    def __call__(self, flats: Sequence[Tensor], weight: float) -> tuple[list[Tensor], float]:
+        """Return the means, one per input in the same order, and the total weight Σᵢ wᵢ.
+
+        The means are views of an internal bucket: valid until the next call, and free to be overwritten.
+
+        Raises:
+            ValueError: if the total weight is not positive.
+        """
+        means = list(flats)  # placeholders, each replaced by its mean below
+        total_weight = 0.0
+        for dtype in dict.fromkeys(flat.dtype for flat in flats):
+            positions = [k for k, flat in enumerate(flats) if flat.dtype == dtype]
+            sizes = [flats[k].numel() for k in positions]
+            bucket = self._bucket(dtype, flats[positions[0]].device, sum(sizes) + 1)
+            for k, chunk in zip(positions, torch.split(bucket[:-1], sizes), strict=True):
+                torch.mul(flats[k].reshape(-1), weight, out=chunk)
+            bucket[-1] = weight
+            self.comm.all_reduce_sum_(bucket)
+            total_weight = float(bucket[-1])
+            if not total_weight > 0:
+                raise ValueError(
+                    f"The merge weights of all replicas sum to {total_weight}; at least one must be positive."
+                )
+            bucket.div_(total_weight)
+            for k, mean in zip(positions, torch.split(bucket[:-1], sizes), strict=True):
+                means[k] = mean
+        return means, total_weight
+
+    def _bucket(self, dtype: torch.dtype, device: torch.device, size: int) -> Tensor:
+        key = (dtype, device, size)
+        if key not in self._buckets:
+            self._buckets[key] = torch.empty(size, dtype=dtype, device=device)
+        return self._buckets[key]
+
+
+def weighted_mean(flats: Sequence[Tensor], weight: float, comm: Communicator) -> tuple[list[Tensor], float]:
+    """One-off :class:`WeightedMean`: new means of ``flats`` over all replicas, and the total weight."""
+    return WeightedMean(comm)(flats, weight)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -14,29 +14,67 @@ class FlatView:
     Reduced precisions (float16, bfloat16) are widened to float32 in the flat copy, so that averages do not lose
     precision; float64 models keep float64.
 
+    With ``bind=True`` and tensors of one device and of the flat dtype, the tensors become views of one
+    persistent flat buffer (their ``.data`` is rebound, as torch's ``average_parameters`` does): :attr:`live`
+    then *is* the model, and merges update it in place without copying it out and back.
+
     Args:
         tensors: the tensors to view, e.g. a module's trainable parameters; their order is the flat layout.
+        bind: make the tensors views of one flat buffer where possible.
     """
 
-    def __init__(self, tensors: Iterable[Tensor]) -> None:
+    def __init__(self, tensors: Iterable[Tensor], bind: bool = False) -> None:
         self.tensors = list(tensors)
         self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in self.tensors) else torch.float32
         self.numel = sum(t.numel() for t in self.tensors)
+        self.live: Tensor | None = self._bind() if bind and self._bindable() else None
 
     def __bool__(self) -> bool:
         return bool(self.tensors)
 
+    def _bindable(self) -> bool:
+        devices = {t.device for t in self.tensors}
+        return bool(self.tensors) and len(devices) == 1 and all(t.dtype == self.dtype for t in self.tensors)
+
+    @torch.no_grad()
+    def _bind(self) -> Tensor:
+        flat = torch.cat([t.detach().reshape(-1) for t in self.tensors])
+        for tensor, chunk in zip(self.tensors, torch.split(flat, [t.numel() for t in self.tensors]), strict=True):
+            tensor.data = chunk.view_as(tensor)
+        return flat
+
+    def current(self) -> Tensor:
+        """The current values: the live buffer itself when bound (do not keep it), otherwise a new copy."""
+        return self.live if self.live is not None else self.read()
+
     def read(self) -> Tensor:
         """A new flat tensor holding the current values."""
+        if self.live is not None:
+            return self.live.clone()
         if not self.tensors:
             return torch.empty(0, dtype=self.dtype)
         return torch.cat([t.detach().reshape(-1).to(self.dtype) for t in self.tensors])
+
+    @torch.no_grad()
+    def read_into(self, out: Tensor) -> Tensor:
+        """Copy the current values into ``out`` (a flat tensor of :attr:`numel` elements) and return it."""
+        if self.live is not None:
+            return out.copy_(self.live)
+        offset = 0
+        for tensor in self.tensors:
+            out[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
+            offset += tensor.numel()
+        return out
 
     @torch.no_grad()
     def write_(self, flat: Tensor) -> None:
         """Copy ``flat`` back into the viewed tensors (casting to each tensor's dtype)."""
         if flat.numel() != self.numel:
             raise ValueError(f"A flat tensor of {flat.numel()} elements cannot fill {self.numel} elements.")
+        if self.live is not None:
+            if flat.data_ptr() != self.live.data_ptr():
+                self.live.copy_(flat)
+            return
         for tensor, chunk in zip(self.tensors, torch.split(flat, [t.numel() for t in self.tensors]), strict=True):
             tensor.copy_(chunk.view_as(tensor))
 
@@ -64,8 +102,3 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 def _is_mergeable_state(value: object, param: Tensor) -> bool:
     # Per-parameter moments have the parameter's shape; scalars such as Adam's step count are left alone.
     return isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape
-
-
-def clone_flat(flats: Sequence[Tensor]) -> list[Tensor]:
-    """Detached copies of flat tensors."""
-    return [flat.detach().clone() for flat in flats]

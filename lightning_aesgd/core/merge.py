@@ -38,7 +38,7 @@ __all__ = [
     "MergeRule",
     "available_merge_rules",
     "elastic_pull_",
-    "extrapolate",
+    "extrapolate_",
     "get_merge_rule",
     "weighted_mean",
 ]
@@ -76,16 +76,21 @@ class MergeRule(Protocol):
     ) -> Tensor:
         """Apply one merge: write back into ``local`` and update ``state``, both in place.
 
+        Rules work in place and allocate nothing model-sized, because a merge sits on the training path and a
+        fresh model-sized tensor costs as much as copying it (its pages must be touched first).
+
         Args:
             local: This replica's current flat model; updated in place.
             contributed: What this replica contributed to the mean: its pre-step snapshot if
-                ``needs_snapshot``, otherwise the very tensor ``local``.
-            mean: The weighted mean over all replicas of their ``contributed`` tensors.
+                ``needs_snapshot``, otherwise the very tensor ``local``. Never written.
+            mean: The weighted mean over all replicas of their ``contributed`` tensors: scratch space the
+                caller hands over for this call (never ``local``); the rule may overwrite it.
             num_replicas: The number of replicas ``n`` that took part.
             state: The rule's state, as returned by :meth:`init_state`; updated in place.
 
         Returns:
-            The new global model, as a new tensor that aliases neither ``local`` nor ``state``.
+            The new global model. It may share memory with ``mean`` or ``state``: read it (e.g. its norm)
+            before the next merge, and copy it to keep it.
         """
         ...
 
@@ -140,24 +145,25 @@ def _check_mean_inputs(tensors: Sequence[Tensor], weights: Sequence[float]) -> N
         raise ValueError("At least one weight must be positive; a mean of nothing is undefined.")
 
 
-def extrapolate(mean: Tensor, previous: Tensor, before_previous: Tensor, momentum: float) -> Tensor:
-    """Polyak (heavy-ball) momentum on the merged model: ``z_t = mean + μ·(z_{t−1} − z_{t−2})``.
+def extrapolate_(mean: Tensor, history: dict[str, Tensor], momentum: float) -> None:
+    """Polyak (heavy-ball) momentum on the merged model, in place, then shift the merge history.
 
-    Adaptive SGD's ``mu_weight(m, z_{t−1}, z_{t−2})`` (Ma et al., arXiv 2110.07029; the kernel is missing
-    from the authors' code, YMA33/HeteroGPU), read as outer momentum with an outer learning rate of 1.
+    ``z_t = mean + μ·(z_{t−1} − z_{t−2})``; afterwards ``history["previous"]`` holds ``z_t`` and
+    ``history["before_previous"]`` holds ``z_{t−1}``. This is Adaptive SGD's ``mu_weight(m, z_{t−1}, z_{t−2})``
+    (Ma et al., arXiv 2110.07029; the kernel is missing from the authors' code, YMA33/HeteroGPU), read as
+    outer momentum with an outer learning rate of 1.
 
     Args:
-        mean: The merged model ``Σ_i p_i x_i``.
-        previous: The global model of the previous merge, ``z_{t−1}``.
-        before_previous: The global model of the merge before that, ``z_{t−2}``.
-        momentum: ``μ``; 0 returns a copy of ``mean``.
-
-    Returns:
-        ``z_t`` as a new tensor.
+        mean: The merged model ``Σ_i p_i x_i``; becomes ``z_t``.
+        history: ``{"previous": z_{t−1}, "before_previous": z_{t−2}}``; shifted in place.
+        momentum: ``μ``; 0 leaves ``mean`` as it is.
     """
-    if momentum == 0.0:
-        return mean.clone()
-    return torch.add(mean, previous - before_previous, alpha=momentum)
+    previous, before_previous = history["previous"], history["before_previous"]
+    # Three passes over the model and no allocation: the last move is computed where z_{t−2} was (exactly zero
+    # when the history stands still), and the history shifts by swapping buffers instead of copying one.
+    last_move = torch.sub(previous, before_previous, out=before_previous)
+    mean.add_(last_move, alpha=momentum)
+    history["previous"], history["before_previous"] = last_move.copy_(mean), previous
 
 
 def elastic_pull_(x: Tensor, target: Tensor, alpha: float) -> None:
@@ -238,17 +244,10 @@ class ElasticAverage:
     ) -> Tensor:
         """Compute ``z_t``, shift the merge history and pull ``local`` towards ``z_t``; see the class."""
         _check_num_replicas(num_replicas)
-        merged = self._extrapolate(mean, state)
         if self.momentum != 0.0:
-            state["before_previous"].copy_(state["previous"])
-            state["previous"].copy_(merged)
-        elastic_pull_(local, merged, self.alpha)
-        return merged
-
-    def _extrapolate(self, mean: Tensor, state: dict[str, Tensor]) -> Tensor:
-        if self.momentum == 0.0:
-            return mean.clone()
-        return extrapolate(mean, state["previous"], state["before_previous"], self.momentum)
+            extrapolate_(mean, state, self.momentum)
+        elastic_pull_(local, mean, self.alpha)
+        return mean
 
     def center(self, mean: Tensor, state: dict[str, Tensor]) -> Tensor:
         """The replicas' mean: without a stored central model, that is the global model."""
@@ -321,13 +320,11 @@ class CentralElastic:
         _check_num_replicas(num_replicas)
         alpha = self.alpha_for(num_replicas)
         center = state["center"]
-        # Both terms are read before anything is written: `contributed` is `local` itself when no snapshot
-        # is taken, and a single-process fake may hand `local` in as `mean` too.
-        correction = (contributed - center).mul_(alpha)
-        push = (mean - center).mul_(alpha * num_replicas)
-        local.sub_(correction)
+        push = mean.sub_(center).mul_(alpha * num_replicas)  # Δ, built in the caller's scratch
+        # x ← x − α·x̂ + α·z, which is right even when `contributed` is `local` itself (no snapshot).
+        local.add_(contributed, alpha=-alpha).add_(center, alpha=alpha)
         center.add_(self._apply_central_momentum(push, state))
-        return center.clone()
+        return center
 
     def _apply_central_momentum(self, push: Tensor, state: dict[str, Tensor]) -> Tensor:
         if self.central_momentum == 0.0:
