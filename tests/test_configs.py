@@ -48,12 +48,19 @@ def test_every_option_of_every_group_composes(tmp_path, group):
         assert cfg[group if group != "experiment" else "data"] is not None
 
 
-@pytest.mark.parametrize("data", _options("data"))
-def test_every_data_option_instantiates_with_its_model(tmp_path, data):
-    cfg = _compose(tmp_path, f"data={data}")
+WORKLOADS = [("xmc_mini", "xmc"), ("xmc_eurlex", "xmc"), ("fashion_mnist", "fashion_cnn"), ("digits", "digits_mlp")]
+
+
+def test_the_workload_table_covers_every_data_and_model_option():
+    assert sorted({data for data, _ in WORKLOADS}) == _options("data")
+    assert sorted({model for _, model in WORKLOADS}) == _options("model")
+
+
+@pytest.mark.parametrize(("data", "model"), WORKLOADS)
+def test_every_data_option_instantiates_with_its_model(tmp_path, data, model):
+    cfg = _compose(tmp_path, f"data={data}", f"model={model}")
     datamodule = instantiate(cfg.data)
-    dimensions = datamodule.model_dimensions() if hasattr(datamodule, "model_dimensions") else {}
-    assert isinstance(instantiate(cfg.model, **dimensions), pl.LightningModule)
+    assert isinstance(instantiate(cfg.model, **datamodule.model_dimensions()), pl.LightningModule)
 
 
 @pytest.mark.slow

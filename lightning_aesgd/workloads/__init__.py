@@ -7,8 +7,16 @@ Sparse extreme multi-label classification (XMC), the Adaptive SGD paper's worklo
   :func:`compare_to_targets`;
 * torch side: :class:`SparseXMCDataset`, :func:`collate_sparse` → :class:`SparseBatch`, :class:`XMCNet`,
   :class:`XMCModule`, :class:`XMCDataModule`, and the metrics :class:`PrecisionAtK` and :class:`NDCGAtK`.
+
+Dense image classification: :class:`FashionMNISTDataModule` (Debian's ``dataset-fashion-mnist``, read from
+disk) with :class:`FashionCNN`, and :class:`DigitsDataModule` (scikit-learn's bundled digits) with
+:class:`DigitsMLP`, both trained by :class:`ImageClassifier`.
 """
 
+from lightning_aesgd.workloads.digits import DigitsDataModule
+from lightning_aesgd.workloads.fashion_mnist import FashionMNISTDataModule
+from lightning_aesgd.workloads.images import DigitsMLP, FashionCNN, ImageClassifier
+from lightning_aesgd.workloads.images_data import NormalizedImages, split_holdout
 from lightning_aesgd.workloads.xmc_batch import SparseBatch, SparseSample, SparseXMCDataset, collate_sparse
 from lightning_aesgd.workloads.xmc_data import XMCData, generate_xmc, per_sample_cost
 from lightning_aesgd.workloads.xmc_datamodule import XMCDataModule
@@ -25,7 +33,13 @@ from lightning_aesgd.workloads.xmc_stats import (
 
 __all__ = [
     "PRESETS",
+    "DigitsDataModule",
+    "DigitsMLP",
+    "FashionCNN",
+    "FashionMNISTDataModule",
+    "ImageClassifier",
     "NDCGAtK",
+    "NormalizedImages",
     "PrecisionAtK",
     "SparseBatch",
     "SparseSample",
@@ -45,5 +59,6 @@ __all__ = [
     "per_sample_cost",
     "popularity_precision",
     "precision_at_k",
+    "split_holdout",
     "statistics",
 ]
