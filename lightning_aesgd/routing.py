@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from lightning_aesgd.comm import Communicator
-from lightning_aesgd.core.planning import PlanPolicy, StaticPolicy, apportion, get_plan_policy
-from lightning_aesgd.core.speed import BusyTimer, SpeedEstimator
+from lightning_aesgd.core.planning import apportion
+from lightning_aesgd.core.policies import PlanPolicy, StaticPolicy, get_plan_policy
+from lightning_aesgd.core.speed import BusyTimer, SpeedEstimator, StepTime, StepTimeEstimator
 from lightning_aesgd.sampler import PlanBook, StepRecord
 from lightning_aesgd.slowdown import ComputeClock, SlowdownProfile, as_profile, emulated_slowdown
 
@@ -37,6 +38,13 @@ class ReplicaStats:
     samples: float
     wait_fraction: float
     step_seconds: float
+    overhead: float
+    per_sample: float
+
+    @property
+    def step_time(self) -> StepTime | None:
+        """The replica's fitted step-time model, once it has measured a step."""
+        return StepTime(self.overhead, self.per_sample) if self.per_sample > 0 else None
 
 
 def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
@@ -69,8 +77,9 @@ class Router:
     """Measures this replica's speed and turns all replicas' speeds into batch-size plans.
 
     Args:
-        planner: ``"proportional"`` (shares ∝ speed), ``"additive"`` (the paper's ±step rule), ``"static"``, or
-            any :class:`~lightning_aesgd.core.planning.PlanPolicy`.
+        planner: ``"balanced"`` (equal predicted step times, fixed per-step costs included), ``"proportional"``
+            (shares ∝ speed), ``"additive"`` (the paper's ±step rule), ``"static"``, or any
+            :class:`~lightning_aesgd.core.policies.PlanPolicy`.
         shares: fixed shares for the static planner (equal when omitted).
         min_batch: smallest batch per replica.
         max_batch: largest batch per replica.
@@ -94,6 +103,7 @@ class Router:
         self.min_batch, self.max_batch = min_batch, max_batch
         self.adaptive = planner != "static"
         self.speed = SpeedEstimator(speed_smoothing)
+        self.step_time = StepTimeEstimator(speed_smoothing)
         self.slowdown = as_profile(slowdown)
         self.cost_aware = False
         self.plan_book: PlanBook | None = None
@@ -105,7 +115,7 @@ class Router:
         self._comm: Communicator | None = None
         self._timer: BusyTimer | None = None
         self._clock: ComputeClock | None = None
-        self._pending_work: deque[float] = deque()
+        self._pending_work: deque[tuple[float, int]] = deque()
         self._period = _PeriodTotals()
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -152,26 +162,31 @@ class Router:
         with emulated_slowdown(self._clock, factor):
             yield
         self._timer.stop()
-        self._pending_work.append(work)
+        self._pending_work.append((work, record.planned))
         self._period.samples += record.num_samples
         # On CUDA a step's time is known a step or two later; work and times pair up in order.
         for seconds in self._timer.pop_completed():
-            self.record(self._pending_work.popleft(), seconds)
+            work, planned = self._pending_work.popleft()
+            self.record(work, seconds, planned)
 
-    def record(self, work: float, seconds: float) -> None:
-        """Account one finished local step of ``work`` samples (or cost units) that kept the device busy."""
-        if seconds > 0:  # a region that launched no device work measures nothing
+    def record(self, work: float, seconds: float, planned: int) -> None:
+        """Account one finished local step of ``work`` samples (or cost units), planned at ``planned`` samples."""
+        if seconds > 0 and planned > 0:  # a region that launched no device work measures nothing
             self.speed.update(work, seconds)
+            self.step_time.update(planned, seconds)
             self._period.busy += seconds
 
     def own_stats(self, merge_weight: float) -> ReplicaStats:
         """What this replica reports at the coming exchange."""
+        model = self.step_time.model() or StepTime(0.0, 0.0)
         return ReplicaStats(
             merge_weight,
             self.speed.rate or 0.0,
             self._period.samples,
             self._period.wait_fraction(),
             self.speed.mean_seconds or 0.0,
+            model.overhead,
+            model.per_sample,
         )
 
     def exchange(self, merge_weight: float, step: int) -> list[ReplicaStats]:
@@ -180,10 +195,10 @@ class Router:
         assert self.plan_book is not None
         own = astuple(self.own_stats(merge_weight))
         stats = [ReplicaStats(*row) for row in self._comm.all_gather_floats(own)]
-        speeds = [s.speed for s in stats]
+        step_times = [s.step_time for s in stats]
         # Every replica sees the same numbers, so every replica takes the same decision here.
-        if self.adaptive and all(speed > 0 for speed in speeds):
-            sizes = self.policy.plan(self.plan_book.latest, speeds, self.total)
+        if self.adaptive and all(t is not None for t in step_times):
+            sizes = self.policy.plan(self.plan_book.latest, [t for t in step_times if t is not None], self.total)
             if tuple(sizes) != self.plan_book.latest:
                 self.plan_book.schedule(step + self.lag, sizes)
         self.history.append((step, stats, self.plan_book.latest))
@@ -196,7 +211,7 @@ class Router:
         return {"plans": None if self.plan_book is None else self.plan_book.state_dict()}
 
     def local_state(self) -> dict[str, Any]:  # noqa: D102
-        return {"speed": self.speed.state_dict()}
+        return {"speed": self.speed.state_dict(), "step_time": self.step_time.state_dict()}
 
     def load_shared_state(self, state: dict[str, Any]) -> None:  # noqa: D102
         self._saved_plans = state["plans"]
@@ -206,6 +221,7 @@ class Router:
 
     def load_local_state(self, state: dict[str, Any]) -> None:  # noqa: D102
         self.speed.load_state_dict(state["speed"])
+        self.step_time.load_state_dict(state["step_time"])
 
 
 class _PeriodTotals:

@@ -115,10 +115,18 @@ class SharedPermutation(Sampler[int]):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What this replica received for one step: its number of samples and their total cost."""
+    """What this replica received for one step.
+
+    Attributes:
+        num_samples: number of samples.
+        cost: their total cost (the number of samples without costs).
+        planned: the batch size the plan gave this replica: what the planner controls, and what its step-time
+            model is fitted against (with cost-aware splitting the count varies around it).
+    """
 
     num_samples: int
     cost: float
+    planned: int
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
@@ -229,11 +237,14 @@ class ElasticBatchSampler(Sampler[list[int]]):
             # no replica is left without a sample for the step all of them must take.
             step = torch.cat([step, order[: self.num_replicas - len(step)]])
         key = self.step_key(self.epoch, index)
-        counts = self._split(step, self.plan_book.sizes_at(key))
+        sizes = self.plan_book.sizes_at(key)
+        counts = self._split(step, sizes)
         begin = sum(counts[: self.rank])
         mine = step[begin : begin + counts[self.rank]]
         cost = float(self.costs[mine].sum()) if self.costs is not None else float(len(mine))
-        self._records[key] = StepRecord(num_samples=len(mine), cost=cost)
+        # A short last step keeps the plan's proportions: count it at its apportioned size.
+        planned = sizes[self.rank] if len(step) == sum(sizes) else apportion(len(step), sizes)[self.rank]
+        self._records[key] = StepRecord(num_samples=len(mine), cost=cost, planned=planned)
         return mine.tolist()
 
     def _split(self, step: Tensor, sizes: Sequence[int]) -> list[int]:

@@ -66,9 +66,9 @@ def summary_table(stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: i
     measured = all(speed > 0 for speed in speeds)
     targets = ideal_shares(speeds) if measured else [float("nan")] * len(stats)
     total, total_weight = sum(sizes), sum(s.merge_weight for s in stats) or 1.0
-    header = (
-        f"{'replica':>7}  {unit + '/s':>12}  {'batch':>6}  {'share':>6}  {'ideal':>6}  {'weight':>6}  {'waiting':>7}"
-    )
+    columns = ("replica", f"{unit}/s", "batch", "share", "target", "weight", "step ms", "waiting")
+    widths = (7, 12, 6, 6, 6, 6, 8, 7)
+    header = "  ".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True))
     lines = ["adaptive_elastic: replicas at the end of fit", header, "-" * len(header)]
     for rank, (replica, size, target) in enumerate(zip(stats, sizes, targets, strict=True)):
         lines.append(

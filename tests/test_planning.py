@@ -10,16 +10,21 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from lightning_aesgd.core.planning import (
-    AdditivePolicy,
-    ProportionalPolicy,
-    StaticPolicy,
     apportion,
-    get_plan_policy,
+    balance_step_times,
     ideal_shares,
     linear_lr_scale,
     share_error,
     split_by_cost,
 )
+from lightning_aesgd.core.policies import (
+    AdditivePolicy,
+    BalancedPolicy,
+    ProportionalPolicy,
+    StaticPolicy,
+    get_plan_policy,
+)
+from lightning_aesgd.core.speed import StepTime
 
 share_values = st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False)
 positive_shares = st.lists(st.floats(min_value=1e-3, max_value=1e3), min_size=1, max_size=12)
@@ -35,6 +40,11 @@ def bounded_problems(draw: st.DrawFn) -> tuple[int, list[float], int, int | None
     highest_total = n * max_size if max_size is not None else n * min_size + 5000
     total = draw(st.integers(min_value=n * min_size, max_value=highest_total))
     return total, shares, min_size, max_size
+
+
+def _times(speeds: list[float]) -> list[StepTime]:
+    """Replicas without fixed per-step cost at the given speeds (zero speed: never finishes)."""
+    return [StepTime.from_speed(speed) if speed > 0 else StepTime(0.0, math.inf) for speed in speeds]
 
 
 def exact_quota(total: int, shares: list[float], i: int) -> Fraction:
@@ -229,7 +239,7 @@ def test_split_by_cost_rejects_invalid_input(
 @given(st.lists(st.floats(min_value=0.1, max_value=10.0), min_size=1, max_size=8), st.integers(1000, 100_000))
 def test_proportional_policy_reaches_ideal_in_one_plan(speeds: list[float], total: int) -> None:
     current = [total // len(speeds)] * len(speeds)
-    sizes = ProportionalPolicy().plan(current, speeds, total)
+    sizes = ProportionalPolicy().plan(current, _times(speeds), total)
     assert sum(sizes) == total
     for size, share in zip(sizes, ideal_shares(speeds), strict=True):
         assert abs(size - total * share) < 1 + 1e-9
@@ -237,16 +247,16 @@ def test_proportional_policy_reaches_ideal_in_one_plan(speeds: list[float], tota
 
 
 def test_proportional_policy_respects_bounds() -> None:
-    sizes = ProportionalPolicy(min_batch=100, max_batch=500).plan([250] * 4, [10.0, 1.0, 1.0, 0.1], 1000)
+    sizes = ProportionalPolicy(min_batch=100, max_batch=500).plan([250] * 4, _times([10.0, 1.0, 1.0, 0.1]), 1000)
     assert sizes == [500, 200, 200, 100]
 
 
 def test_additive_policy_moves_each_size_by_exactly_one_step() -> None:
     policy = AdditivePolicy(step=32, min_batch=32, max_batch=1024)
     # Update rates speed/size: 1/256, 1/256, 0.5/256, 0.25/256 against a mean of 0.6875/256.
-    assert policy.adjust([256] * 4, [1.0, 1.0, 0.5, 0.25]) == [288, 288, 224, 224]
+    assert policy.adjust([256] * 4, _times([1.0, 1.0, 0.5, 0.25])) == [288, 288, 224, 224]
     # The moves cancel, so renormalisation leaves them intact.
-    assert policy.plan([256] * 4, [1.0, 1.0, 0.5, 0.25], 1024) == [288, 288, 224, 224]
+    assert policy.plan([256] * 4, _times([1.0, 1.0, 0.5, 0.25]), 1024) == [288, 288, 224, 224]
 
 
 @given(
@@ -256,7 +266,7 @@ def test_additive_policy_moves_each_size_by_exactly_one_step() -> None:
 def test_additive_policy_step_direction_follows_update_share(pairs: list[tuple[int, float]], step: int) -> None:
     current = [size for size, _ in pairs]
     speeds = [speed for _, speed in pairs]
-    adjusted = AdditivePolicy(step=step, min_batch=32, max_batch=1024).adjust(current, speeds)
+    adjusted = AdditivePolicy(step=step, min_batch=32, max_batch=1024).adjust(current, _times(speeds))
     update_rates = [speed / size for size, speed in pairs]
     mean_rate = sum(update_rates) / len(update_rates)
     for before, after, rate in zip(current, adjusted, update_rates, strict=True):
@@ -268,13 +278,13 @@ def test_additive_policy_step_direction_follows_update_share(pairs: list[tuple[i
 
 def test_additive_policy_balanced_replicas_keep_their_sizes() -> None:
     policy = AdditivePolicy(step=32, min_batch=32, max_batch=1024)
-    assert policy.plan([400, 200, 100], [4.0, 2.0, 1.0], 700) == [400, 200, 100]
+    assert policy.plan([400, 200, 100], _times([4.0, 2.0, 1.0]), 700) == [400, 200, 100]
 
 
 def test_additive_policy_clamps_to_bounds_and_renormalises() -> None:
     policy = AdditivePolicy(step=32, min_batch=32, max_batch=1024)
-    assert policy.adjust([1024, 40], [10.0, 0.1]) == [1024, 32]
-    sizes = policy.plan([700, 300, 24 + 32], [4.0, 1.0, 1.0], 1056)
+    assert policy.adjust([1024, 40], _times([10.0, 0.1])) == [1024, 32]
+    sizes = policy.plan([700, 300, 24 + 32], _times([4.0, 1.0, 1.0]), 1056)
     assert sum(sizes) == 1056
     assert all(32 <= size <= 1024 for size in sizes)
 
@@ -293,7 +303,7 @@ def test_additive_policy_converges_to_equal_step_times() -> None:
     assert step_time_spread(sizes) > 1.0
     spreads = []
     for _ in range(100):
-        sizes = policy.plan(sizes, speeds, total)
+        sizes = policy.plan(sizes, _times(speeds), total)
         assert sum(sizes) == total
         spreads.append(step_time_spread(sizes))
     assert max(spreads[-50:]) <= 0.10
@@ -301,17 +311,18 @@ def test_additive_policy_converges_to_equal_step_times() -> None:
 
 def test_static_policy_ignores_speeds() -> None:
     policy = StaticPolicy()
-    assert policy.plan([1, 1, 1, 1], [9.0, 1.0, 1.0, 1.0], 1024) == [256] * 4
-    assert policy.plan([1, 1, 1, 1], [1.0, 1.0, 1.0, 9.0], 1024) == [256] * 4
+    assert policy.plan([1, 1, 1, 1], _times([9.0, 1.0, 1.0, 1.0]), 1024) == [256] * 4
+    assert policy.plan([1, 1, 1, 1], _times([1.0, 1.0, 1.0, 9.0]), 1024) == [256] * 4
     weighted = StaticPolicy(shares=[3.0, 1.0])
-    assert weighted.plan([1, 1], [1.0, 100.0], 1000) == [750, 250]
+    assert weighted.plan([1, 1], _times([1.0, 100.0]), 1000) == [750, 250]
 
 
 def test_get_plan_policy_builds_registered_policies() -> None:
     assert get_plan_policy("proportional", min_batch=4) == ProportionalPolicy(min_batch=4)
     assert get_plan_policy("additive", step=8) == AdditivePolicy(step=8)
     assert get_plan_policy("static") == StaticPolicy()
-    with pytest.raises(ValueError, match="valid names: additive, proportional, static"):
+    assert get_plan_policy("balanced", max_batch=9) == BalancedPolicy(max_batch=9)
+    with pytest.raises(ValueError, match="valid names: additive, balanced, proportional, static"):
         get_plan_policy("fastest")
 
 
@@ -335,12 +346,12 @@ def test_policies_reject_invalid_arguments(build: Callable[[], object], match: s
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: ProportionalPolicy().plan([1, 1], [1.0], 10), "one entry per replica"),
-        (lambda: AdditivePolicy().plan([64, 64], [1.0, 1.0, 1.0], 128), "one entry per replica"),
-        (lambda: AdditivePolicy().adjust([64, 0], [1.0, 1.0]), "`current` batch sizes must be >= 1"),
-        (lambda: StaticPolicy(shares=[1.0, 1.0]).plan([1, 1, 1], [1.0, 1.0, 1.0], 9), "one entry per replica"),
-        (lambda: ProportionalPolicy().plan([1, 1], [0.0, 0.0], 10), "all zero"),
-        (lambda: ProportionalPolicy(min_batch=8).plan([1, 1], [1.0, 1.0], 10), "lower the minimum batch size"),
+        (lambda: ProportionalPolicy().plan([1, 1], _times([1.0]), 10), "one entry per replica"),
+        (lambda: AdditivePolicy().plan([64, 64], _times([1.0, 1.0, 1.0]), 128), "one entry per replica"),
+        (lambda: AdditivePolicy().adjust([64, 0], _times([1.0, 1.0])), "`current` batch sizes must be >= 1"),
+        (lambda: StaticPolicy(shares=[1.0, 1.0]).plan([1, 1, 1], _times([1.0, 1.0, 1.0]), 9), "one entry per replica"),
+        (lambda: ProportionalPolicy().plan([1, 1], _times([0.0, 0.0]), 10), "all zero"),
+        (lambda: ProportionalPolicy(min_batch=8).plan([1, 1], _times([1.0, 1.0]), 10), "lower the minimum batch size"),
     ],
 )
 def test_policies_reject_inconsistent_plan_inputs(call: Callable[[], object], match: str) -> None:
@@ -368,3 +379,44 @@ def test_ideal_shares_and_share_error() -> None:
         share_error([1, 1], [1.0, 0.0])
     with pytest.raises(ValueError, match="positive sum"):
         share_error([0, 0], [1.0, 1.0])
+
+
+# ---------------------------------------------------------------------------------------------- balanced
+
+
+@given(
+    st.lists(st.tuples(st.floats(0.0, 0.05), st.floats(1e-5, 1e-2)), min_size=1, max_size=6),
+    st.integers(64, 4096),
+)
+def test_balanced_sizes_sum_to_total_and_equalise_predicted_step_times(
+    models: list[tuple[float, float]], total: int
+) -> None:
+    step_times = [StepTime(overhead, per_sample) for overhead, per_sample in models]
+    sizes = balance_step_times(total, step_times)
+    assert sum(sizes) == total
+    assert min(sizes) >= 1
+    times = [t.seconds(size) for t, size in zip(step_times, sizes, strict=True)]
+    # Replicas above the minimum finish within one sample's time of each other; one at the minimum only
+    # because its fixed cost alone reaches that common time.
+    unclamped = [i for i, size in enumerate(sizes) if size > 1]
+    if unclamped:
+        common = max(times[i] for i in unclamped)
+        slack = max(step_times[i].per_sample for i in range(len(sizes)))
+        assert all(times[i] >= common - 2 * slack for i in unclamped)
+        assert all(times[i] >= common - 2 * slack for i in range(len(sizes)) if sizes[i] == 1)
+
+
+def test_balanced_equals_proportional_without_fixed_costs() -> None:
+    speeds = [4.0, 2.0, 1.0, 1.0]
+    assert BalancedPolicy().plan([256] * 4, _times(speeds), 1024) == ProportionalPolicy().plan(
+        [256] * 4, _times(speeds), 1024
+    )
+
+
+def test_balanced_gives_the_rest_to_the_replicas_that_can_use_it() -> None:
+    # Replica 1's fixed cost (0.1 s) exceeds what replica 0 needs for the whole step at 10 µs per sample.
+    sizes = BalancedPolicy(min_batch=8).plan([512, 512], [StepTime(0.0, 1e-5), StepTime(0.1, 4e-5)], 1024)
+    assert sizes == [1016, 8]
+    # A smaller fixed cost leaves room: both finish together, near 0.003 + 4e-5·b₁ = 1e-5·b₀.
+    sizes = BalancedPolicy().plan([512, 512], [StepTime(0.0, 1e-5), StepTime(0.003, 4e-5)], 1024)
+    assert sizes[1] == pytest.approx((1024e-5 - 0.003) / 5e-5, abs=1)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_aesgd.core import speed as speed_module
-from lightning_aesgd.core.speed import BusyTimer, SpeedEstimator
+from lightning_aesgd.core.speed import BusyTimer, SpeedEstimator, StepTime, StepTimeEstimator
 
 work_values = st.floats(min_value=1e-3, max_value=1e9)
 second_values = st.floats(min_value=1e-6, max_value=1e4)
@@ -241,3 +241,49 @@ def test_busy_timer_cuda_reads_events_without_synchronising() -> None:
     assert all(0.0 < value < 10.0 for value in seconds)
     assert timer.num_pending == 0
     assert timer.pop_completed() == []
+
+
+def test_step_time_model_recovers_overhead_and_per_sample_cost() -> None:
+    estimator = StepTimeEstimator(smoothing=0.8)
+    assert estimator.model() is None
+    for size in [100, 400, 200, 800, 300, 600] * 3:
+        estimator.update(size, 0.02 + 1e-4 * size)
+    model = estimator.model()
+    assert model is not None
+    assert model.overhead == pytest.approx(0.02, rel=1e-6)
+    assert model.per_sample == pytest.approx(1e-4, rel=1e-6)
+    assert model.speed_at(800) == pytest.approx(800 / 0.1)
+
+
+def test_step_time_model_keeps_its_fixed_cost_ratio_when_the_device_slows_down() -> None:
+    estimator = StepTimeEstimator(smoothing=0.5)
+    for size in [100, 400, 200, 800]:
+        estimator.update(size, 0.02 + 1e-4 * size)
+    for _ in range(50):  # the plan has settled: one size, now a slower device
+        estimator.update(500, 2 * (0.02 + 1e-4 * 500))
+    model = estimator.model()
+    assert model is not None
+    # The fixed cost is learnt as 200 samples' worth; a device twice as slow keeps that ratio.
+    assert estimator.fixed_samples == pytest.approx(200, rel=1e-3)
+    assert model.overhead == pytest.approx(0.04, rel=1e-3)
+    assert model.per_sample == pytest.approx(2e-4, rel=1e-3)
+
+
+def test_step_time_model_without_size_variation_is_speed_proportional() -> None:
+    estimator = StepTimeEstimator()
+    for _ in range(5):
+        estimator.update(256, 0.5)
+    assert estimator.model() == StepTime(0.0, 0.5 / 256)
+
+
+def test_step_time_state_round_trip_and_invalid_input() -> None:
+    estimator = StepTimeEstimator()
+    for size in (10, 40, 20):
+        estimator.update(size, 0.01 + 0.001 * size)
+    restored = StepTimeEstimator()
+    restored.load_state_dict(estimator.state_dict())
+    assert restored.model() == estimator.model()
+    with pytest.raises(ValueError, match="positive size"):
+        estimator.update(0, 1.0)
+    with pytest.raises(ValueError, match="smoothing"):
+        StepTimeEstimator(smoothing=1.0)

@@ -10,9 +10,33 @@ from lightning_aesgd.routing import ReplicaStats
 from lightning_aesgd.telemetry import replica_metrics, step_time_balance, summary_table
 
 STATS = [
-    ReplicaStats(merge_weight=60, speed=600.0, samples=60, wait_fraction=0.1, step_seconds=0.10),
-    ReplicaStats(merge_weight=20, speed=200.0, samples=20, wait_fraction=0.3, step_seconds=0.10),
-    ReplicaStats(merge_weight=20, speed=100.0, samples=20, wait_fraction=0.0, step_seconds=0.20),
+    ReplicaStats(
+        merge_weight=60,
+        speed=600.0,
+        samples=60,
+        wait_fraction=0.1,
+        step_seconds=0.10,
+        overhead=0.0,
+        per_sample=0.1 / 60,
+    ),
+    ReplicaStats(
+        merge_weight=20,
+        speed=200.0,
+        samples=20,
+        wait_fraction=0.3,
+        step_seconds=0.10,
+        overhead=0.0,
+        per_sample=0.1 / 20,
+    ),
+    ReplicaStats(
+        merge_weight=20,
+        speed=100.0,
+        samples=20,
+        wait_fraction=0.0,
+        step_seconds=0.20,
+        overhead=0.0,
+        per_sample=0.2 / 20,
+    ),
 ]
 
 
@@ -28,7 +52,7 @@ def test_replica_metrics_name_every_replica_and_normalise_shares_and_weights():
 
 
 def test_plan_wide_metrics_wait_until_every_replica_has_a_speed():
-    unmeasured = [*STATS[:2], ReplicaStats(1, 0.0, 0, 0.0, 0.0)]
+    unmeasured = [*STATS[:2], ReplicaStats(1, 0.0, 0, 0.0, 0.0, 0.0, 0.0)]
     metrics = replica_metrics(unmeasured, [60, 20, 20])
     assert "aesgd/share_error" not in metrics
     assert math.isnan(step_time_balance(unmeasured))
@@ -37,7 +61,7 @@ def test_plan_wide_metrics_wait_until_every_replica_has_a_speed():
 def test_summary_table_lists_every_replica_and_the_balance():
     table = summary_table(STATS, [60, 20, 20], merges=7, unit="samples")
     lines = table.splitlines()
-    assert "samples/s" in lines[1]
+    assert lines[1].split() == ["replica", "samples/s", "batch", "share", "target", "weight", "step", "ms", "waiting"]
     assert len([line for line in lines if line.strip().startswith(("0 ", "1 ", "2 "))]) == 3
     assert "merges: 7" in table
     assert "2.00" in lines[-1]

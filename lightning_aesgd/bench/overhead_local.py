@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler
 
 from lightning_aesgd.core.planning import apportion
+from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.routing import ReplicaStats, Router
 from lightning_aesgd.sampler import ElasticBatchSampler, PlanBook
 
@@ -45,7 +46,8 @@ class ScriptedPeers:
         self.calls += 1
         fast = 1000.0 * (1 + self.calls % 2)
         own = ReplicaStats(*values)
-        return [list(astuple(replace(own, speed=speed))) for speed in (fast, 1000.0, 500.0, 250.0)]
+        peers = (fast, 1000.0, 500.0, 250.0)
+        return [list(astuple(replace(own, speed=speed, per_sample=1 / speed))) for speed in peers]
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:  # noqa: D102
         return None
@@ -59,14 +61,17 @@ class ScriptedPeers:
 
 def planner_costs(iterations: int) -> dict[str, float]:
     """Microseconds per ``Router.exchange`` without its collective, and per ``policy.plan``."""
-    router = Router(planner="proportional")
+    router = Router(planner="balanced")
     peers = ScriptedPeers()
     router.attach(peers, torch.device("cpu"))
     router.plan_book_for(STEP_BATCH, REPLICAS, LAG)
     exchange_us = _microseconds(lambda i: router.exchange(1.0, i * PERIOD), iterations)
     current = apportion(STEP_BATCH, [1.0] * REPLICAS)
-    speeds = [[2000.0, 1000.0, 500.0, 250.0], [1000.0, 1000.0, 500.0, 250.0]]
-    plan_us = _microseconds(lambda i: router.policy.plan(current, speeds[i % 2], STEP_BATCH), iterations)
+    models = [
+        [StepTime(0.002, 1.0 / speed) for speed in speeds]
+        for speeds in ([2000.0, 1000.0, 500.0, 250.0], [1000.0, 1000.0, 500.0, 250.0])
+    ]
+    plan_us = _microseconds(lambda i: router.policy.plan(current, models[i % 2], STEP_BATCH), iterations)
     return {"exchange_us_per_merge": exchange_us, "plan_us_per_merge": plan_us, "merge_period": PERIOD}
 
 

@@ -11,20 +11,17 @@ Everything here is deterministic: every rank computes the same plan from the sam
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from lightning_aesgd.core.speed import StepTime
+
 __all__ = [
-    "AdditivePolicy",
-    "PlanPolicy",
-    "ProportionalPolicy",
-    "StaticPolicy",
     "apportion",
-    "get_plan_policy",
+    "balance_step_times",
     "ideal_shares",
     "linear_lr_scale",
     "share_error",
@@ -104,132 +101,35 @@ def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float]
     return [end - begin for begin, end in zip([0, *cuts], [*cuts, num_items], strict=True)]
 
 
-class PlanPolicy(Protocol):
-    """A rule that turns the current plan and measured speeds into the next plan."""
+def balance_step_times(
+    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None
+) -> list[int]:
+    """Batch sizes, summing to ``total``, whose predicted step times are as equal as the bounds allow.
 
-    def plan(self, current: Sequence[int], speeds: Sequence[float], total: int) -> list[int]:
-        """Return the next batch sizes, one per replica, summing exactly to ``total``.
+    With ``tᵢ(b) = aᵢ + cᵢ·b`` the common step time ``T`` solves ``Σᵢ clamp((T − aᵢ)/cᵢ, min, max) = total``
+    (water filling, by bisection on ``T``: the left side grows with ``T``); the real-valued sizes are then
+    rounded by :func:`apportion`. Without overheads this is the speed-proportional split; with them, a replica
+    whose fixed cost alone exceeds ``T`` gets the minimum, and the others share the rest so that they finish
+    together.
 
-        Args:
-            current: The batch sizes in use, one per replica.
-            speeds: Each replica's measured speed (samples/s or cost units/s).
-            total: The global step batch ``M``.
-        """
-        ...
-
-
-@dataclass(frozen=True)
-class ProportionalPolicy:
-    """Batch size proportional to measured speed: ``b_i = apportion(M, speed)``, the default policy.
-
-    If speeds are samples per second and a replica's per-sample time does not depend on its batch size,
-    ``b_i ∝ speed_i`` makes every replica's step last ``b_i / speed_i = M / Σ speed``: balance in one plan.
-
-    Args:
-        min_batch: Smallest batch per replica (each replica makes one update per step, so at least 1).
-        max_batch: Largest batch per replica, e.g. the device's memory limit; ``None`` for no limit.
+    Example:
+        >>> balance_step_times(100, [StepTime(0.0, 1.0), StepTime(0.0, 3.0)])
+        [75, 25]
+        >>> balance_step_times(100, [StepTime(0.0, 1.0), StepTime(120.0, 1.0)], min_size=2)
+        [98, 2]
     """
+    _check_feasible(total, len(step_times), min_size, max_size)
+    high = max_size if max_size is not None else total
 
-    min_batch: int = 1
-    max_batch: int | None = None
+    def sizes_at(time: float) -> list[float]:
+        return [min(max((time - t.overhead) / t.per_sample, min_size), high) for t in step_times]
 
-    def __post_init__(self) -> None:
-        _check_batch_bounds(self.min_batch, self.max_batch)
-
-    def plan(self, current: Sequence[int], speeds: Sequence[float], total: int) -> list[int]:
-        """Return ``apportion(total, speeds, min_batch, max_batch)``; ``current`` only fixes the replica count."""
-        _check_same_length(current, speeds)
-        return apportion(total, speeds, self.min_batch, self.max_batch)
-
-
-@dataclass(frozen=True)
-class AdditivePolicy:
-    """The paper's additive batch-size rule (algorithms.md §3.2), adapted to lockstep replicas.
-
-    In the authors' code ``p_i`` is replica ``i``'s share of the batches completed since the last merge; a
-    replica with ``p_i > 1/n`` grows by ``step``, one with ``p_i < 1/n`` shrinks by ``step``, within
-    ``[min_batch, max_batch]``. In lockstep every replica makes the same number of updates, so ``p_i`` is
-    replaced by the share the replica *would* have if it ran freely: ``u_i = speed_i / b_i`` (updates per
-    second) and ``p_i = u_i / Σ u``. The steady state is the paper's: all ``p_i = 1/n``, i.e. every replica
-    takes the same time per step.
-
-    Departure from the paper: there, the global batch per merge period floats. Here ``M`` is constant, so the
-    adjusted sizes are renormalised with ``apportion(M, adjusted, min_batch, max_batch)``; the moves keep
-    their direction but not always their exact length.
-
-    Args:
-        step: Additive change per plan (32 in the paper).
-        min_batch: Smallest batch per replica (32 in the paper).
-        max_batch: Largest batch per replica (1024 in the paper).
-    """
-
-    step: int = 32
-    min_batch: int = 32
-    max_batch: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.step < 1:
-            raise ValueError(f"`step` must be >= 1, got {self.step}")
-        _check_batch_bounds(self.min_batch, self.max_batch)
-
-    def adjust(self, current: Sequence[int], speeds: Sequence[float]) -> list[int]:
-        """Apply ``b_i ± step`` by the sign of ``p_i − 1/n``, clamped to the bounds, before renormalisation."""
-        _check_same_length(current, speeds)
-        if any(size < 1 for size in current):
-            raise ValueError(f"`current` batch sizes must be >= 1, got {list(current)}")
-        update_rates = [speed / size for speed, size in zip(_checked_shares(speeds), current, strict=True)]
-        mean_rate = math.fsum(update_rates) / len(update_rates)
-        return [
-            min(max(size + self.step * _direction(rate, mean_rate), self.min_batch), self.max_batch)
-            for size, rate in zip(current, update_rates, strict=True)
-        ]
-
-    def plan(self, current: Sequence[int], speeds: Sequence[float], total: int) -> list[int]:
-        """Return :meth:`adjust` renormalised to sum exactly to ``total``."""
-        return apportion(total, self.adjust(current, speeds), self.min_batch, self.max_batch)
-
-
-@dataclass(frozen=True)
-class StaticPolicy:
-    """Fixed shares regardless of speed: ``b_i = apportion(M, shares)``; equal shares mean what DDP means.
-
-    Args:
-        shares: Positive relative share per replica; ``None`` for equal shares.
-    """
-
-    shares: Sequence[float] | None = None
-
-    def __post_init__(self) -> None:
-        if self.shares is not None:
-            checked = tuple(_checked_shares(self.shares))
-            if min(checked) <= 0.0:
-                raise ValueError(f"static `shares` must all be > 0, got {list(checked)}")
-            object.__setattr__(self, "shares", checked)
-
-    def plan(self, current: Sequence[int], speeds: Sequence[float], total: int) -> list[int]:
-        """Return ``apportion(total, shares)``; ``speeds`` are ignored."""
-        _check_same_length(current, speeds)
-        shares = self.shares if self.shares is not None else [1.0] * len(current)
-        _check_same_length(current, shares)
-        return apportion(total, shares)
-
-
-_PLAN_POLICIES: dict[str, Callable[..., PlanPolicy]] = {
-    "additive": AdditivePolicy,
-    "proportional": ProportionalPolicy,
-    "static": StaticPolicy,
-}
-
-
-def get_plan_policy(name: str, **kwargs: Any) -> PlanPolicy:
-    """Build the plan policy registered as ``name`` ("proportional", "additive" or "static") with ``kwargs``.
-
-    Raises:
-        ValueError: If ``name`` is not registered.
-    """
-    if name not in _PLAN_POLICIES:
-        raise ValueError(f"Unknown plan policy {name!r}; valid names: {', '.join(sorted(_PLAN_POLICIES))}")
-    return _PLAN_POLICIES[name](**kwargs)
+    low_time = min(t.seconds(min_size) for t in step_times)
+    high_time = max(t.seconds(high) for t in step_times)
+    for _ in range(100):
+        middle = (low_time + high_time) / 2
+        low_time, high_time = (middle, high_time) if sum(sizes_at(middle)) < total else (low_time, middle)
+    return apportion(total, sizes_at(high_time), min_size, max_size)
 
 
 def linear_lr_scale(batch_size: int, nominal_batch_size: int) -> float:
@@ -391,21 +291,6 @@ def _spread_cuts(cuts: list[int], num_items: int, min_size: int) -> list[int]:
     return spread
 
 
-def _check_batch_bounds(min_batch: int, max_batch: int | None) -> None:
-    if min_batch < 1:
-        raise ValueError(f"`min_batch` must be >= 1 (every replica makes one update per step), got {min_batch}")
-    if max_batch is not None and max_batch < min_batch:
-        raise ValueError(f"`max_batch` must be >= `min_batch` ({min_batch}) or None, got {max_batch}")
-
-
 def _check_same_length(first: Sequence[Any], second: Sequence[Any]) -> None:
     if len(first) != len(second):
         raise ValueError(f"need one entry per replica in both sequences, got lengths {len(first)} and {len(second)}")
-
-
-def _direction(rate: float, mean_rate: float) -> int:
-    """+1 if a replica would make more than its ``1/n`` share of updates, −1 if fewer, 0 if balanced."""
-    # Rates equal up to rounding (e.g. speeds exactly proportional to sizes) count as balanced.
-    if math.isclose(rate, mean_rate, rel_tol=1e-9, abs_tol=0.0):
-        return 0
-    return 1 if rate > mean_rate else -1

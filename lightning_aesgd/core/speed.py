@@ -11,6 +11,8 @@ import math
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -206,3 +208,99 @@ class BusyTimer:
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A replica's busy time per step as a function of its batch size: ``t(b) = overhead + per_sample·b``.
+
+    Real steps have a fixed part (kernel launches, the optimizer's pass over every parameter, framework hooks)
+    besides the part that grows with the batch. Plans that ignore it keep shrinking a slow replica's batch:
+    a smaller batch looks slower per sample, so it is given even less.
+
+    Attributes:
+        overhead: seconds per step whatever the batch size (``a ≥ 0``).
+        per_sample: seconds per sample (``c > 0``).
+    """
+
+    overhead: float
+    per_sample: float
+
+    def seconds(self, size: float) -> float:
+        """Predicted busy seconds of a step of ``size`` samples."""
+        return self.overhead + self.per_sample * size
+
+    def speed_at(self, size: float) -> float:
+        """Samples per second at batch ``size``: ``b / t(b)``."""
+        return size / self.seconds(size)
+
+    @classmethod
+    def from_speed(cls, speed: float) -> StepTime:
+        """A replica without fixed cost at ``speed`` samples per second."""
+        return cls(0.0, 1.0 / speed)
+
+
+class StepTimeEstimator:
+    """Fits :class:`StepTime` to recent ``(batch size, busy seconds)`` pairs.
+
+    The model is ``t(b) = c·(k + b)``: ``k`` is the fixed per-step cost expressed in samples' worth of work. A
+    device that slows down or speeds up as a whole (another job lands on it) changes ``c`` but not ``k``, so ``k``
+    is learnt rarely and ``c`` all the time:
+
+    * ``c = t̄ / (k + b̄)`` always, from exponential moving averages ``b̄`` and ``t̄`` (weight ``1 − β`` for the
+      newest step): the model reproduces the average recent step;
+    * ``k = a/c'`` from a weighted least-squares line ``t = a + c'·b`` over the same averages, refitted only while
+      the sizes vary (relative spread ``sd(b)/b̄ ≥ min_spread``) and the line explains them (``R² ≥ 0.9``) — not
+      while plans have settled, nor while a change of speed mixes two regimes. Until then ``k = 0``, which is
+      plain speed-proportional planning. ``a`` is kept within ``[0, 0.95·t̄]``.
+
+    Args:
+        smoothing: ``β`` in [0, 1).
+        min_spread: relative spread of the batch sizes needed to refit ``k``.
+    """
+
+    def __init__(self, smoothing: float = 0.8, min_spread: float = 0.05) -> None:
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"`smoothing` must be in [0, 1), got {smoothing}")
+        self.smoothing = smoothing
+        self.min_spread = min_spread
+        self._moments = [0.0] * 6  # b, t, b², b·t, t², and the total weight (for bias correction)
+        self.fixed_samples = 0.0  # k
+
+    def update(self, size: float, seconds: float) -> None:
+        """Account one step of ``size`` samples that kept the device busy for ``seconds``."""
+        if not (size > 0 and seconds > 0 and math.isfinite(size) and math.isfinite(seconds)):
+            raise ValueError(f"need a positive size and duration, got size={size}, seconds={seconds}")
+        new = (size, seconds, size * size, size * seconds, seconds * seconds, 1.0)
+        beta = self.smoothing
+        self._moments = [beta * m + (1 - beta) * x for m, x in zip(self._moments, new, strict=True)]
+        self._refit_fixed_cost()
+
+    def model(self) -> StepTime | None:
+        """The fitted step-time model, or ``None`` before the first step."""
+        if self._moments[5] == 0:
+            return None
+        size, seconds = self._moments[0] / self._moments[5], self._moments[1] / self._moments[5]
+        per_sample = seconds / (self.fixed_samples + size)
+        return StepTime(per_sample * self.fixed_samples, per_sample)
+
+    def _refit_fixed_cost(self) -> None:
+        size, seconds, size2, size_seconds, seconds2 = (m / self._moments[5] for m in self._moments[:5])
+        size_var, seconds_var = size2 - size * size, seconds2 - seconds * seconds
+        covariance = size_seconds - size * seconds
+        if size_var <= (self.min_spread * size) ** 2 or seconds_var <= 0 or covariance <= 0:
+            return
+        if covariance * covariance < 0.9 * size_var * seconds_var:  # R² < 0.9
+            return
+        slope = covariance / size_var
+        overhead = min(max(seconds - slope * size, 0.0), 0.95 * seconds)
+        self.fixed_samples = overhead / ((seconds - overhead) / size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The moving averages and ``k``, for checkpoints."""
+        return {"moments": list(self._moments), "fixed_samples": self.fixed_samples}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._moments = [float(m) for m in state["moments"]]
+        self.fixed_samples = float(state["fixed_samples"])
