@@ -83,7 +83,7 @@ def test_datamodule_splits_and_loaders(datamodule: XMCDataModule) -> None:
     spec = datamodule.spec
     assert (datamodule.num_features, datamodule.num_labels) == (2_000, 500)
     assert len(datamodule.train_set) + len(datamodule.val_set) == spec.n_train
-    assert len(datamodule.val_set) == 200
+    assert len(datamodule.val_set) == round(0.1 * spec.n_train)
     assert len(datamodule.test_set) == spec.n_test
     costs = datamodule.train_costs
     assert costs.shape == (len(datamodule.train_set),)
@@ -149,3 +149,13 @@ def test_module_learns_mini_beyond_popularity(datamodule: XMCDataModule, tmp_pat
     restored = XMCModule.load_from_checkpoint(checkpoint)
     batch = next(iter(datamodule.test_dataloader()))
     torch.testing.assert_close(restored(batch), module(batch))
+
+
+def test_batched_fetch_equals_collating_rows_one_by_one(datamodule: XMCDataModule) -> None:
+    dataset = datamodule.train_set
+    rows = [5, 0, 17, 5, 3]  # unordered, repeated
+    gathered = dataset.__getitems__(rows)
+    collated = collate_sparse([dataset[i] for i in rows])
+    for name in ("indices", "offsets", "weights", "label_ids", "label_offsets"):
+        torch.testing.assert_close(getattr(gathered, name), getattr(collated, name))
+    assert collate_sparse(gathered) is gathered  # the DataLoader then hands the batch to collate as it is

@@ -59,6 +59,23 @@ class SparseXMCDataset(Dataset[SparseSample]):
             label_ids=self._label_ids[label_start:label_end].long(),
         )
 
+    def __getitems__(self, indices: Sequence[int]) -> SparseBatch:
+        """A whole batch at once: the DataLoader calls this instead of one ``__getitem__`` per row.
+
+        Gathering the rows' CSR slices with array operations costs a fraction of building one small tensor per
+        row and concatenating them (about 15 ms for 512 rows), which would otherwise rival a step's compute.
+        """
+        rows = np.asarray(indices, dtype=np.int64)
+        feature_positions, offsets = _row_positions(self._feature_ptr, rows)
+        label_positions, label_offsets = _row_positions(self._label_ptr, rows)
+        return SparseBatch(
+            indices=self._feature_ids[feature_positions].long(),
+            offsets=offsets,
+            weights=self._feature_values[feature_positions],
+            label_ids=self._label_ids[label_positions].long(),
+            label_offsets=label_offsets,
+        )
+
     @property
     def sample_costs(self) -> Tensor:
         """Cost of every row for cost-aware routing: its number of non-zeros (float32)."""
@@ -125,15 +142,26 @@ def _lengths(offsets: Tensor, values: Tensor) -> Tensor:
     return torch.diff(offsets, append=offsets.new_tensor([values.numel()]))
 
 
-def collate_sparse(samples: Sequence[SparseSample]) -> SparseBatch:
+def _row_positions(pointers: np.ndarray, rows: np.ndarray) -> tuple[Tensor, Tensor]:
+    """Positions of the given CSR rows' entries, back to back, and each row's start among them."""
+    starts = pointers[rows]
+    lengths = pointers[rows + 1] - starts
+    offsets = np.cumsum(lengths) - lengths
+    positions = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+    return torch.from_numpy(positions), torch.from_numpy(offsets)
+
+
+def collate_sparse(samples: Sequence[SparseSample] | SparseBatch) -> SparseBatch:
     """Concatenate rows into one :class:`SparseBatch` (the ``collate_fn`` of the XMC data loaders).
 
     Args:
-        samples: Rows from :class:`SparseXMCDataset`.
+        samples: Rows from :class:`SparseXMCDataset`, or a batch its ``__getitems__`` already gathered.
 
     Returns:
         The batch, on the host.
     """
+    if isinstance(samples, SparseBatch):
+        return samples
     feature_ids, feature_values, label_ids = zip(*samples, strict=True)
     return SparseBatch(
         indices=torch.cat(feature_ids),

@@ -21,7 +21,7 @@ Example:
     >>> from lightning_aesgd.workloads.xmc_spec import get_preset
     >>> data = generate_xmc(get_preset("mini"))
     >>> data.X_train.shape, data.Y_test.shape
-    ((2000, 2000), (500, 500))
+    ((16000, 2000), (4000, 500))
 """
 
 from __future__ import annotations

@@ -105,8 +105,12 @@ class XMCDataModule(pl.LightningDataModule):
         _ = self.data
 
     def train_dataloader(self) -> DataLoader[SparseSample]:
-        """Shuffled training batches."""
-        return self._loader(self.train_set, shuffle=True)
+        """Shuffled training batches; an epoch's incomplete last batch is dropped.
+
+        With large batches the remainder is a handful of rows, and one step on a handful of rows at the full
+        learning rate is mostly noise.
+        """
+        return self._loader(self.train_set, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader[SparseSample]:
         """Validation batches in order."""
@@ -116,11 +120,12 @@ class XMCDataModule(pl.LightningDataModule):
         """Test batches in order."""
         return self._loader(self.test_set, shuffle=False)
 
-    def _loader(self, dataset: SparseXMCDataset, shuffle: bool) -> DataLoader[SparseSample]:
+    def _loader(self, dataset: SparseXMCDataset, shuffle: bool, drop_last: bool = False) -> DataLoader[SparseSample]:
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            drop_last=drop_last,
             num_workers=self.num_workers,
             collate_fn=collate_sparse,
             persistent_workers=self.num_workers > 0,

@@ -105,11 +105,12 @@ def _check(condition: bool, message: str) -> None:
 
 # fmt: off
 PRESETS: dict[str, XMCSpec] = {
-    # CI-sized: generates in a fraction of a second. Strong signal and predictable co-labels keep it learnable
-    # within a few epochs; 2,500 × 3 / 500 = 15 points per label.
+    # CI-sized: generates in about half a second, yet holds enough rows for the main job's steps of 1,024 rows.
+    # Strong signal and predictable co-labels keep it learnable within a few epochs; 20,000 × 3 / 500 = 120
+    # points per label.
     "mini": XMCSpec(
-        name="mini", n_train=2_000, n_test=500, num_features=2_000, num_labels=500, k_mean=3.0, nnz_mean=40.0,
-        signal=0.6, p_same_cluster=0.9, points_per_label=15.0,
+        name="mini", n_train=16_000, n_test=4_000, num_features=2_000, num_labels=500, k_mean=3.0, nnz_mean=40.0,
+        signal=0.6, p_same_cluster=0.9, points_per_label=120.0,
     ),
     # Legacy set: the repository's 25.73 points per label counts train + test rows.
     "eurlex4k": XMCSpec(
