@@ -11,6 +11,7 @@ serves ``pytorch_lightning`` (this module) and the unified ``lightning`` package
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,7 +28,7 @@ from lightning_aesgd.averager import OPTIMIZER_STATE_POLICIES, ElasticAverager, 
 from lightning_aesgd.checks import check_fit_settings
 from lightning_aesgd.comm import Communicator, LocalCommunicator, TorchCommunicator
 from lightning_aesgd.core.merge import MergeRule, get_merge_rule
-from lightning_aesgd.core.planning import PlanPolicy
+from lightning_aesgd.core.policies import PlanPolicy
 from lightning_aesgd.core.schedule import validate_schedule
 from lightning_aesgd.core.weights import L2Trend, WeightPolicy, normalize, nudge_extremes, replica_weight
 from lightning_aesgd.dataloader import build_elastic_loader, check_train_loader, prefetch_depth
@@ -63,7 +64,9 @@ class AdaptiveElasticMixin(_Base):
             renormalised; the authors' code does not renormalise).
         merge_buffers: average floating buffers (BatchNorm statistics) too; otherwise they stay local.
         optimizer_state: at a merge, ``"keep"``, ``"reset"`` or ``"average"`` the local optimizer's state.
-        planner: how per-replica batch sizes follow measured speeds; see :mod:`lightning_aesgd.routing`.
+        planner: how per-replica batch sizes follow measurements: ``"proportional"`` (share ∝ speed),
+            ``"balanced"`` (equal predicted step times, fixed per-step costs included), ``"additive"`` (the paper's
+            ±step rule), ``"static"`` (fixed ``shares``), or a :class:`~lightning_aesgd.core.policies.PlanPolicy`.
         shares: fixed shares of the step batch for the ``"static"`` planner (equal when omitted).
         min_batch: smallest batch a replica may get.
         max_batch: largest batch a replica may get.
@@ -75,7 +78,9 @@ class AdaptiveElasticMixin(_Base):
         sample_costs: per-sample cost for cost-aware splitting: ``None`` (count samples), ``"dataset"`` (the
             dataset's ``sample_costs`` attribute), ``"auto"`` (those where the dataset has them) or a function of
             the dataset.
-        lr_scaling: scale each replica's learning rate by its batch size over the nominal one during its step.
+        lr_scaling: scale each replica's learning rate by its batch size over the nominal one during its step
+            (the paper's ``lrᵢ = η·bᵢ/B``). With ``merge_weights="updates"`` this weighs every sample equally, as
+            ``merge_weights="samples"`` does without scaling.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
             exactly; otherwise every replica resumes from the merged model.
@@ -101,7 +106,7 @@ class AdaptiveElasticMixin(_Base):
         l2_nudge: bool = False,
         merge_buffers: bool = True,
         optimizer_state: OptimizerStatePolicy = "keep",
-        planner: str | PlanPolicy = "static",
+        planner: str | PlanPolicy = "proportional",
         shares: Sequence[float] | None = None,
         min_batch: int = 1,
         max_batch: int | None = None,
@@ -138,6 +143,13 @@ class AdaptiveElasticMixin(_Base):
         self.plan_lag = plan_lag
         self.sample_costs = sample_costs
         self.lr_scaling = lr_scaling
+        if lr_scaling and merge_weights == "samples":
+            # Both favour large batches: together they count a sample of a large batch twice.
+            warnings.warn(
+                "lr_scaling=True with merge_weights='samples' weighs large batches twice. HINT: use "
+                "merge_weights='updates' with lr_scaling (the paper's form), or samples without lr_scaling.",
+                stacklevel=2,
+            )
         self.checkpoint_replicas = checkpoint_replicas
         self.telemetry = telemetry
         self.router = Router(
@@ -250,9 +262,15 @@ class AdaptiveElasticMixin(_Base):
         center = averager.merge(weight, optimizer)
         if self.l2_nudge:
             self._l2_trend.update(float(center.norm()))
-        if self.telemetry and self.router.plan_book is not None:
+        if self.telemetry and self.router.plan_book is not None and self._logs_this_step():
             # Lightning allows logging from `optimizer_step`; every rank holds the same gathered numbers.
             self._module.log_dict(replica_metrics(stats, self.router.plan_book.latest), on_step=True, on_epoch=False)
+
+    def _logs_this_step(self) -> bool:
+        # Logging a score of metrics costs about a millisecond: only do it on the steps loggers write.
+        trainer = self._module.trainer
+        every, step = max(1, int(trainer.log_every_n_steps)), int(trainer.global_step)
+        return (step + 1) % every == 0
 
     def _reset_on_lr_drop(self, optimizer: torch.optim.Optimizer, averager: ElasticAverager) -> None:
         # Crossbow copies the central model into every replica when the learning rate drops.

@@ -48,7 +48,9 @@ def test_matches_ddp_with_plain_sgd_equal_batches_and_hard_averaging():
     steps = 24
     ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), max_steps=steps)
     ours = _fit(
-        AdaptiveElasticStrategy(period=1, alpha=1.0, merge_weights="uniform", start_method="fork", timeout=TIMEOUT),
+        AdaptiveElasticStrategy(
+            planner="static", period=1, alpha=1.0, merge_weights="uniform", start_method="fork", timeout=TIMEOUT
+        ),
         max_steps=steps,
     )
     initial = (pl.seed_everything(7), flat_parameters(RegressionModel()))[1]
@@ -163,7 +165,14 @@ class _StepRecorder(pl.Callback):
 
 
 def test_cost_aware_batches_and_per_replica_learning_rate_scaling(tmp_path):
-    strategy = AdaptiveElasticStrategy(sample_costs="dataset", lr_scaling=True, start_method="fork", timeout=TIMEOUT)
+    strategy = AdaptiveElasticStrategy(
+        planner="static",
+        sample_costs="dataset",
+        lr_scaling=True,
+        merge_weights="updates",
+        start_method="fork",
+        timeout=TIMEOUT,
+    )
     pl.seed_everything(7)
     model = RegressionModel(size=64, batch_size=4, lr=0.05)
     _trainer(strategy, max_epochs=1, callbacks=[_StepRecorder(tmp_path)]).fit(model)

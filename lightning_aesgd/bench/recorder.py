@@ -6,7 +6,9 @@ it back with :meth:`RunRecord.load`.
 
 The **training clock** is wall time from the start of training to its end, paused between
 ``on_validation_start`` and ``on_validation_end``: it counts steps, merges, data loading and emulated slowdown,
-never evaluation. Sanity checks run before training starts and are therefore never counted.
+never evaluation. Every replica is waited for before the clock pauses, so that time spent waiting for a
+straggler is counted even when validation follows. Sanity checks run before training starts and are therefore
+never counted.
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ class BenchRecorder(pl.Callback):
         self.record.clock.append(self._now())
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
+        # Wait for every replica before pausing: a straggler still finishing its step would otherwise be waited
+        # for inside validation, off the clock, and frequent validation would hide most of DDP's waiting.
+        trainer.strategy.barrier("bench-clock")
         self._pause()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
