@@ -45,6 +45,8 @@ else:
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "adaptive_elastic"
+# What Lightning's connector passes to every parallel strategy; anything else is a mistake.
+_LIGHTNING_ARGUMENTS = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 
 
 class AdaptiveElasticMixin(_Base):
@@ -123,6 +125,14 @@ class AdaptiveElasticMixin(_Base):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
+        unknown = sorted(set(kwargs) - _LIGHTNING_ARGUMENTS)
+        if unknown:
+            # DDPStrategy would pass them to DistributedDataParallel, which this strategy never builds: a typo
+            # would vanish silently.
+            raise TypeError(
+                f"{type(self).__name__} got unexpected arguments {unknown}. HINT: check the spelling against "
+                "the options in its docstring (period, warmup_steps, merge_rule, planner, ...)."
+            )
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )

@@ -131,6 +131,11 @@ def test_invalid_arguments_fail_at_construction_with_a_hint(kwargs, match):
         AdaptiveElasticStrategy(**kwargs)
 
 
+def test_a_misspelt_option_is_an_error_not_a_silent_ddp_argument():
+    with pytest.raises(TypeError, match=r"unexpected arguments \['perod'\]"):
+        AdaptiveElasticStrategy(perod=4)
+
+
 def test_telemetry_reaches_csv_and_tensorboard_loggers(tmp_path):
     from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
