@@ -114,3 +114,15 @@ class FakeCommunicator:
     def all_gather_object(self, obj: Any) -> list[Any]:
         self.calls.append("all_gather_object")
         return [obj] * self.world_size
+
+
+def single_process_trainer(epochs: int) -> pl.Trainer:
+    """A quiet one-process CPU Trainer for the workloads' learning tests."""
+    return pl.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )

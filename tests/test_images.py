@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from helpers import single_process_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -211,17 +212,6 @@ def test_classifier_validates_arguments_and_builds_the_named_optimizer() -> None
     assert isinstance(ImageClassifier("digits_mlp", lr=1e-3, optimizer="adam").configure_optimizers(), torch.optim.Adam)
 
 
-def _trainer(epochs: int) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-
-
 def _accuracy(module: ImageClassifier, loader: DataLoader[Sample]) -> float:
     module.eval()
     with torch.no_grad():
@@ -234,7 +224,7 @@ def test_classifier_learns_digits_and_restores_from_checkpoint(tmp_path: Path) -
     pl.seed_everything(0)
     datamodule = DigitsDataModule()
     module = ImageClassifier("digits_mlp", lr=0.05)
-    trainer = _trainer(epochs=8)
+    trainer = single_process_trainer(epochs=8)
     trainer.fit(module, datamodule=datamodule)
     assert {"train/loss_epoch", "val/loss", "val/acc"} <= trainer.callback_metrics.keys()
     assert trainer.callback_metrics["val/acc"] > 0.9
@@ -274,7 +264,7 @@ def test_fashion_cnn_learns_a_subset_well_above_chance() -> None:
     pl.seed_everything(0)
     datamodule = FashionMNISTDataModule(batch_size=64, val_size=1000, subset=4000)
     module = ImageClassifier("fashion_cnn")
-    trainer = _trainer(epochs=1)
+    trainer = single_process_trainer(epochs=1)
     trainer.fit(module, datamodule=datamodule)
     # Chance is 0.1; this run reaches about 0.82 (the full two epochs reach about 0.89).
     assert trainer.callback_metrics["val/acc"] > 0.7

@@ -8,6 +8,7 @@ import pytest
 import pytorch_lightning as pl
 import scipy.sparse as sp
 import torch
+from helpers import single_process_trainer
 from lightning_fabric.utilities.apply_func import move_data_to_device
 
 from lightning_aesgd.workloads.xmc_batch import SparseBatch, SparseXMCDataset, collate_sparse
@@ -117,23 +118,12 @@ def test_losses_prefer_the_true_labels(loss: str) -> None:
     assert module.loss(good, target) < module.loss(bad, target)
 
 
-def _trainer(epochs: int) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_module_learns_mini_beyond_popularity(datamodule: XMCDataModule, tmp_path: Path) -> None:
     pl.seed_everything(0)
     module = XMCModule(datamodule.num_features, datamodule.num_labels)
-    trainer = _trainer(epochs=3)
+    trainer = single_process_trainer(epochs=3)
     untrained = trainer.test(module, datamodule=datamodule, verbose=False)[0]["test/p@1"]
     trainer.fit(module, datamodule=datamodule)
     assert {"train/loss", "val/loss", "val/p@3", "val/p@5", "val/ndcg@5"} <= set(trainer.callback_metrics)
