@@ -135,7 +135,7 @@ class ImageClassifier(pl.LightningModule):
         """One local update's loss."""
         inputs, labels = batch
         loss = cross_entropy(self(inputs), labels)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(labels))
+        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(labels), sync_dist=True)
         return loss
 
     def validation_step(self, batch: Sample, batch_idx: int) -> None:
@@ -150,7 +150,9 @@ class ImageClassifier(pl.LightningModule):
         inputs, labels = batch
         scores = self(inputs)
         accuracy.update(scores, labels)
-        self.log(f"{stage}/loss", cross_entropy(scores, labels), on_epoch=True, batch_size=len(labels))
+        # Each process evaluates its shard: the epoch loss is averaged over processes (metrics sync themselves).
+        loss = cross_entropy(scores, labels)
+        self.log(f"{stage}/loss", loss, on_epoch=True, batch_size=len(labels), sync_dist=True)
         self.log(f"{stage}/acc", accuracy, on_epoch=True, batch_size=len(labels))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

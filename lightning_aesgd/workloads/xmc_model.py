@@ -139,7 +139,9 @@ class XMCModule(pl.LightningModule):
         logits = self(batch)
         target = batch.dense_labels(self.hparams["num_labels"])
         metrics.update(logits, target)
-        self.log(f"{stage}/loss", self.loss(logits, target), on_epoch=True, batch_size=len(batch))
+        # Each process evaluates its shard: the epoch loss is averaged over processes (metrics sync themselves).
+        loss = self.loss(logits, target)
+        self.log(f"{stage}/loss", loss, on_epoch=True, batch_size=len(batch), sync_dist=True)
         self.log_dict(metrics, on_epoch=True, batch_size=len(batch))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
