@@ -135,7 +135,7 @@ class ImageClassifier(pl.LightningModule):
         """One local update's loss."""
         inputs, labels = batch
         loss = cross_entropy(self(inputs), labels)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(labels), sync_dist=True)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(labels))
         return loss
 
     def validation_step(self, batch: Sample, batch_idx: int) -> None:
