@@ -6,7 +6,7 @@ CPU time the process consumed, which excludes time spent blocked in collectives:
 not make a replica emulate a slower device. On CUDA it is the synchronised wall time of the step.
 
 The same profile applies to this project's strategy (its ``slowdown`` argument) and to Lightning's own
-``DDPStrategy`` (:class:`~lightning_aesgd.slowdown_callback.SlowdownCallback`), so comparisons are fair.
+``DDPStrategy`` (:class:`~lightning_aesgd.callbacks.SlowdownCallback`), so comparisons are fair.
 Results on emulated devices are ratios measured in one run, never absolute times.
 """
 

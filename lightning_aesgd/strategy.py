@@ -33,7 +33,7 @@ from lightning_aesgd.core.schedule import validate_schedule
 from lightning_aesgd.core.weights import L2Trend, WeightPolicy, normalize, nudge_extremes, replica_weight
 from lightning_aesgd.dataloader import build_elastic_loader, check_train_loader, prefetch_depth
 from lightning_aesgd.flat import FlatView, floating_buffers, trainable_parameters
-from lightning_aesgd.routing import Router, SampleCosts, resolve_sample_costs
+from lightning_aesgd.routing import ReplicaStats, Router, SampleCosts, resolve_sample_costs
 from lightning_aesgd.sampler import ElasticBatchSampler
 from lightning_aesgd.telemetry import replica_metrics, summary_table
 
@@ -175,6 +175,7 @@ class AdaptiveElasticMixin(_Base):
         self._step_key = 0
         self._last_lr: float | None = None
         self._checkpoint_extras: dict[str, Any] | None = None
+        self._latest_stats: list[ReplicaStats] = []
 
     @property
     def _module(self) -> Any:
@@ -261,6 +262,11 @@ class AdaptiveElasticMixin(_Base):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if averager.after_local_step(record.num_samples):
             self._merge(averager, optimizer)
+        if self.telemetry and self._latest_stats and self.router.plan_book is not None and self._logs_this_step():
+            # Lightning allows logging from `optimizer_step`; every rank holds the same gathered numbers, those
+            # of the latest merge.
+            metrics = replica_metrics(self._latest_stats, self.router.plan_book.latest)
+            self._module.log_dict(metrics, on_step=True, on_epoch=False)
         return output
 
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer) -> None:
@@ -272,9 +278,7 @@ class AdaptiveElasticMixin(_Base):
         center = averager.merge(weight, optimizer)
         if self.l2_nudge:
             self._l2_trend.update(float(center.norm()))
-        if self.telemetry and self.router.plan_book is not None and self._logs_this_step():
-            # Lightning allows logging from `optimizer_step`; every rank holds the same gathered numbers.
-            self._module.log_dict(replica_metrics(stats, self.router.plan_book.latest), on_step=True, on_epoch=False)
+        self._latest_stats = stats
 
     def _logs_this_step(self) -> bool:
         # Logging a score of metrics costs about a millisecond: only do it on the steps loggers write.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -117,7 +118,7 @@ class ClassificationDataModule(pl.LightningDataModule, ABC):
         self.batch_size = batch_size
         self.num_workers = num_workers
 
-    def model_dimensions(self) -> dict[str, int]:
+    def model_dimensions(self) -> dict[str, Any]:
         """The arguments that size a model for this data: ``num_classes``."""
         return {"num_classes": self.num_classes}
 

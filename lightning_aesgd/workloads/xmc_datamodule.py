@@ -69,7 +69,7 @@ class XMCDataModule(pl.LightningDataModule):
         """Number of labels (known without generating)."""
         return self.spec.num_labels
 
-    def model_dimensions(self) -> dict[str, int]:
+    def model_dimensions(self) -> dict[str, Any]:
         """The arguments that size a model for this data: ``num_features`` and ``num_labels``."""
         return {"num_features": self.num_features, "num_labels": self.num_labels}
 
