@@ -3,7 +3,9 @@
 Machines without mixed GPUs can still show what the strategy does for mixed hardware. After each step's real
 computation a replica sleeps ``(fᵢ − 1) × c``, where ``c`` is the compute time of that step. On CPU, ``c`` is the
 CPU time the process consumed, which excludes time spent blocked in collectives: waiting for a slower peer must
-not make a replica emulate a slower device. On CUDA it is the synchronised wall time of the step.
+not make a replica emulate a slower device. It includes the work a strategy does on the replica's data in
+other threads (DDP gathers and sums every replica's sparse gradients in gloo's threads): on a real, slower GPU
+that work runs on the slower device too. On CUDA ``c`` is the synchronised wall time of the step.
 
 The same profile applies to this project's strategy (its ``slowdown`` argument) and to Lightning's own
 ``DDPStrategy`` (:class:`~lightning_aesgd.callbacks.SlowdownCallback`), so comparisons are fair.

@@ -18,13 +18,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_aesgd.averager import OPTIMIZER_STATE_POLICIES, ElasticAverager, OptimizerStatePolicy
+from lightning_aesgd.checkpointing import CHECKPOINT_KEY, gather_training_state, restore_training_state
 from lightning_aesgd.checks import check_fit_settings
 from lightning_aesgd.comm import Communicator, LocalCommunicator, TorchCommunicator
 from lightning_aesgd.core.merge import MergeRule, get_merge_rule
@@ -44,7 +44,6 @@ else:
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "adaptive_elastic"
 # What Lightning's connector passes to every parallel strategy; anything else is a mistake.
 _LIGHTNING_ARGUMENTS = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 
@@ -338,27 +337,11 @@ class AdaptiveElasticMixin(_Base):
         state = {name: tensor.clone() for name, tensor in self._module.state_dict().items()}
         if not was_swapped:
             averager.swap_out()
-        self._checkpoint_extras = self._gather_extras(averager)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        self._checkpoint_extras = gather_training_state(
+            averager, self.router, self._l2_trend, optimizer, with_replicas=self.checkpoint_replicas
+        )
         return state
-
-    def _gather_extras(self, averager: ElasticAverager) -> dict[str, Any]:
-        shared = {
-            "averager": averager.shared_state(),
-            "router": self.router.shared_state(),
-            "l2_trend": self._l2_trend.state_dict(),
-        }
-        if not self.checkpoint_replicas:
-            return {"world_size": self.world_size, "shared": shared, "replicas": None}
-        params, buffers = averager.local_model()
-        own = {
-            "params": params.cpu(),
-            "buffers": buffers.cpu(),
-            "optimizer": _cpu_state(self.optimizers[0].state_dict()) if self.optimizers else None,
-            "averager": averager.local_state(),
-            "router": self.router.local_state(),
-        }
-        replicas = averager.comm.all_gather_object(own)
-        return {"world_size": self.world_size, "shared": shared, "replicas": replicas}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -372,27 +355,9 @@ class AdaptiveElasticMixin(_Base):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
         extras = checkpoint.get(CHECKPOINT_KEY)
-        if extras is None or self._averager is None:
-            return
-        self._averager.load_shared_state(extras["shared"]["averager"])
-        self.router.load_shared_state(extras["shared"]["router"])
-        self._l2_trend.load_state_dict(extras["shared"]["l2_trend"])
-        replicas = extras["replicas"]
-        if replicas is None or extras["world_size"] != self.world_size:
-            if replicas is not None:
-                log.warning(
-                    "The checkpoint holds %d replicas, this run has %d: all start from the merged model.",
-                    extras["world_size"],
-                    self.world_size,
-                )
-            return
-        own = replicas[self.global_rank]
-        device = self.root_device
-        self._averager.load_local_model(own["params"].to(device), own["buffers"].to(device))
-        self._averager.load_local_state(own["averager"])
-        self.router.load_local_state(own["router"])
-        if own["optimizer"] is not None:
-            self.optimizers[0].load_state_dict(own["optimizer"])
+        if extras is not None and self._averager is not None:
+            optimizer = self.optimizers[0] if self.optimizers else None
+            restore_training_state(extras, self._averager, self.router, self._l2_trend, optimizer, self.root_device)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -457,7 +422,3 @@ def _scaled_learning_rate(optimizer: torch.optim.Optimizer, factor: float) -> It
     finally:
         for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr
-
-
-def _cpu_state(state: Any) -> Any:
-    return apply_to_collection(state, torch.Tensor, lambda tensor: tensor.cpu())
