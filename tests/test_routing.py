@@ -151,3 +151,18 @@ def test_with_fixed_step_costs_the_balanced_planner_equalises_step_times():
     # The closed form: fᵢ(a + c·bᵢ) = T for all i with Σ bᵢ = 256 → T = (256c + 4a) / Σ(1/fᵢ) with a = 10c.
     common = (STEP_BATCH + 4 * 10) * SECONDS_PER_SAMPLE / sum(1 / f for f in factors)
     assert max(times) == pytest.approx(common, rel=0.05)
+
+
+def test_a_restored_router_continues_with_the_same_plans_and_measurements():
+    (router,) = _group(1, planner="balanced")
+    for size, seconds in ((256, 0.3), (200, 0.25), (300, 0.34)):
+        router.record(size, seconds, size)
+    router.plan_book.schedule(5, [256])
+    shared, local = router.shared_state(), router.local_state()
+
+    (restored,) = _group(1, planner="balanced")
+    restored.load_shared_state(shared)
+    restored.load_local_state(local)
+    assert restored.speed.rate == router.speed.rate
+    assert restored.step_time.model() == router.step_time.model()
+    assert restored.plan_book.state_dict() == router.plan_book.state_dict()
