@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import lightning.pytorch as L
 import pytest
 import pytorch_lightning as pl
@@ -156,8 +158,15 @@ def test_telemetry_reaches_csv_and_tensorboard_loggers(tmp_path):
 
 def test_end_of_fit_summary_shows_every_replica(caplog):
     strategy = AdaptiveElasticStrategy(planner="proportional")
-    with caplog.at_level("INFO", logger="lightning_aesgd"):
-        _trainer(strategy, max_steps=4, limit_val_batches=0).fit(RegressionModel())
+    # The package logger does not propagate to the root logger (its own handler prints the summary),
+    # so the capture handler is attached to it directly.
+    package_logger = logging.getLogger("lightning_aesgd")
+    package_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="lightning_aesgd"):
+            _trainer(strategy, max_steps=4, limit_val_batches=0).fit(RegressionModel())
+    finally:
+        package_logger.removeHandler(caplog.handler)
     summary = "\n".join(record.getMessage() for record in caplog.records if record.name.startswith("lightning_aesgd"))
     assert "replicas at the end of fit" in summary
     assert "merges: 4" in summary
