@@ -81,6 +81,15 @@ def test_additive_planner_moves_towards_equal_step_times():
     assert max(times) / min(times) < 1.15
 
 
+@pytest.mark.parametrize("planner", ["proportional", "balanced", "additive", "static"])
+def test_every_planner_plans_within_the_strategy_default_bounds(planner):
+    # The strategy passes min_batch=1, max_batch=None (no limit); every policy must accept them.
+    plans = _run(_group(2, planner=planner, min_batch=1, max_batch=None), lambda step: (1, 3), steps=12)
+    assert all(sum(plan) == STEP_BATCH and min(plan) >= 1 for plan in plans)
+    if planner != "static":
+        assert plans[-1][0] > plans[-1][1]  # the faster replica gets the larger batch
+
+
 def test_static_planner_never_changes_the_plan():
     plans = _run(_group(2, planner="static", shares=[3, 1]), lambda step: (1, 5), steps=10)
     assert set(plans) == {(192, 64)}

@@ -70,9 +70,9 @@ def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float]
     ``i``-th cut targets ``B_i = C_N · Σ_{j≤i} s_j / Σ s`` and lands on the item boundary ``k`` with
     ``C_k`` nearest to ``B_i`` (the lower one on ties). Each slice's cost is then within one item's cost of
     its share ``C_N · s_i / Σ s``, so replicas finish the step at the same time when time follows cost
-    (DESIGN.md, "Plan": cost-aware slicing). Cuts are then pushed, first forward and then backward, so that
-    every slice holds at least ``min(min_size, N // n)`` items: a short final step lowers the minimum
-    instead of failing. With zero total cost the counts fall back to :func:`apportion`.
+    (the paper's concern: a sparse batch costs what its non-zeros cost). Cuts are then pushed, first forward
+    and then backward, so that every slice holds at least ``min(min_size, N // n)`` items: a short final step
+    lowers the minimum instead of failing. With zero total cost the counts fall back to :func:`apportion`.
 
     Args:
         costs: Non-negative, finite cost of each item, in the order the items are consumed.
@@ -135,7 +135,7 @@ def balance_step_times(
 def linear_lr_scale(batch_size: int, nominal_batch_size: int) -> float:
     """Per-replica linear learning-rate factor ``b_i / B_ref``, so that ``lr_i = η·b_i/B_ref``.
 
-    This is the authors' per-GPU rule (algorithms.md §3.2, [CODE]): a replica taking a larger batch takes
+    This is the per-GPU rule of the authors' code (Ma et al. 2021): a replica taking a larger batch takes
     a proportionally larger step.
 
     Raises:

@@ -96,7 +96,7 @@ class BalancedPolicy:
 
 @dataclass(frozen=True)
 class AdditivePolicy:
-    """The paper's additive batch-size rule (algorithms.md §3.2), adapted to lockstep replicas.
+    """The paper's additive batch-size rule (Ma et al. 2021), adapted to lockstep replicas.
 
     In the authors' code ``p_i`` is replica ``i``'s share of the batches completed since the last merge; a
     replica with ``p_i > 1/n`` grows by ``step``, one with ``p_i < 1/n`` shrinks by ``step``, within
@@ -112,12 +112,12 @@ class AdditivePolicy:
     Args:
         step: Additive change per plan (32 in the paper).
         min_batch: Smallest batch per replica (32 in the paper).
-        max_batch: Largest batch per replica (1024 in the paper).
+        max_batch: Largest batch per replica (1024 in the paper); ``None`` for no limit.
     """
 
     step: int = 32
     min_batch: int = 32
-    max_batch: int = 1024
+    max_batch: int | None = 1024
 
     def __post_init__(self) -> None:
         if self.step < 1:
@@ -131,8 +131,9 @@ class AdditivePolicy:
         speeds = _checked_shares(speeds_at(current, step_times))
         update_rates = [speed / size for speed, size in zip(speeds, current, strict=True)]
         mean_rate = math.fsum(update_rates) / len(update_rates)
+        upper = self.max_batch if self.max_batch is not None else math.inf
         return [
-            min(max(size + self.step * _direction(rate, mean_rate), self.min_batch), self.max_batch)
+            int(min(max(size + self.step * _direction(rate, mean_rate), self.min_batch), upper))
             for size, rate in zip(current, update_rates, strict=True)
         ]
 

@@ -2,7 +2,7 @@
 
 Adaptive SGD (Ma, Rusu, Wu, Sim, arXiv:2110.07029) routes work in proportion to replica speed. Each replica
 times its own busy region (forward, backward, optimizer step; not the wait at collectives) with
-:class:`BusyTimer` and smooths the measurements with :class:`SpeedEstimator` (DESIGN.md, "Speed").
+:class:`BusyTimer` and smooths the measurements with :class:`SpeedEstimator`.
 """
 
 from __future__ import annotations
