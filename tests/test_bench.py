@@ -134,5 +134,7 @@ def test_tiny_overhead_measures_merges_planner_and_sampler(tmp_path: Path):
     assert merge["merge_ms"] > 0
     assert merge["all_reduce_ms"] > 0
     assert math.isfinite(merge["ratio"])
+    assert merge["merge_no_momentum_ms"] > 0
+    assert math.isfinite(merge["ratio_no_momentum"])
     assert results["planner"]["exchange_us_per_merge"] > 0
     assert results["sampler"]["elastic_us_per_batch"] > 0

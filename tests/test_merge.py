@@ -203,18 +203,19 @@ def test_elastic_pull_is_exact_at_both_ends_and_linear_between(replicas: list[to
 
 
 def test_extrapolate_adds_momentum_times_the_last_move_and_shifts_the_history() -> None:
-    z = tensor(1.0, 1.0)
+    mean = tensor(1.0, 1.0)
     history = {"previous": tensor(3.0, 2.0), "before_previous": tensor(1.0, 2.0)}
-    extrapolate_(z, history, momentum=0.5)
+    z = extrapolate_(mean, history, momentum=0.5)
     torch.testing.assert_close(z, tensor(2.0, 1.0))
-    torch.testing.assert_close(history["previous"], tensor(2.0, 1.0))
+    assert z is history["previous"]
     torch.testing.assert_close(history["before_previous"], tensor(3.0, 2.0))
+    assert torch.equal(mean, tensor(1.0, 1.0))  # only read
 
 
-def test_extrapolate_without_momentum_leaves_the_mean() -> None:
+def test_extrapolate_with_a_standing_history_gives_the_mean_exactly() -> None:
     mean = tensor(1.0, 2.0)
-    extrapolate_(mean, {"previous": tensor(9.0, 9.0), "before_previous": tensor(9.0, 9.0)}, momentum=0.7)
-    assert torch.equal(mean, tensor(1.0, 2.0))  # the history stood still: exactly no push
+    z = extrapolate_(mean, {"previous": tensor(9.0, 9.0), "before_previous": tensor(9.0, 9.0)}, momentum=0.7)
+    assert torch.equal(z, mean)  # the history stood still: exactly no push
 
 
 # ---------------------------------------------------------------------------------------------------------

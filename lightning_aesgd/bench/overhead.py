@@ -64,17 +64,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _ratio(value: float) -> str:
+    return f"{value:.2f}" if value <= MERGE_RATIO_TARGET else f"{value:.2f} (above {MERGE_RATIO_TARGET})"
+
+
 def overhead_table(results: dict[str, Any]) -> str:
     """The measurements as markdown tables."""
     lines = [
-        "| model | parameters | merge (ms) | all-reduce (ms) | merge ÷ all-reduce |",
-        "|---|---|---|---|---|",
+        "| model | parameters | all-reduce (ms) | merge (ms) | merge ÷ all-reduce "
+        "| merge without momentum (ms) | ÷ all-reduce |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in results["merges"]:
-        verdict = "" if row["ratio"] <= MERGE_RATIO_TARGET else f" (above {MERGE_RATIO_TARGET})"
         lines.append(
-            f"| {row['model']} | {row['parameters']:,} | {row['merge_ms']:.2f} | {row['all_reduce_ms']:.2f} | "
-            f"{row['ratio']:.2f}{verdict} |"
+            f"| {row['model']} | {row['parameters']:,} | {row['all_reduce_ms']:.2f} | {row['merge_ms']:.2f} | "
+            f"{_ratio(row['ratio'])} | {row['merge_no_momentum_ms']:.2f} | {_ratio(row['ratio_no_momentum'])} |"
         )
     planner, sampler = results["planner"], results["sampler"]
     lines += [

@@ -3,11 +3,13 @@
 A merge (:meth:`~lightning_aesgd.averager.ElasticAverager.merge`, Adaptive SGD's rule: weighted average, outer
 momentum, hard reset) packs the weighted parameters and the weight into one bucket, all-reduces it, divides,
 applies the rule and writes the model back. Its floor is one ``torch.distributed.all_reduce`` of a tensor as
-large as the model; the ratio merge / all-reduce says what the packing and the rule add on top.
+large as the model; the ratio merge / all-reduce says what the packing and the rule add on top. The same merge
+without outer momentum (local SGD's) is measured beside it: the momentum costs three more passes over the model.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import multiprocessing
@@ -17,6 +19,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -77,26 +80,36 @@ def _worker(rank: int, port: int, sizes: list[str], iterations: int, path: str) 
 def _measure_one(size: str, iterations: int) -> dict[str, float | str]:
     torch.manual_seed(0)
     module = build_model(size)
-    rule = get_merge_rule("elastic_average", alpha=1.0, momentum=0.3)
-    averager = ElasticAverager(module, rule, TorchCommunicator(torch.device("cpu")), period=1)
     parameters = sum(p.numel() for p in trainable_parameters(module))
+    # adaptive_sgd's merge (outer momentum 0.3) and local SGD's (plain weighted average), on the same model.
+    merges = {
+        "merge": _averager(module, momentum=0.3),
+        "merge_no_momentum": _averager(copy.deepcopy(module), momentum=0.0),
+    }
     plain = torch.randn(parameters)
-    merge_times, reduce_times = [], []
+    times: dict[str, list[float]] = {name: [] for name in [*merges, "all_reduce"]}
     for iteration in range(WARMUP_ITERATIONS + iterations):
-        # Alternate the two, so that drift of a shared machine hits both alike.
-        merge = _timed(lambda: averager.merge(1.0 + dist.get_rank()))
-        reduce = _timed(lambda: dist.all_reduce(plain))
+        # Alternate them, so that drift of a shared machine hits all alike.
+        measured = {name: _timed(partial(averager.merge, 1.0 + dist.get_rank())) for name, averager in merges.items()}
+        measured["all_reduce"] = _timed(lambda: dist.all_reduce(plain))
         if iteration >= WARMUP_ITERATIONS:
-            merge_times.append(merge)
-            reduce_times.append(reduce)
-    merge_s, reduce_s = statistics.median(merge_times), statistics.median(reduce_times)
+            for name, seconds in measured.items():
+                times[name].append(seconds)
+    median = {name: statistics.median(values) for name, values in times.items()}
     return {
         "model": size,
         "parameters": parameters,
-        "merge_ms": 1e3 * merge_s,
-        "all_reduce_ms": 1e3 * reduce_s,
-        "ratio": merge_s / reduce_s,
+        "merge_ms": 1e3 * median["merge"],
+        "merge_no_momentum_ms": 1e3 * median["merge_no_momentum"],
+        "all_reduce_ms": 1e3 * median["all_reduce"],
+        "ratio": median["merge"] / median["all_reduce"],
+        "ratio_no_momentum": median["merge_no_momentum"] / median["all_reduce"],
     }
+
+
+def _averager(module: nn.Module, momentum: float) -> ElasticAverager:
+    rule = get_merge_rule("elastic_average", alpha=1.0, momentum=momentum)
+    return ElasticAverager(module, rule, TorchCommunicator(torch.device("cpu")), period=1)
 
 
 def _timed(operation: Callable[[], object]) -> float:

@@ -145,25 +145,30 @@ def _check_mean_inputs(tensors: Sequence[Tensor], weights: Sequence[float]) -> N
         raise ValueError("At least one weight must be positive; a mean of nothing is undefined.")
 
 
-def extrapolate_(mean: Tensor, history: dict[str, Tensor], momentum: float) -> None:
-    """Polyak (heavy-ball) momentum on the merged model, in place, then shift the merge history.
+def extrapolate_(mean: Tensor, history: dict[str, Tensor], momentum: float) -> Tensor:
+    """Polyak (heavy-ball) momentum on the merged model, computed into the merge history, which it shifts.
 
-    ``z_t = mean + μ·(z_{t−1} − z_{t−2})``; afterwards ``history["previous"]`` holds ``z_t`` and
-    ``history["before_previous"]`` holds ``z_{t−1}``. This is Adaptive SGD's ``mu_weight(m, z_{t−1}, z_{t−2})``
-    (Ma et al., arXiv 2110.07029; the kernel is missing from the authors' code, YMA33/HeteroGPU), read as
-    outer momentum with an outer learning rate of 1.
+    ``z_t = mean + μ·(z_{t−1} − z_{t−2})``; afterwards ``history["previous"]`` holds ``z_t`` (the returned
+    tensor) and ``history["before_previous"]`` holds ``z_{t−1}``; ``mean`` is only read. This is Adaptive SGD's
+    ``mu_weight(m, z_{t−1}, z_{t−2})`` (Ma et al., arXiv 2110.07029; the kernel is missing from the authors'
+    code, YMA33/HeteroGPU), read as outer momentum with an outer learning rate of 1.
 
     Args:
-        mean: The merged model ``Σ_i p_i x_i``; becomes ``z_t``.
+        mean: The merged model ``Σ_i p_i x_i``.
         history: ``{"previous": z_{t−1}, "before_previous": z_{t−2}}``; shifted in place.
-        momentum: ``μ``; 0 leaves ``mean`` as it is.
+        momentum: ``μ``; 0 gives ``z_t = mean`` exactly.
+
+    Returns:
+        ``z_t``, stored in ``history["previous"]``.
     """
     previous, before_previous = history["previous"], history["before_previous"]
-    # Three passes over the model and no allocation: the last move is computed where z_{t−2} was (exactly zero
-    # when the history stands still), and the history shifts by swapping buffers instead of copying one.
+    # Two passes over the model, no allocation and no copy: the last move and then z_t are computed where
+    # z_{t−2} was (the move is exactly zero when the history stands still), and the history shifts by swapping
+    # buffers. A merge is memory-bound, so every pass saved counts.
     last_move = torch.sub(previous, before_previous, out=before_previous)
-    mean.add_(last_move, alpha=momentum)
-    history["previous"], history["before_previous"] = last_move.copy_(mean), previous
+    center = torch.add(mean, last_move, alpha=momentum, out=last_move)
+    history["previous"], history["before_previous"] = center, previous
+    return center
 
 
 def elastic_pull_(x: Tensor, target: Tensor, alpha: float) -> None:
@@ -177,7 +182,10 @@ def elastic_pull_(x: Tensor, target: Tensor, alpha: float) -> None:
         target: The tensor to pull towards.
         alpha: The elastic coefficient ``α`` in [0, 1].
     """
-    # lerp computes the end point exactly at weight 1 and the start exactly at weight 0, unlike x - α(x - t).
+    if alpha == 1.0:
+        x.copy_(target)  # the hard reset reads one tensor where lerp reads two
+        return
+    # lerp computes the start exactly at weight 0, unlike x - α(x - t).
     x.lerp_(target, alpha)
 
 
@@ -244,10 +252,9 @@ class ElasticAverage:
     ) -> Tensor:
         """Compute ``z_t``, shift the merge history and pull ``local`` towards ``z_t``; see the class."""
         _check_num_replicas(num_replicas)
-        if self.momentum != 0.0:
-            extrapolate_(mean, state, self.momentum)
-        elastic_pull_(local, mean, self.alpha)
-        return mean
+        center = extrapolate_(mean, state, self.momentum) if self.momentum != 0.0 else mean
+        elastic_pull_(local, center, self.alpha)
+        return center
 
     def center(self, mean: Tensor, state: dict[str, Tensor]) -> Tensor:
         """The replicas' mean: without a stored central model, that is the global model."""
