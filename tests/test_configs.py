@@ -48,6 +48,13 @@ def test_every_option_of_every_group_composes(tmp_path, group):
         assert cfg[group if group != "experiment" else "data"] is not None
 
 
+@pytest.mark.parametrize(("experiment", "outer_momentum"), [(None, 0.3), ("fashion_mnist", 0.0), ("digits", 0.0)])
+def test_adaptive_sgd_outer_momentum_is_off_where_the_optimizer_has_momentum(tmp_path, experiment, outer_momentum):
+    overrides = [f"experiment={experiment}"] if experiment else []
+    trainer, _model, _datamodule = build(_compose(tmp_path, "algorithm=adaptive_sgd", *overrides))
+    assert trainer.strategy.merge_rule.momentum == outer_momentum
+
+
 WORKLOADS = [("xmc_mini", "xmc"), ("xmc_eurlex", "xmc"), ("fashion_mnist", "fashion_cnn"), ("digits", "digits_mlp")]
 
 
