@@ -8,6 +8,7 @@ step happened.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -101,8 +102,14 @@ class ElasticAverager:
         return replica_weight(self.weights, self.samples_since_merge, self.updates_since_merge)
 
     @torch.no_grad()
-    def merge(self, weight: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
-        """Merge with all replicas (a collective) using this replica's ``weight``; returns the new global model."""
+    def merge(
+        self, weight: float, optimizer: torch.optim.Optimizer | None = None, report: Sequence[float] = ()
+    ) -> tuple[Tensor, list[list[float]]]:
+        """Merge with all replicas (a collective) using this replica's ``weight``.
+
+        ``report`` (a short row of numbers) travels in the same collective; returns the new global model and
+        every replica's report, in rank order.
+        """
         local = self.params.current()
         contributed = local if self._snapshot is None else self._snapshot
         flats = [contributed, self.buffers.read()]
@@ -110,7 +117,7 @@ class ElasticAverager:
         moment_view = FlatView(moments)
         if moment_view:
             flats.append(moment_view.read())
-        means, _ = self._mean(flats, weight)
+        means, reports = self._mean(flats, weight, report)
         center = self.rule.merge_(local, contributed, means[0], self.comm.world_size, self.rule_state)
         self.params.write_(local)  # a no-op when the parameters are views of `local`
         self.buffers.write_(means[1])
@@ -122,7 +129,7 @@ class ElasticAverager:
         self.merges += 1
         self.last_weight = weight
         self.samples_since_merge, self.updates_since_merge = 0.0, 0
-        return center
+        return center, reports
 
     @torch.no_grad()
     def global_model(self) -> tuple[Tensor, Tensor]:

@@ -1,28 +1,35 @@
-"""Lightning callbacks: heterogeneity emulation for any strategy, so baselines run under the same profile."""
+"""Lightning callbacks: heterogeneity emulation for any strategy, so that every strategy runs under the same profile."""
 
 from __future__ import annotations
 
+import functools
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities.data import extract_batch_size
 
+from lightning_aesgd.cpu_quota import CpuQuota
 from lightning_aesgd.slowdown import ComputeClock, SlowdownProfile, as_profile
 
 
 class SlowdownCallback(pl.Callback):
-    """Emulate slower devices under any strategy (Lightning's DDP in particular).
+    """Emulate slower devices under any strategy, with the slowness where the profile's ``mode`` puts it.
 
-    Each step, replica ``r`` sleeps ``(f_r − 1) × c`` after its step, where ``c`` is the step's compute time as
-    :class:`~lightning_aesgd.slowdown.ComputeClock` measures it: CPU time on CPU, which excludes the time DDP's
-    gradient all-reduce spends waiting for slower peers. The sleep comes before the next step's collectives,
-    so under DDP every step waits for the slowest emulated device, as it would on real mixed hardware.
-    ``adaptive_elastic`` applies the same profile itself through its ``slowdown`` argument.
+    * ``step``: replica ``r`` sleeps ``(f_r − 1) × c`` at the end of each step, ``c`` the step's compute time as
+      :class:`~lightning_aesgd.slowdown.ComputeClock` measures it (CPU time on CPU, which excludes time DDP's
+      gradient all-reduce spends waiting for slower peers). ``adaptive_elastic`` applies this mode itself,
+      inside its optimizer step, through its ``slowdown`` argument.
+    * ``user``: the LightningModule's ``training_step`` takes ``f_r × s`` more seconds per sample.
+    * ``data``: the training DataLoader's collate function takes ``f_r × s`` seconds per sample.
+    * ``hook``: ``on_train_batch_end`` takes ``f_r × s`` seconds per sample.
+    * ``quota``: each replica process runs under a CPU quota of ``1/f_r`` of its fair share of the cores.
 
     Args:
         profile: a :class:`~lightning_aesgd.slowdown.SlowdownProfile`, a list of factors, or a mapping with
-            ``factors`` (and optional ``changes``).
+            ``factors`` (and optional ``changes``, ``base``, ``mode``, ``seconds_per_sample``).
     """
 
     def __init__(self, profile: SlowdownProfile | Sequence[float] | Mapping[str, Any]) -> None:
@@ -31,19 +38,116 @@ class SlowdownCallback(pl.Callback):
         self.profile = resolved
         self._clock: ComputeClock | None = None
         self._started = 0.0
+        self._quota: CpuQuota | None = None
+        self._restore: list[Callable[[], None]] = []
+
+    @property
+    def mode(self) -> str:
+        """Where the slowness lands."""
+        return self.profile.mode
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:  # noqa: D102
-        if stage == "fit":
-            self.profile.check_replicas(trainer.world_size)
+        if stage != "fit":
+            return
+        self.profile.check_replicas(trainer.world_size)
+        rank = trainer.global_rank
+        if self.mode == "step":
             self._clock = ComputeClock(trainer.strategy.root_device)
+        elif self.mode == "user":
+            self._slow_down_training_step(trainer, pl_module)
+        elif self.mode == "data":
+            self._slow_down_collate(trainer, pl_module)
+        elif self.mode == "quota":
+            cores = _fair_share_of_cores(trainer) / self.profile.factor(rank, 0)
+            self._quota = CpuQuota(cores, f"lightning_aesgd_{os.getpid()}_{rank}")
+            self._quota.apply()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:  # noqa: D102
+        if self._quota is not None:
+            self._quota.release()
+            self._quota = None
+        for restore in reversed(self._restore):
+            restore()
+        self._restore.clear()
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: D102
         if self._clock is not None:
             self._started = self._clock.now()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: D102
-        if self._clock is None:
-            return
-        factor = self.profile.factor(trainer.global_rank, trainer.global_step - 1)
-        if factor > 1:
-            time.sleep((factor - 1) * (self._clock.now() - self._started))
+    def on_train_batch_end(  # noqa: D102
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step - 1
+        if self._clock is not None:
+            factor = self.profile.factor(trainer.global_rank, step)
+            if factor > 1:
+                time.sleep((factor - 1) * (self._clock.now() - self._started))
+        elif self.mode == "hook":
+            time.sleep(self.profile.extra_seconds(trainer.global_rank, step, _batch_size(batch)))
+
+    def _slow_down_training_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        original = pl_module.training_step
+        profile = self.profile
+
+        @functools.wraps(original)
+        def slow_training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            output = original(batch, *args, **kwargs)
+            time.sleep(profile.extra_seconds(trainer.global_rank, trainer.global_step, _batch_size(batch)))
+            return output
+
+        pl_module.training_step = slow_training_step  # type: ignore[method-assign]
+        self._restore.append(lambda: delattr(pl_module, "training_step"))
+
+    def _slow_down_collate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The loader is built later (and rebuilt by samplers and strategies, which keep its collate_fn):
+        # wrap the hook that builds it, whether it lives on the datamodule or on the module.
+        datamodule = getattr(trainer, "datamodule", None)
+        owner: Any = datamodule if datamodule is not None else pl_module
+        build = owner.train_dataloader
+        seconds = self.profile.extra_seconds(trainer.global_rank, 0, 1)
+
+        @functools.wraps(build)
+        def slow_train_dataloader() -> Any:
+            loader = build()
+            slow = SlowCollate(loader.collate_fn, seconds)
+            loader.collate_fn = slow
+            # Lightning re-creates loaders from the arguments it saw (to inject its sampler): update them too.
+            saved = getattr(loader, "__pl_saved_kwargs", None)
+            if saved is not None:
+                saved["collate_fn"] = slow
+            return loader
+
+        owner.train_dataloader = slow_train_dataloader
+        self._restore.append(lambda: delattr(owner, "train_dataloader"))
+
+
+class SlowCollate:
+    """A collate function that takes ``seconds_per_sample`` per sample longer (picklable for loader workers).
+
+    Args:
+        collate: the loader's own collate function.
+        seconds_per_sample: extra seconds per sample.
+    """
+
+    def __init__(self, collate: Callable[[list[Any]], Any], seconds_per_sample: float) -> None:
+        self.collate = collate
+        self.seconds_per_sample = seconds_per_sample
+
+    def __call__(self, samples: list[Any]) -> Any:  # noqa: D102
+        batch = self.collate(samples)
+        time.sleep(self.seconds_per_sample * len(samples))
+        return batch
+
+
+def _batch_size(batch: Any) -> int:
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # a batch Lightning cannot size (e.g. a custom object): count it by its length
+        return len(batch)
+
+
+def _fair_share_of_cores(trainer: pl.Trainer) -> float:
+    """The CPUs each local replica would get if all shared the machine equally."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_replicas = max(1, trainer.world_size // max(1, trainer.num_nodes))
+    return cores / local_replicas

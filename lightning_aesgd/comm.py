@@ -38,10 +38,6 @@ class Communicator(Protocol):
         """Replace ``tensor`` in place by replica ``src``'s tensor."""
         ...
 
-    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:
-        """Gather a short vector of statistics from every replica; row ``r`` is replica ``r``'s vector."""
-        ...
-
     def all_gather_object(self, obj: T) -> list[T]:
         """Gather one picklable object from every replica (used for checkpoints, not on the hot path)."""
         ...
@@ -63,9 +59,6 @@ class LocalCommunicator:
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
         return None
-
-    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:  # noqa: D102
-        return [list(values)]
 
     def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
         return [obj]
@@ -99,12 +92,6 @@ class TorchCommunicator:
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
         dist.broadcast(tensor, src=src, group=self.group)
 
-    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:  # noqa: D102
-        local = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local, group=self.group)
-        return [row.tolist() for row in gathered]
-
     def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self.group)
@@ -119,6 +106,10 @@ class WeightedMean:
 
         meanₖ = Σᵢ wᵢ θₖ,ᵢ / Σᵢ wᵢ
 
+    A replica may also send a short row of statistics (its arrival report) in the same collective: the widest
+    floating bucket gets ``n`` row slots after the weight, replica ``r`` writes its row into slot ``r`` and zeros
+    elsewhere, so the SUM gathers every replica's row without a collective of its own.
+
     Buckets are kept between calls: a merge runs on the training path, and a fresh model-sized buffer costs as
     much as a copy of the model.
 
@@ -130,8 +121,10 @@ class WeightedMean:
         self.comm = comm
         self._buckets: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
 
-    def __call__(self, flats: Sequence[Tensor], weight: float) -> tuple[list[Tensor], float]:
-        """Return the means, one per input in the same order, and the total weight Σᵢ wᵢ.
+    def __call__(
+        self, flats: Sequence[Tensor], weight: float, row: Sequence[float] = ()
+    ) -> tuple[list[Tensor], list[list[float]]]:
+        """Return the means, one per input in the same order, and every replica's ``row`` (rank order).
 
         The means are views of an internal bucket: valid until the next call, and free to be overwritten.
 
@@ -139,24 +132,38 @@ class WeightedMean:
             ValueError: if the total weight is not positive.
         """
         means = list(flats)  # placeholders, each replaced by its mean below
-        total_weight = 0.0
-        for dtype in dict.fromkeys(flat.dtype for flat in flats):
+        dtypes = list(dict.fromkeys(flat.dtype for flat in flats))
+        carrier = _widest(dtypes)
+        rows: list[list[float]] = []
+        row_slots = len(row) * self.comm.world_size
+        for dtype in dtypes:
             positions = [k for k, flat in enumerate(flats) if flat.dtype == dtype]
             sizes = [flats[k].numel() for k in positions]
-            bucket = self._bucket(dtype, flats[positions[0]].device, sum(sizes) + 1)
-            for k, chunk in zip(positions, torch.split(bucket[:-1], sizes), strict=True):
+            body = sum(sizes)
+            extra = row_slots if dtype == carrier else 0
+            bucket = self._bucket(dtype, flats[positions[0]].device, body + 1 + extra)
+            for k, chunk in zip(positions, torch.split(bucket[:body], sizes), strict=True):
                 torch.mul(flats[k].reshape(-1), weight, out=chunk)
-            bucket[-1] = weight
+            bucket[body] = weight
+            if extra:
+                _write_row(bucket[body + 1 :], row, self.comm.rank)
             self.comm.all_reduce_sum_(bucket)
-            total_weight = float(bucket[-1])
+            total_weight = float(bucket[body])
             if not total_weight > 0:
                 raise ValueError(
                     f"The merge weights of all replicas sum to {total_weight}; at least one must be positive."
                 )
-            bucket.div_(total_weight)
-            for k, mean in zip(positions, torch.split(bucket[:-1], sizes), strict=True):
+            bucket[:body].div_(total_weight)
+            if extra:
+                rows = bucket[body + 1 :].view(-1, len(row)).tolist()
+            for k, mean in zip(positions, torch.split(bucket[:body], sizes), strict=True):
                 means[k] = mean
-        return means, total_weight
+        if row and not rows:  # nothing to carry the row (no floating tensors): send it on its own
+            slots = torch.zeros(row_slots, dtype=torch.float64)
+            _write_row(slots, row, self.comm.rank)
+            self.comm.all_reduce_sum_(slots)
+            rows = slots.view(-1, len(row)).tolist()
+        return means, rows
 
     def _bucket(self, dtype: torch.dtype, device: torch.device, size: int) -> Tensor:
         key = (dtype, device, size)
@@ -165,6 +172,13 @@ class WeightedMean:
         return self._buckets[key]
 
 
-def weighted_mean(flats: Sequence[Tensor], weight: float, comm: Communicator) -> tuple[list[Tensor], float]:
-    """One-off :class:`WeightedMean`: new means of ``flats`` over all replicas, and the total weight."""
-    return WeightedMean(comm)(flats, weight)
+def _widest(dtypes: Sequence[torch.dtype]) -> torch.dtype | None:
+    """The floating dtype with the most mantissa bits: it carries the report rows most exactly."""
+    floating = [dtype for dtype in dtypes if dtype.is_floating_point]
+    return max(floating, key=lambda dtype: torch.finfo(dtype).eps * -1.0, default=None)
+
+
+def _write_row(slots: Tensor, row: Sequence[float], rank: int) -> None:
+    slots.zero_()
+    width = len(row)
+    slots[rank * width : (rank + 1) * width] = torch.tensor(list(row), dtype=slots.dtype)

@@ -1,10 +1,11 @@
-"""Routing work by measured speed: time each replica's steps, exchange speeds at merges, schedule plans.
+"""Routing work by measured speed: stamp each replica's arrivals at merges, plan from every replica's reports.
 
 :class:`Router` is the Lightning-free part of the strategy that makes the split of every step follow the
-replicas' speeds. Each replica times its own local steps (busy time: forward, backward, optimizer step; never
-time spent waiting for peers) and keeps a moving average of its speed in samples (or cost units) per second. At
-every merge the replicas all-gather a few statistics, so that every replica computes the same next plan from
-the same numbers; the plan takes effect ``lag`` steps later (see :class:`~lightning_aesgd.sampler.PlanBook`).
+replicas' speeds. It stamps when this replica is released from a merge and when it arrives at the next, so its
+report measures everything the replica did in between (data loading, hooks, compute, throttling) and none of
+the time it waited for peers (:mod:`lightning_aesgd.core.sensing`). The reports travel inside the merge's
+all-reduce; every replica computes the same next plan from the same numbers, and the plan takes effect ``lag``
+steps later (see :class:`~lightning_aesgd.sampler.PlanBook`).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor
 
-from lightning_aesgd.comm import Communicator
 from lightning_aesgd.core.planning import apportion
 from lightning_aesgd.core.policies import PlanPolicy, StaticPolicy, get_plan_policy
-from lightning_aesgd.core.speed import BusyTimer, SpeedEstimator, StepTime, StepTimeEstimator
+from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
+from lightning_aesgd.core.speed import BusyTimer
 from lightning_aesgd.sampler import PlanBook, StepRecord
 from lightning_aesgd.slowdown import ComputeClock, SlowdownProfile, as_profile, emulated_slowdown
 
@@ -31,20 +32,23 @@ SampleCosts = Union[None, Literal["dataset", "auto"], Callable[[Any], "Sequence[
 
 @dataclass(frozen=True)
 class ReplicaStats:
-    """What one replica reports at a merge."""
+    """One replica as the latest merge saw it, for telemetry and the end-of-fit summary.
+
+    Attributes:
+        merge_weight: the replica's merge weight at the latest merge.
+        speed: smoothed samples (or cost units) per active second.
+        samples: samples (or cost units) processed in the latest period.
+        wait_fraction: share of its wall time the replica spent inside merges (waiting for peers included).
+        step_seconds: smoothed active seconds per step (release of a merge to arrival at the next).
+        busy_seconds: seconds per step inside the optimizer step (forward, backward, update).
+    """
 
     merge_weight: float
     speed: float
     samples: float
     wait_fraction: float
     step_seconds: float
-    overhead: float
-    per_sample: float
-
-    @property
-    def step_time(self) -> StepTime | None:
-        """The replica's fitted step-time model, once it has measured a step."""
-        return StepTime(self.overhead, self.per_sample) if self.per_sample > 0 else None
+    busy_seconds: float = 0.0
 
 
 def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
@@ -74,167 +78,245 @@ def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
 
 
 class Router:
-    """Measures this replica's speed and turns all replicas' speeds into batch-size plans.
+    """Measures this replica's arrivals and turns every replica's reports into batch-size plans.
+
+    The router never communicates: at a merge it hands the strategy this replica's
+    :class:`~lightning_aesgd.core.sensing.PeriodReport` (:meth:`report`), the strategy sends it inside the merge's
+    all-reduce, and hands back every replica's report (:meth:`receive`). Every rank then updates the same
+    :class:`~lightning_aesgd.core.sensing.ArrivalModel` and schedules the same plan ``lag`` steps ahead.
 
     Args:
-        planner: ``"balanced"`` (equal predicted step times, fixed per-step costs included), ``"proportional"``
-            (shares ∝ speed), ``"additive"`` (the paper's ±step rule), ``"static"``, or any
+        planner: ``"proportional"`` (shares ∝ speed), ``"balanced"`` (equal predicted step times, fixed per-step
+            costs included), ``"additive"`` (the paper's ±step rule), ``"static"``, or any
             :class:`~lightning_aesgd.core.policies.PlanPolicy`.
         shares: fixed shares for the static planner (equal when omitted).
         min_batch: smallest batch per replica.
         max_batch: largest batch per replica.
-        speed_smoothing: smoothing of the speed moving averages.
-        slowdown: an emulated slowdown profile, or ``None`` for real speed.
+        min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``.
+        speed_smoothing: smoothing β of the moving averages.
+        plan_gain: fraction γ of the way to the planner's target that each new plan moves.
+        plan_dead_band: the plan stays while every replica's relative move is below this.
+        slowdown: an emulated slowdown profile (its ``step`` mode: slowness inside the optimizer step).
+        clock: wall clock in seconds (tests pass a scripted one).
         planner_options: extra arguments of the planner (e.g. ``step`` of the additive rule).
     """
 
     def __init__(
         self,
-        planner: str | PlanPolicy = "static",
+        planner: str | PlanPolicy = "proportional",
         shares: Sequence[float] | None = None,
         min_batch: int = 1,
         max_batch: int | None = None,
+        min_share: float = 0.1,
         speed_smoothing: float = 0.8,
+        plan_gain: float = 0.5,
+        plan_dead_band: float = 0.03,
         slowdown: SlowdownProfile | Sequence[float] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
         **planner_options: Any,
     ) -> None:
-        self.policy = _make_policy(planner, shares, min_batch, max_batch, planner_options)
-        self.shares = shares
+        self.planner, self.shares, self.planner_options = planner, shares, planner_options
         self.min_batch, self.max_batch = min_batch, max_batch
+        batch_floor(1, 1, min_batch, min_share)  # validates min_share
+        self.min_share, self.plan_gain, self.plan_dead_band = min_share, plan_gain, plan_dead_band
         self.adaptive = planner != "static"
-        self.speed = SpeedEstimator(speed_smoothing)
-        self.step_time = StepTimeEstimator(speed_smoothing)
-        self.slowdown = as_profile(slowdown)
+        self.speed_smoothing = speed_smoothing
+        profile = as_profile(slowdown)
+        # Other modes put the slowness outside the strategy (SlowdownCallback): the router must not add its own.
+        self.slowdown = profile if profile is not None and profile.mode == "step" else None
+        self.clock = clock
         self.cost_aware = False
         self.plan_book: PlanBook | None = None
+        # Built now so that bad options fail at construction; rebuilt with the floor once the step batch is known.
+        self.policy: PlanPolicy | None = _make_policy(planner, shares, min_batch, max_batch, planner_options)
+        self.model: ArrivalModel | None = None
+        self.floor = min_batch
         self.lag = 1
         self.total = 0
+        self.rank = 0
+        self.stop_requested = False
+        self.merge_weights: list[float] = []  # every replica's weight at the latest merge
         # The latest exchanges, for the end-of-fit summary and the benchmark's plots; bounded for long runs.
         self.history: deque[tuple[int, list[ReplicaStats], tuple[int, ...]]] = deque(maxlen=100_000)
-        self._saved_plans: dict[str, Any] | None = None
-        self._comm: Communicator | None = None
+        self._saved_state: dict[str, Any] | None = None
         self._timer: BusyTimer | None = None
         self._clock: ComputeClock | None = None
-        self._pending_work: deque[tuple[float, int]] = deque()
-        self._period = _PeriodTotals()
+        self._pending_busy = 0
+        self._period = _Period()
+        self._release: float | None = None
+        self._arrival = 0.0
+        self._wait_fraction = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
-    def attach(self, comm: Communicator, device: torch.device) -> None:
-        """Start measuring on ``device`` and exchanging through ``comm``."""
+    def attach(self, num_replicas: int, rank: int, device: torch.device) -> None:
+        """Start measuring replica ``rank`` of ``num_replicas`` on ``device``."""
         if self.slowdown is not None:
-            self.slowdown.check_replicas(comm.world_size)
-        self._comm = comm
+            self.slowdown.check_replicas(num_replicas)
+        self.rank = rank
+        if self.model is None or self.model.num_replicas != num_replicas:
+            self.model = ArrivalModel(num_replicas, self.speed_smoothing)
         self._timer = BusyTimer(device)
         self._clock = ComputeClock(device)
-        self._pending_work.clear()
-        self._period = _PeriodTotals()
+        self._pending_busy = 0
+        self.stop_requested = False
+        self.interrupt()
 
     def detach(self) -> None:
-        """Stop measuring (fit ended); plans and speeds are kept for a later fit on the same Trainer."""
-        self._comm = self._timer = self._clock = None
+        """Stop measuring (fit ended); plans and models are kept for a later fit on the same Trainer."""
+        self._timer = self._clock = None
 
     def plan_book_for(self, total: int, num_replicas: int, lag: int) -> PlanBook:
         """The plan book for steps of ``total`` samples, created on first use or restored from a checkpoint."""
         self.lag, self.total = lag, total
+        self.floor = batch_floor(total, num_replicas, self.min_batch, self.min_share if self.adaptive else 0.0)
+        self.policy = _make_policy(self.planner, self.shares, self.floor, self.max_batch, self.planner_options)
         book = self.plan_book
         if book is None or len(book.latest) != num_replicas or sum(book.latest) != total:
             shares = self.shares if self.shares is not None else [1.0] * num_replicas
             if len(shares) != num_replicas:
                 raise ValueError(f"Got {len(shares)} static shares for {num_replicas} replicas.")
-            book = self.plan_book = PlanBook(apportion(total, shares, self.min_batch, self.max_batch))
-        if self._saved_plans is not None:
-            book.load_state_dict(self._saved_plans)
-            self._saved_plans = None
+            book = self.plan_book = PlanBook(apportion(total, shares, self.floor, self.max_batch))
+        self._load_saved_state()
         return book
 
     # --- per step -----------------------------------------------------------------------------------------
 
     @contextmanager
     def timing(self, record: StepRecord, step: int) -> Iterator[None]:
-        """Time one local step (and emulate a slower device around it when a profile is set)."""
+        """Account one local step (busy time for telemetry; the ``step`` slowdown emulation around it)."""
         assert self._timer is not None
         assert self._clock is not None
-        assert self._comm is not None
-        factor = self.slowdown.factor(self._comm.rank, step) if self.slowdown is not None else 1.0
-        work = record.cost if self.cost_aware else float(record.num_samples)
+        factor = self.slowdown.factor(self.rank, step) if self.slowdown is not None else 1.0
         self._timer.start()
         with emulated_slowdown(self._clock, factor):
             yield
         self._timer.stop()
-        self._pending_work.append((work, record.planned))
-        self._period.samples += record.num_samples
-        # On CUDA a step's time is known a step or two later; work and times pair up in order.
-        for seconds in self._timer.pop_completed():
-            work, planned = self._pending_work.popleft()
-            self.record(work, seconds, planned)
+        self._period.add(record.cost if self.cost_aware else float(record.num_samples), record.planned)
+        # On CUDA a step's busy time is known a step or two later; only complete regions are counted.
+        self._period.busy += sum(self._timer.pop_completed())
 
-    def record(self, work: float, seconds: float, planned: int) -> None:
-        """Account one finished local step of ``work`` samples (or cost units), planned at ``planned`` samples."""
-        if seconds > 0 and planned > 0:  # a region that launched no device work measures nothing
-            self.speed.update(work, seconds)
-            self.step_time.update(planned, seconds)
-            self._period.busy += seconds
+    def interrupt(self) -> None:
+        """Something other than training ran (validation, a new epoch, a checkpoint): restart the period's clock.
 
-    def own_stats(self, merge_weight: float) -> ReplicaStats:
-        """What this replica reports at the coming exchange."""
-        model = self.step_time.model() or StepTime(0.0, 0.0)
-        return ReplicaStats(
-            merge_weight,
-            self.speed.rate or 0.0,
-            self._period.samples,
-            self._period.wait_fraction(),
-            self.speed.mean_seconds or 0.0,
-            model.overhead,
-            model.per_sample,
+        A period that already holds steps then measures nothing; an empty one measures from now.
+        """
+        if self._period.steps:
+            self._period.measured = False
+        self._release = self.clock()
+
+    # --- at a merge ---------------------------------------------------------------------------------------
+
+    def report(self, merge_weight: float, stop: bool = False) -> PeriodReport:
+        """This replica's report for the merge it is arriving at; stamps the arrival."""
+        self._arrival = self.clock()
+        period = self._period
+        measured = period.measured and self._release is not None
+        return PeriodReport(
+            merge_weight=merge_weight,
+            work=period.work,
+            planned=period.planned,
+            steps=float(period.steps) if measured else 0.0,
+            active=self._arrival - self._release if self._release is not None else 0.0,
+            busy=period.busy,
+            wait_fraction=self._wait_fraction,
+            stop=1.0 if stop else 0.0,
         )
 
-    def exchange(self, merge_weight: float, step: int) -> list[ReplicaStats]:
-        """All-gather every replica's statistics (a collective) and schedule the next plan from their speeds."""
-        assert self._comm is not None
+    def receive(self, rows: Sequence[Sequence[float]], step: int) -> list[ReplicaStats]:
+        """Take every replica's report (rank order) after the merge; update the models and schedule a plan.
+
+        Every rank passes the same rows, so every rank takes the same decision.
+        """
         assert self.plan_book is not None
-        own = astuple(self.own_stats(merge_weight))
-        stats = [ReplicaStats(*row) for row in self._comm.all_gather_floats(own)]
-        step_times = [s.step_time for s in stats]
-        # Every replica sees the same numbers, so every replica takes the same decision here.
-        if self.adaptive and all(t is not None for t in step_times):
-            sizes = self.policy.plan(self.plan_book.latest, [t for t in step_times if t is not None], self.total)
-            if tuple(sizes) != self.plan_book.latest:
+        assert self.model is not None
+        released = self.clock()
+        wall = released - (self._release if self._release is not None else self._arrival)
+        self._wait_fraction = (released - self._arrival) / wall if wall > 0 else 0.0
+        self._release = released
+        reports = [PeriodReport.from_row(row) for row in rows]
+        self.model.update(reports)
+        self.stop_requested = any(report.stop > 0 for report in reports)
+        self.merge_weights = [report.merge_weight for report in reports]
+        models = self.model.models()
+        if self.adaptive and models is not None:
+            assert self.policy is not None
+            current = self.plan_book.latest
+            sizes = self.policy.plan(current, models, self.total)
+            if isinstance(self.planner, str):  # a PlanPolicy object of the user's is obeyed as it is
+                sizes = damped_plan(current, sizes, self.plan_gain, self.plan_dead_band, self.floor, self.max_batch)
+            if tuple(sizes) != current:
                 self.plan_book.schedule(step + self.lag, sizes)
+        stats = self._stats(reports)
         self.history.append((step, stats, self.plan_book.latest))
-        self._period = _PeriodTotals()
+        self._period = _Period()
         return stats
+
+    def _stats(self, reports: Sequence[PeriodReport]) -> list[ReplicaStats]:
+        assert self.model is not None
+        rates, seconds = self.model.rates(), self.model.step_seconds()
+        return [
+            ReplicaStats(
+                merge_weight=report.merge_weight,
+                speed=rate,
+                samples=report.work,
+                wait_fraction=report.wait_fraction,
+                step_seconds=step_seconds,
+                busy_seconds=report.busy / report.steps if report.steps > 0 else 0.0,
+            )
+            for report, rate, step_seconds in zip(reports, rates, seconds, strict=True)
+        ]
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
-    def shared_state(self) -> dict[str, Any]:  # noqa: D102
-        return {"plans": None if self.plan_book is None else self.plan_book.state_dict()}
+    def shared_state(self) -> dict[str, Any]:
+        """Plans and the arrival model: identical on every replica."""
+        return {
+            "plans": None if self.plan_book is None else self.plan_book.state_dict(),
+            "arrivals": None if self.model is None else self.model.state_dict(),
+            "merge_weights": list(self.merge_weights),
+        }
 
-    def local_state(self) -> dict[str, Any]:  # noqa: D102
-        return {"speed": self.speed.state_dict(), "step_time": self.step_time.state_dict()}
+    def local_state(self) -> dict[str, Any]:
+        """Nothing: every measurement the router keeps is shared."""
+        return {}
 
-    def load_shared_state(self, state: dict[str, Any]) -> None:  # noqa: D102
-        self._saved_plans = state["plans"]
-        if self.plan_book is not None and self._saved_plans is not None:
-            self.plan_book.load_state_dict(self._saved_plans)
-            self._saved_plans = None
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`shared_state` returned (now, or once the plan book exists)."""
+        self._saved_state = state
+        if self.plan_book is not None:
+            self._load_saved_state()
 
-    def load_local_state(self, state: dict[str, Any]) -> None:  # noqa: D102
-        self.speed.load_state_dict(state["speed"])
-        self.step_time.load_state_dict(state["step_time"])
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        """Accept a replica's saved local state (older checkpoints kept per-replica speeds; they are re-measured)."""
+
+    def _load_saved_state(self) -> None:
+        state, self._saved_state = self._saved_state, None
+        if state is None:
+            return
+        if state.get("plans") is not None and self.plan_book is not None:
+            self.plan_book.load_state_dict(state["plans"])
+        if state.get("arrivals") is not None and self.model is not None:
+            self.model.load_state_dict(state["arrivals"])
+        weights = state.get("merge_weights") or []
+        if self.model is not None and len(weights) == self.model.num_replicas:
+            self.merge_weights = list(weights)
 
 
-class _PeriodTotals:
-    """Wall time, busy time and samples since the last exchange, for the waiting fraction."""
+class _Period:
+    """Work, planned samples, steps and busy time since the last merge."""
 
     def __init__(self) -> None:
-        self.started = time.perf_counter()
+        self.work = 0.0
+        self.planned = 0.0
+        self.steps = 0
         self.busy = 0.0
-        self.samples = 0.0
+        self.measured = True
 
-    def wait_fraction(self) -> float:
-        wall = time.perf_counter() - self.started
-        return min(1.0, max(0.0, 1.0 - self.busy / wall)) if wall > 0 else 0.0
+    def add(self, work: float, planned: int) -> None:
+        self.work += work
+        self.planned += planned
+        self.steps += 1
 
 
 def _make_policy(

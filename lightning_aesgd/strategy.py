@@ -11,6 +11,7 @@ serves ``pytorch_lightning`` (this module) and the unified ``lightning`` package
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from lightning_aesgd.comm import Communicator, LocalCommunicator, TorchCommunica
 from lightning_aesgd.core.merge import MergeRule, get_merge_rule
 from lightning_aesgd.core.policies import PlanPolicy
 from lightning_aesgd.core.schedule import validate_schedule
-from lightning_aesgd.core.weights import L2Trend, WeightPolicy, normalize, nudge_extremes, replica_weight
+from lightning_aesgd.core.weights import L2Trend, WeightPolicy, nudge_factor, replica_weight
 from lightning_aesgd.dataloader import build_elastic_loader, check_train_loader, prefetch_depth
 from lightning_aesgd.flat import FlatView, floating_buffers, trainable_parameters
 from lightning_aesgd.routing import ReplicaStats, Router, SampleCosts, resolve_sample_costs
@@ -70,12 +71,15 @@ class AdaptiveElasticMixin(_Base):
             ±step rule), ``"static"`` (fixed ``shares``), or a :class:`~lightning_aesgd.core.policies.PlanPolicy`.
         shares: fixed shares of the step batch for the ``"static"`` planner (equal when omitted).
         min_batch: smallest batch a replica may get.
+        min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``, so that a
+            slow replica is never starved to a useless batch while the others wait for it.
         max_batch: largest batch a replica may get.
         step_batch_size: indices consumed per step by all replicas together; by default the DataLoader's batch
             size times the number of replicas, so that an equal plan means what DDP means.
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
         speed_smoothing: smoothing β of the speed moving averages; 0.8 follows a 4× slowdown within about 16
             steps while averaging out single noisy steps.
+        plan_gain: fraction γ of the way to the planner's target that each new plan moves (damping).
         sample_costs: per-sample cost for cost-aware splitting: ``None`` (count samples), ``"dataset"`` (the
             dataset's ``sample_costs`` attribute), ``"auto"`` (those where the dataset has them) or a function of
             the dataset.
@@ -110,10 +114,12 @@ class AdaptiveElasticMixin(_Base):
         planner: str | PlanPolicy = "proportional",
         shares: Sequence[float] | None = None,
         min_batch: int = 1,
+        min_share: float = 0.1,
         max_batch: int | None = None,
         step_batch_size: int | None = None,
         plan_lag: int | None = None,
         speed_smoothing: float = 0.8,
+        plan_gain: float = 0.5,
         sample_costs: SampleCosts = None,
         lr_scaling: bool = False,
         slowdown: Any = None,
@@ -165,8 +171,10 @@ class AdaptiveElasticMixin(_Base):
             planner=planner,
             shares=shares,
             min_batch=min_batch,
+            min_share=min_share,
             max_batch=max_batch,
             speed_smoothing=speed_smoothing,
+            plan_gain=plan_gain,
             slowdown=slowdown,
         )
         self._averager: ElasticAverager | None = None
@@ -175,6 +183,7 @@ class AdaptiveElasticMixin(_Base):
         self._last_lr: float | None = None
         self._checkpoint_extras: dict[str, Any] | None = None
         self._latest_stats: list[ReplicaStats] = []
+        self._stop_check: _StopCheck | None = None
 
     @property
     def _module(self) -> Any:
@@ -209,7 +218,8 @@ class AdaptiveElasticMixin(_Base):
             merge_buffers=self.merge_buffers,
             optimizer_state=self.merge_optimizer_state,
         )
-        self.router.attach(comm, self.root_device)
+        self.router.attach(comm.world_size, comm.rank, self.root_device)
+        self._stop_check = _replace_stop_broadcast(trainer, self)
 
     def _communicator(self) -> Communicator:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -244,6 +254,8 @@ class AdaptiveElasticMixin(_Base):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._sampler is not None:
             self._step_key = self._sampler.step_key(self._module.trainer.current_epoch, batch_idx)
+        if batch_idx == 0:  # a new epoch: loader workers started, epoch-end hooks ran; not a training period
+            self.router.interrupt()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -270,14 +282,17 @@ class AdaptiveElasticMixin(_Base):
 
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer) -> None:
         weight = averager.own_weight()
-        stats = self.router.exchange(weight, self._step_key)
         nudging = self.l2_nudge and self._l2_trend.active and averager.local_steps > self.warmup_steps
-        if nudging:
-            weight = nudge_extremes(normalize([s.merge_weight for s in stats]))[self.global_rank]
-        center = averager.merge(weight, optimizer)
+        if nudging and self.router.merge_weights:
+            # Which replica is fastest or slowest is decided from the previous merge's weights, which every
+            # replica holds: the nudge then needs no collective of its own.
+            weight *= nudge_factor(self.router.merge_weights, self.global_rank)
+        stop = bool(getattr(self._module.trainer, "received_sigterm", False))
+        report = self.router.report(weight, stop=stop)
+        center, rows = averager.merge(weight, optimizer, report.as_row())
         if self.l2_nudge:
             self._l2_trend.update(float(center.norm()))
-        self._latest_stats = stats
+        self._latest_stats = self.router.receive(rows, self._step_key)
 
     def _logs_this_step(self) -> bool:
         # Logging a score of metrics costs about a millisecond: only do it on the steps loggers write.
@@ -304,6 +319,7 @@ class AdaptiveElasticMixin(_Base):
     def on_validation_end(self) -> None:
         if self._averager is not None:
             self._averager.swap_out()
+            self.router.interrupt()
         super().on_validation_end()
 
     @override
@@ -319,6 +335,9 @@ class AdaptiveElasticMixin(_Base):
 
     @override
     def teardown(self) -> None:
+        if self._stop_check is not None:
+            self._stop_check.restore()
+            self._stop_check = None
         self._averager = None
         self._sampler = None
         self.router.detach()
@@ -337,6 +356,7 @@ class AdaptiveElasticMixin(_Base):
         state = {name: tensor.clone() for name, tensor in self._module.state_dict().items()}
         if not was_swapped:
             averager.swap_out()
+        self.router.interrupt()  # writing a checkpoint is not training time
         optimizer = self.optimizers[0] if self.optimizers else None
         self._checkpoint_extras = gather_training_state(
             averager, self.router, self._l2_trend, optimizer, with_replicas=self.checkpoint_replicas
@@ -406,6 +426,40 @@ def _broadcast_module(module: torch.nn.Module, comm: Communicator, with_buffers:
             flat = view.read()
             comm.broadcast_(flat, src=0)
             view.write_(flat)
+
+
+class _StopCheck:
+    """Lightning's per-step SIGTERM check, answered from the merges instead of a broadcast of its own.
+
+    Lightning's training epoch loop broadcasts rank zero's "received SIGTERM" flag at the start of every step:
+    a collective per step, and a synchronisation point where fast replicas would wait for slow ones outside
+    the merge, hiding what the arrival sensing must see. Every replica's flag travels in the merge's report
+    instead; once any replica asked to stop, every replica stops at the same step (after the same merge).
+    """
+
+    def __init__(self, loop: Any, strategy: AdaptiveElasticMixin) -> None:
+        self.loop = loop
+        self.strategy = strategy
+        # The loop's own module imports the exception of whichever Lightning namespace is running.
+        self.exception = sys.modules[type(loop).__module__].SIGTERMException
+        loop._broadcast_sigterm_tensor = self
+
+    def __call__(self) -> None:
+        if self.strategy.router.stop_requested:
+            raise self.exception()
+
+    def restore(self) -> None:
+        """Give the loop back its own method."""
+        if self.loop.__dict__.get("_broadcast_sigterm_tensor") is self:
+            del self.loop._broadcast_sigterm_tensor
+
+
+def _replace_stop_broadcast(trainer: Any, strategy: AdaptiveElasticMixin) -> _StopCheck | None:
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    module = sys.modules.get(type(loop).__module__) if loop is not None else None
+    if not hasattr(loop, "_broadcast_sigterm_tensor") or not hasattr(module, "SIGTERMException"):
+        return None  # another Lightning version: keep its check, and its collective
+    return _StopCheck(loop, strategy)
 
 
 @contextmanager

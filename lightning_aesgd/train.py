@@ -43,8 +43,9 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     strategy = instantiate(cfg.algorithm)
     callbacks: list[pl.Callback] = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     profile = as_profile(cfg.devices.slowdown)
-    if profile is not None and not isinstance(strategy, AdaptiveElasticMixin):
-        # Baselines get the same emulated devices through a callback; this project's strategy applies it itself.
+    if profile is not None and (profile.mode != "step" or not isinstance(strategy, AdaptiveElasticMixin)):
+        # Every strategy gets the same emulated devices through a callback, except in the `step` mode, which
+        # this project's strategy applies inside its own optimizer step.
         callbacks.append(SlowdownCallback(profile))
     trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks)
     return trainer, model, datamodule

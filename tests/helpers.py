@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -83,7 +83,6 @@ class FakeCommunicator:
         world_size: the number of replicas to pretend.
         peers_sum: returns what the other replicas add to an all-reduced tensor; by default they are identical
             to this replica, so a SUM multiplies by ``world_size``.
-        peer_rows: the other replicas' rows for ``all_gather_floats``; by default copies of this replica's.
     """
 
     def __init__(
@@ -91,12 +90,10 @@ class FakeCommunicator:
         world_size: int = 2,
         rank: int = 0,
         peers_sum: Callable[[Tensor], Tensor] | None = None,
-        peer_rows: Callable[[Sequence[float]], list[list[float]]] | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
         self.peers_sum = peers_sum or (lambda tensor: tensor * (world_size - 1))
-        self.peer_rows = peer_rows or (lambda row: [list(row) for _ in range(world_size - 1)])
         self.calls: list[str] = []
 
     def all_reduce_sum_(self, tensor: Tensor) -> None:
@@ -105,11 +102,6 @@ class FakeCommunicator:
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:
         self.calls.append("broadcast_")
-
-    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:
-        self.calls.append("all_gather_floats")
-        rows = self.peer_rows(values)
-        return [*rows[: self.rank], list(values), *rows[self.rank :]]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self.calls.append("all_gather_object")

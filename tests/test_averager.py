@@ -8,7 +8,7 @@ from helpers import FakeCommunicator
 from torch import nn
 
 from lightning_aesgd.averager import ElasticAverager
-from lightning_aesgd.comm import LocalCommunicator, weighted_mean
+from lightning_aesgd.comm import LocalCommunicator, WeightedMean
 from lightning_aesgd.core.merge import SMA, ElasticAverage
 
 
@@ -33,11 +33,29 @@ def _peer(value: float, weight: float):
 
 def test_weighted_mean_uses_one_all_reduce_per_dtype_and_closed_form_weights():
     comm = _peer(value=4.0, weight=3.0)
-    means, total = weighted_mean([torch.full((3,), 1.0), torch.full((2,), 1.0)], 1.0, comm)
+    means, rows = WeightedMean(comm)([torch.full((3,), 1.0), torch.full((2,), 1.0)], 1.0)
     assert comm.calls == ["all_reduce_sum_"]
-    assert total == 4.0
+    assert rows == []
     for mean in means:
         torch.testing.assert_close(mean, torch.full_like(mean, (1.0 * 1 + 4.0 * 3) / 4))
+
+
+def test_report_rows_travel_in_the_same_all_reduce_as_the_model():
+    # Replica 1 of 3; the peers hold 4.0 with weight 3 in all and report rows [7, 8] and [9, 10] in slots 0 and 2.
+    def peers_sum(bucket: torch.Tensor) -> torch.Tensor:
+        other = torch.zeros_like(bucket)
+        other[:5] = 4.0 * 3.0
+        other[5] = 3.0
+        other[6:8] = torch.tensor([7.0, 8.0])
+        other[10:12] = torch.tensor([9.0, 10.0])
+        return other
+
+    comm = FakeCommunicator(world_size=3, rank=1, peers_sum=peers_sum)
+    means, rows = WeightedMean(comm)([torch.full((3,), 1.0), torch.full((2,), 1.0)], 1.0, row=[5.0, 6.0])
+    assert comm.calls == ["all_reduce_sum_"]
+    assert rows == [[7.0, 8.0], [5.0, 6.0], [9.0, 10.0]]
+    for mean in means:
+        torch.testing.assert_close(mean, torch.full_like(mean, (1.0 + 4.0 * 3) / 4))
 
 
 def test_hard_average_resets_parameters_and_buffers_to_the_weighted_mean():

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_aesgd import SlowdownCallback, SlowdownChange, SlowdownProfile
+from lightning_aesgd.callbacks import SlowCollate
 from lightning_aesgd.callbacks import time as callback_time
+from lightning_aesgd.cpu_quota import CpuQuota, quota_unavailable
 
 
 class _Clock:
@@ -34,7 +38,7 @@ def test_each_replica_sleeps_its_factor_minus_one_times_its_step_compute(monkeyp
     callback.setup(_trainer(rank, 0), None, "fit")
     callback._clock = _Clock([10.0, 10.5])  # the step used half a second of compute
     callback.on_train_batch_start(_trainer(rank, step - 1))
-    callback.on_train_batch_end(_trainer(rank, step))  # Lightning counts the step before this hook
+    callback.on_train_batch_end(_trainer(rank, step), None, None, None, 0)  # Lightning counted the step already
     assert sleeps == ([pytest.approx(expected_sleep)] if expected_sleep else [])
 
 
@@ -47,3 +51,80 @@ def test_the_profile_must_describe_every_replica():
 def test_mappings_from_configs_are_accepted():
     callback = SlowdownCallback({"factors": [1, 2], "changes": [{"step": 5, "replica": 0, "factor": 3}], "base": 2})
     assert callback.profile.factor(0, 5) == 6.0
+
+
+def _per_sample(mode: str) -> SlowdownProfile:
+    return SlowdownProfile((1, 3), mode=mode, seconds_per_sample=0.01)
+
+
+def test_hook_mode_sleeps_in_proportion_to_the_batch(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(callback_time, "sleep", sleeps.append)
+    callback = SlowdownCallback(_per_sample("hook"))
+    callback.setup(_trainer(1, 0), None, "fit")
+    callback.on_train_batch_end(_trainer(1, 1), None, None, (torch.zeros(8, 2), torch.zeros(8)), 0)
+    assert sleeps == [pytest.approx(3 * 0.01 * 8)]
+
+
+def test_user_mode_slows_the_modules_training_step_and_restores_it(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(callback_time, "sleep", sleeps.append)
+
+    class Module:
+        def training_step(self, batch, batch_idx):
+            return batch_idx
+
+    module = Module()
+    callback = SlowdownCallback(_per_sample("user"))
+    callback.setup(_trainer(1, 0), module, "fit")
+    assert module.training_step(torch.zeros(5, 2), 7) == 7
+    assert sleeps == [pytest.approx(3 * 0.01 * 5)]
+    callback.teardown(_trainer(1, 0), module, "fit")
+    assert "training_step" not in vars(module)
+
+
+def test_data_mode_slows_the_loaders_collate_function(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(callback_time, "sleep", sleeps.append)
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=4)
+    module = SimpleNamespace(train_dataloader=lambda: loader)
+    trainer = SimpleNamespace(**vars(_trainer(1, 0)), datamodule=None)
+    callback = SlowdownCallback(_per_sample("data"))
+    callback.setup(trainer, module, "fit")
+    batch = next(iter(module.train_dataloader()))
+    assert isinstance(loader.collate_fn, SlowCollate)
+    assert batch.tolist() == [0, 1, 2, 3]
+    assert sleeps == [pytest.approx(3 * 0.01 * 4)]
+
+
+def test_per_sample_modes_need_seconds_per_sample_and_fixed_modes_no_changes():
+    with pytest.raises(ValueError, match="seconds_per_sample"):
+        SlowdownProfile((1, 2), mode="hook")
+    with pytest.raises(ValueError, match="cannot change"):
+        SlowdownProfile((1, 2), (SlowdownChange(5, 0, 2.0),), mode="quota")
+    with pytest.raises(ValueError, match="Unknown slowdown mode"):
+        SlowdownProfile((1, 2), mode="network")
+
+
+def test_a_cpu_quota_without_cgroups_fails_with_the_fix(tmp_path):
+    assert "no cgroup cpu controller" in quota_unavailable(tmp_path)
+    with pytest.raises(RuntimeError, match="HINT"):
+        CpuQuota(0.5, "test", root=tmp_path).apply()
+
+
+@pytest.mark.skipif(quota_unavailable() is not None, reason="CPU quotas need writable cgroups")
+def test_a_real_cpu_quota_throttles_this_process_and_is_released():
+    def wall_seconds_for(cpu_seconds):
+        started, cpu = time.perf_counter(), time.process_time()
+        while time.process_time() - cpu < cpu_seconds:
+            pass
+        return time.perf_counter() - started
+
+    quota = CpuQuota(0.25, f"lightning_aesgd_test_{os.getpid()}")
+    quota.apply()
+    try:
+        throttled = wall_seconds_for(0.1)
+    finally:
+        quota.release()
+    assert throttled > 2.5 * 0.1  # a quarter of a core: about 4× the CPU time in wall time
+    assert not quota.group.exists()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_aesgd.comm import TorchCommunicator, weighted_mean
+from lightning_aesgd.comm import TorchCommunicator, WeightedMean
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -27,16 +27,14 @@ def _run_collectives(rank: int, world_size: int, init_file: str) -> None:
         # Replica r holds θ = (r + 1)·1 with weight r + 1: mean = Σ(r+1)² / Σ(r+1).
         weight = float(rank + 1)
         flats = [torch.full((5,), weight), torch.full((3,), -weight), torch.full((2,), weight, dtype=torch.float64)]
-        means, total = weighted_mean(flats, weight, comm)
+        # Each replica's report row rides in the float64 bucket (the widest), in its own slot.
+        means, rows = WeightedMean(comm)(flats, weight, row=[rank, 10.0 * rank + 0.125])
         expected = sum((r + 1) ** 2 for r in range(world_size)) / sum(r + 1 for r in range(world_size))
-        assert total == sum(r + 1 for r in range(world_size))
+        assert rows == [[float(r), 10.0 * r + 0.125] for r in range(world_size)]
         torch.testing.assert_close(means[0], torch.full((5,), expected))
         torch.testing.assert_close(means[1], torch.full((3,), -expected))
         assert means[2].dtype == torch.float64
         torch.testing.assert_close(means[2], torch.full((2,), expected, dtype=torch.float64))
-
-        rows = comm.all_gather_floats([rank, 10.0 * rank])
-        assert rows == [[float(r), 10.0 * r] for r in range(world_size)]
 
         tensor = torch.full((4,), float(rank))
         comm.broadcast_(tensor, src=1)

@@ -16,8 +16,7 @@ STATS = [
         samples=60,
         wait_fraction=0.1,
         step_seconds=0.10,
-        overhead=0.0,
-        per_sample=0.1 / 60,
+        busy_seconds=0.05,
     ),
     ReplicaStats(
         merge_weight=20,
@@ -25,8 +24,7 @@ STATS = [
         samples=20,
         wait_fraction=0.3,
         step_seconds=0.10,
-        overhead=0.0,
-        per_sample=0.1 / 20,
+        busy_seconds=0.05,
     ),
     ReplicaStats(
         merge_weight=20,
@@ -34,8 +32,7 @@ STATS = [
         samples=20,
         wait_fraction=0.0,
         step_seconds=0.20,
-        overhead=0.0,
-        per_sample=0.2 / 20,
+        busy_seconds=0.05,
     ),
 ]
 
@@ -52,7 +49,7 @@ def test_replica_metrics_name_every_replica_and_normalise_shares_and_weights():
 
 
 def test_plan_wide_metrics_wait_until_every_replica_has_a_speed():
-    unmeasured = [*STATS[:2], ReplicaStats(1, 0.0, 0, 0.0, 0.0, 0.0, 0.0)]
+    unmeasured = [*STATS[:2], ReplicaStats(1, 0.0, 0, 0.0, 0.0)]
     metrics = replica_metrics(unmeasured, [60, 20, 20])
     assert "aesgd/share_error" not in metrics
     assert math.isnan(step_time_balance(unmeasured))

@@ -85,7 +85,7 @@ def overhead_table(results: dict[str, Any]) -> str:
         "",
         "| per-step machinery (no communication) | µs |",
         "|---|---|",
-        f"| Router.exchange without its all-gather, per merge (every {PERIOD} steps in adaptive_sgd) | "
+        f"| Router.report + receive (models, plan, schedule), per merge (every {PERIOD} steps in adaptive_sgd) | "
         f"{planner['exchange_us_per_merge']:.1f} |",
         f"| planner policy.plan alone, per merge | {planner['plan_us_per_merge']:.1f} |",
         f"| torch BatchSampler(DistributedSampler), per batch | {sampler['torch_us_per_batch']:.1f} |",

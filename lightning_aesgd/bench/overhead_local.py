@@ -1,8 +1,9 @@
 """What the routing machinery costs a replica per step, without any communication, in microseconds.
 
-* Planner: :meth:`~lightning_aesgd.routing.Router.exchange` with the all-gather replaced by scripted peers
-  (so what remains is building the statistics, the policy's plan and scheduling it in the plan book), and the
-  policy's ``plan`` alone. It runs once per merge, i.e. every ``period`` steps.
+* Planner: the router's work at a merge, :meth:`~lightning_aesgd.routing.Router.report` and
+  :meth:`~lightning_aesgd.routing.Router.receive` with scripted reports (updating the arrival models, the
+  policy's plan, damping, scheduling it in the plan book), and the policy's ``plan`` alone. It runs once per
+  merge, i.e. every ``period`` steps.
 * Sampler: iterating one epoch of :class:`~lightning_aesgd.sampler.ElasticBatchSampler` (by count, and by
   cost as the XMC workloads use it) against torch's ``BatchSampler`` over a ``DistributedSampler``, which is
   what DDP iterates, for the same dataset size, step batch and number of replicas.
@@ -11,67 +12,58 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import astuple, replace
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler
 
 from lightning_aesgd.core.planning import apportion
+from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
-from lightning_aesgd.routing import ReplicaStats, Router
+from lightning_aesgd.routing import Router
 from lightning_aesgd.sampler import ElasticBatchSampler, PlanBook
 
-T = TypeVar("T")
 REPLICAS = 4
 STEP_BATCH = 256
 LAG = 2
 PERIOD = 2
 
 
-class ScriptedPeers:
-    """A communicator whose all-gather returns scripted rows at once: every collective costs nothing.
+def scripted_rows(call: int) -> list[list[float]]:
+    """Every replica's report for merge number ``call``.
 
-    Rows alternate between two sets of speeds, so that every exchange changes the plan and schedules it.
+    The fastest replica's speed alternates, so that every merge changes the plan and schedules it.
     """
-
-    world_size = REPLICAS
-    rank = 0
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:  # noqa: D102
-        self.calls += 1
-        fast = 1000.0 * (1 + self.calls % 2)
-        own = ReplicaStats(*values)
-        peers = (fast, 1000.0, 500.0, 250.0)
-        return [list(astuple(replace(own, speed=speed, per_sample=1 / speed))) for speed in peers]
-
-    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:  # noqa: D102
-        return None
-
-    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:  # noqa: D102
-        return None
-
-    def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
-        return [obj] * REPLICAS
+    fast = 2 if call % 2 else 1
+    return [
+        PeriodReport(1.0, work=64.0, planned=64.0, steps=PERIOD, active=PERIOD * 0.064 * factor / fast).as_row()
+        if rank == 0
+        else PeriodReport(1.0, work=64.0, planned=64.0, steps=PERIOD, active=PERIOD * 0.064 * factor).as_row()
+        for rank, factor in enumerate((1.0, 1.0, 2.0, 4.0))
+    ]
 
 
 def planner_costs(iterations: int) -> dict[str, float]:
-    """Microseconds per ``Router.exchange`` without its collective, and per ``policy.plan``."""
-    router = Router(planner="balanced")
-    peers = ScriptedPeers()
-    router.attach(peers, torch.device("cpu"))
+    """Microseconds per merge of the router's work (report, then receive: models, plan, schedule), and per plan."""
+    router = Router(planner="balanced", plan_dead_band=0.0)
+    router.attach(REPLICAS, 0, torch.device("cpu"))
     router.plan_book_for(STEP_BATCH, REPLICAS, LAG)
-    exchange_us = _microseconds(lambda i: router.exchange(1.0, i * PERIOD), iterations)
+    rows = [scripted_rows(call) for call in range(2)]
+
+    def exchange(iteration: int) -> None:
+        router.report(1.0)
+        router.receive(rows[iteration % 2], iteration * PERIOD)
+
+    exchange_us = _microseconds(exchange, iterations)
     current = apportion(STEP_BATCH, [1.0] * REPLICAS)
     models = [
         [StepTime(0.002, 1.0 / speed) for speed in speeds]
         for speeds in ([2000.0, 1000.0, 500.0, 250.0], [1000.0, 1000.0, 500.0, 250.0])
     ]
-    plan_us = _microseconds(lambda i: router.policy.plan(current, models[i % 2], STEP_BATCH), iterations)
+    policy = router.policy
+    assert policy is not None
+    plan_us = _microseconds(lambda i: policy.plan(current, models[i % 2], STEP_BATCH), iterations)
     return {"exchange_us_per_merge": exchange_us, "plan_us_per_merge": plan_us, "merge_period": PERIOD}
 
 

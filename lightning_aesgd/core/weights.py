@@ -19,6 +19,7 @@ __all__ = [
     "WeightPolicy",
     "normalize",
     "nudge_extremes",
+    "nudge_factor",
     "replica_weight",
 ]
 
@@ -121,6 +122,21 @@ def nudge_extremes(shares: Sequence[float], boost: float = 0.1, renormalize: boo
         nudged[largest] *= 1.0 + boost
         nudged[smallest] *= 1.0 - boost
     return normalize(nudged) if renormalize else nudged
+
+
+def nudge_factor(weights: Sequence[float], rank: int, boost: float = 0.1) -> float:
+    """How much :func:`nudge_extremes` scales replica ``rank``'s weight: ``1 + boost``, ``1 − boost`` or 1.
+
+    A replica that multiplies its own weight by this factor before a weighted mean gets exactly the
+    renormalised nudge, because the mean divides by the sum of the scaled weights. The factor is decided from
+    weights every replica already holds (those of the previous merge), so no extra collective is needed.
+
+    Example:
+        >>> [nudge_factor([3.0, 1.0, 2.0], rank) for rank in range(3)]
+        [1.1, 0.9, 1.0]
+    """
+    nudged = nudge_extremes(weights, boost, renormalize=False)
+    return nudged[rank] / weights[rank] if weights[rank] > 0 else 1.0
 
 
 def _checked_copy(shares: Sequence[float]) -> list[float]:

@@ -1,0 +1,183 @@
+"""Sensing speed from arrivals: what each replica costs the others, and plans that follow it without running away.
+
+A replica's busy time (forward, backward, optimizer step) misses slowness that lands elsewhere: data loading,
+the user's hooks, CPU quotas and throttling that stall a process anywhere. What the other replicas feel is when
+a replica *arrives* at the merge. So each replica reports, per merge period, its **active time**
+
+    aᵢ = (arrival at this merge) − (release from the previous merge),
+
+the wall time in which it did everything a step involves (data, hooks, compute, whatever slowed it), and not the
+time it spent waiting for peers inside the merge. Every replica sends its report inside the merge's own
+all-reduce (:class:`PeriodReport`, one row per replica), so every rank plans from the same numbers without a
+collective of its own.
+
+From the reports every rank fits the same per-replica step-time model ``tᵢ(b) = cᵢ·(kᵢ + b)`` to
+``(planned batch, aᵢ / steps)`` (:class:`ArrivalModel`) and asks the planner for a target; the plan then moves
+part of the way (:func:`damped_plan`):
+
+    b′ᵢ = bᵢ + γ·(targetᵢ − bᵢ), rounded to sum to M, unchanged while max |targetᵢ − bᵢ| / bᵢ < δ,
+
+within ``[max(min_batch, ⌈φ·M/n⌉), max_batch]`` (:func:`batch_floor`), so that noise does not make plans
+oscillate and no replica is starved to a useless batch. A replica that keeps arriving late has a larger ``aᵢ``
+per sample, so its share falls until arrivals even out: the loop closes on the waiting the others see.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import astuple, dataclass, fields
+from typing import Any
+
+from lightning_aesgd.core.planning import apportion
+from lightning_aesgd.core.speed import SpeedEstimator, StepTime, StepTimeEstimator
+
+__all__ = ["ArrivalModel", "PeriodReport", "batch_floor", "damped_plan"]
+
+
+@dataclass(frozen=True)
+class PeriodReport:
+    """What one replica reports at a merge about the period that ends there.
+
+    Attributes:
+        merge_weight: the replica's merge weight for this merge.
+        work: samples (or cost units) processed in the period.
+        planned: planned batch sizes summed over the period's steps.
+        steps: local steps the report measures; 0 when the period was interrupted (validation, a new epoch,
+            a checkpoint) and measures nothing.
+        active: wall seconds from the release of the previous merge to the arrival at this one.
+        busy: seconds inside the optimizer step (forward, backward, update), for telemetry.
+        wait_fraction: share of the previous period's wall time spent inside the merge.
+        stop: 1 when the replica was asked to stop (SIGTERM): every replica stops after this merge.
+    """
+
+    merge_weight: float
+    work: float = 0.0
+    planned: float = 0.0
+    steps: float = 0.0
+    active: float = 0.0
+    busy: float = 0.0
+    wait_fraction: float = 0.0
+    stop: float = 0.0
+
+    @classmethod
+    def size(cls) -> int:
+        """Numbers per report row."""
+        return len(fields(cls))
+
+    def as_row(self) -> list[float]:
+        """The report as a row of floats, in field order."""
+        return [float(value) for value in astuple(self)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> PeriodReport:
+        """Read a row written by :meth:`as_row`."""
+        if len(row) != cls.size():
+            raise ValueError(f"A report row has {cls.size()} numbers, got {len(row)}.")
+        return cls(*(float(value) for value in row))
+
+    @property
+    def measured(self) -> bool:
+        """Whether the report holds a usable measurement."""
+        return self.steps > 0 and self.active > 0 and self.planned > 0 and math.isfinite(self.active)
+
+
+class ArrivalModel:
+    """Every replica's step-time model and speed, fitted from the arrival reports all ranks share.
+
+    Each rank updates its copy from the same reports in the same order, so all copies stay identical.
+
+    Args:
+        num_replicas: replicas reporting.
+        smoothing: weight β of the past in the moving averages.
+    """
+
+    def __init__(self, num_replicas: int, smoothing: float = 0.8) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"need at least one replica, got {num_replicas}")
+        self.smoothing = smoothing
+        self.step_time = [StepTimeEstimator(smoothing) for _ in range(num_replicas)]
+        self.speed = [SpeedEstimator(smoothing) for _ in range(num_replicas)]
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas modelled."""
+        return len(self.step_time)
+
+    def update(self, reports: Sequence[PeriodReport]) -> None:
+        """Account one merge's reports (one per replica, in rank order); unmeasured reports are skipped."""
+        if len(reports) != self.num_replicas:
+            raise ValueError(f"need one report per replica ({self.num_replicas}), got {len(reports)}")
+        for report, step_time, speed in zip(reports, self.step_time, self.speed, strict=True):
+            if report.measured:
+                step_time.update(report.planned / report.steps, report.active / report.steps)
+                speed.update(report.work, report.active)
+
+    def models(self) -> list[StepTime] | None:
+        """Every replica's fitted step-time model, or ``None`` until every replica has been measured."""
+        fitted = [estimator.model() for estimator in self.step_time]
+        return None if any(model is None for model in fitted) else [m for m in fitted if m is not None]
+
+    def rates(self) -> list[float]:
+        """Every replica's smoothed work per active second (0 where not measured yet)."""
+        return [speed.rate or 0.0 for speed in self.speed]
+
+    def step_seconds(self) -> list[float]:
+        """Every replica's smoothed active seconds per step (0 where not measured yet)."""
+        return [speed.mean_seconds or 0.0 for speed in self.speed]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The estimators' state, for checkpoints."""
+        return {
+            "step_time": [estimator.state_dict() for estimator in self.step_time],
+            "speed": [estimator.state_dict() for estimator in self.speed],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; ignored when it describes another number of replicas."""
+        if len(state["step_time"]) != self.num_replicas:
+            return
+        for estimator, saved in zip(self.step_time, state["step_time"], strict=True):
+            estimator.load_state_dict(saved)
+        for speed, saved in zip(self.speed, state["speed"], strict=True):
+            speed.load_state_dict(saved)
+
+
+def batch_floor(total: int, num_replicas: int, min_batch: int = 1, min_share: float = 0.0) -> int:
+    """The smallest batch any replica gets: ``max(min_batch, ⌈φ·M/n⌉)`` with ``φ = min_share``.
+
+    Example:
+        >>> batch_floor(256, 4, min_batch=1, min_share=0.1)
+        7
+    """
+    if not 0.0 <= min_share <= 1.0:
+        raise ValueError(f"`min_share` must be in [0, 1] (a fraction of the equal share), got {min_share}")
+    return max(min_batch, math.ceil(min_share * total / num_replicas - 1e-9))
+
+
+def damped_plan(
+    current: Sequence[int],
+    target: Sequence[int],
+    gain: float = 0.5,
+    dead_band: float = 0.03,
+    min_size: int = 1,
+    max_size: int | None = None,
+) -> list[int]:
+    """Move the plan part of the way to ``target``: ``b′ = b + γ·(target − b)``, rounded to the same total.
+
+    The plan stays as it is while every replica's relative move ``|targetᵢ − bᵢ| / bᵢ`` is below ``dead_band``.
+
+    Example:
+        >>> damped_plan([64, 64, 64, 64], [93, 93, 47, 23])
+        [79, 79, 55, 43]
+        >>> damped_plan([93, 93, 47, 23], [94, 92, 47, 23])
+        [93, 93, 47, 23]
+    """
+    if len(current) != len(target) or sum(current) != sum(target):
+        raise ValueError(f"plans must match in length and total, got {list(current)} and {list(target)}")
+    if not 0.0 < gain <= 1.0:
+        raise ValueError(f"`gain` must be in (0, 1], got {gain}")
+    if all(abs(goal - size) <= dead_band * max(size, 1) for size, goal in zip(current, target, strict=True)):
+        return list(current)
+    moved = [size + gain * (goal - size) for size, goal in zip(current, target, strict=True)]
+    return apportion(sum(current), moved, min_size, max_size)
