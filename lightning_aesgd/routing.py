@@ -23,7 +23,7 @@ from torch import Tensor
 from lightning_aesgd.core.planning import apportion
 from lightning_aesgd.core.policies import PlanPolicy, StaticPolicy, get_plan_policy
 from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
-from lightning_aesgd.core.speed import BusyTimer
+from lightning_aesgd.core.speed import BusyTimer, StepTime
 from lightning_aesgd.sampler import PlanBook, StepRecord
 from lightning_aesgd.slowdown import ComputeClock, SlowdownProfile, as_profile, emulated_slowdown
 
@@ -146,6 +146,7 @@ class Router:
         self._release: float | None = None
         self._arrival = 0.0
         self._wait_fraction = 0.0
+        self._next_plan = 0
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -239,7 +240,7 @@ class Router:
         self.stop_requested = any(report.stop > 0 for report in reports)
         self.merge_weights = [report.merge_weight for report in reports]
         models = self.model.models()
-        if self.adaptive and models is not None:
+        if self.adaptive and models is not None and self._plans_now(step, models):
             assert self.policy is not None
             current = self.plan_book.latest
             sizes = self.policy.plan(current, models, self.total)
@@ -251,6 +252,25 @@ class Router:
         self.history.append((step, stats, self.plan_book.latest))
         self._period = _Period()
         return stats
+
+    def _plans_now(self, step: int, models: Sequence[StepTime]) -> bool:
+        """Whether to ask a named planner for a new plan at this merge (a PlanPolicy object is always asked).
+
+        Not before the previous plan has been applied and measured: plans piled on plans that no arrival has
+        reflected yet overshoot. Not while the latest plan's predicted step times agree within the dead band:
+        the named planners all aim at equal step times. The check costs a few float operations where planning
+        costs a few hundred microseconds.
+        """
+        if not isinstance(self.planner, str):
+            return True
+        if step < self._next_plan:
+            return False
+        assert self.plan_book is not None
+        times = [model.seconds(size) for model, size in zip(models, self.plan_book.latest, strict=True)]
+        if max(times) <= (1 + self.plan_dead_band) * min(times):
+            return False
+        self._next_plan = step + self.lag + 1
+        return True
 
     def _stats(self, reports: Sequence[PeriodReport]) -> list[ReplicaStats]:
         assert self.model is not None

@@ -21,8 +21,9 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
         sizes: the batch sizes of the plan in force, in rank order.
 
     Returns:
-        samples (or cost units) per second, batch size, share of the step batch, normalised merge weight and
-        fraction of wall time spent waiting and busy seconds per step, per replica; ``aesgd/share_error`` (the
+        samples (or cost units) per active second, batch size, share of the step batch, normalised merge weight,
+        fraction of wall time spent inside merges, active seconds per step (release of a merge to arrival at the
+        next) and busy seconds per step (inside the optimizer step), per replica; ``aesgd/share_error`` (the
         largest relative distance of a share from the speed-proportional target) once every replica has a
         speed; and ``aesgd/step_time_balance``.
     """
@@ -37,6 +38,7 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
         metrics[f"{prefix}/merge_weight"] = replica.merge_weight / total_weight
         metrics[f"{prefix}/wait_fraction"] = replica.wait_fraction
         metrics[f"{prefix}/step_seconds"] = replica.step_seconds
+        metrics[f"{prefix}/busy_seconds"] = replica.busy_seconds
     speeds = [s.speed for s in stats]
     if all(speed > 0 for speed in speeds):
         metrics["aesgd/share_error"] = share_error(sizes, speeds)
@@ -45,7 +47,7 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
 
 
 def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
-    """The slowest replica's busy time per step over the fastest's: 1.0 when all finish their step together.
+    """The slowest replica's active time per step over the fastest's: 1.0 when all arrive at merges together.
 
     Lockstep replicas wait for the slowest at every step, so this is what routing exists to bring to 1.
     """
@@ -53,7 +55,9 @@ def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
     return max(times) / min(times) if min(times) > 0 else float("nan")
 
 
-def summary_table(stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: int, unit: str = "samples") -> str:
+def summary_table(
+    stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: int, unit: str = "samples", floor: int = 0
+) -> str:
     """A plain-text table that shows whether the plan converged and what it gained.
 
     Args:
@@ -61,25 +65,45 @@ def summary_table(stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: i
         sizes: the plan in force.
         merges: number of merges so far.
         unit: what speeds count: ``"samples"`` or cost ``"units"``.
+        floor: the smallest batch the planner may give; a replica held there and still late is named.
     """
     speeds = [s.speed for s in stats]
     measured = all(speed > 0 for speed in speeds)
     targets = ideal_shares(speeds) if measured else [float("nan")] * len(stats)
     total, total_weight = sum(sizes), sum(s.merge_weight for s in stats) or 1.0
-    columns = ("replica", f"{unit}/s", "batch", "share", "target", "weight", "step ms", "waiting")
-    widths = (7, 12, 6, 6, 6, 6, 8, 7)
+    columns = ("replica", f"{unit}/s", "batch", "share", "target", "weight", "step ms", "busy ms", "waiting")
+    widths = (7, 12, 6, 6, 6, 6, 8, 8, 7)
     header = "  ".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True))
     lines = ["adaptive_elastic: replicas at the end of fit", header, "-" * len(header)]
     for rank, (replica, size, target) in enumerate(zip(stats, sizes, targets, strict=True)):
         lines.append(
             f"{rank:>7}  {replica.speed:>12.1f}  {size:>6d}  {size / total:>6.3f}  {target:>6.3f}  "
             f"{replica.merge_weight / total_weight:>6.3f}  {1000 * replica.step_seconds:>8.1f}  "
-            f"{replica.wait_fraction:>7.1%}"
+            f"{1000 * replica.busy_seconds:>8.1f}  {replica.wait_fraction:>7.1%}"
         )
     lines.append(f"merges: {merges}")
     if measured:
         lines.append(
             f"plan vs speed-proportional target: largest relative share error {share_error(sizes, speeds):.1%}; "
-            f"slowest/fastest busy time per step: {step_time_balance(stats):.2f} (1.00: all finish together)"
+            f"slowest/fastest step time: {step_time_balance(stats):.2f} (1.00: all arrive at merges together)"
         )
+        lines += starved_replicas(stats, sizes, floor)
     return "\n".join(lines)
+
+
+def starved_replicas(stats: Sequence[ReplicaStats], sizes: Sequence[int], floor: int) -> list[str]:
+    """A line for every replica held at the floor batch whose steps still take 10% longer than the others'.
+
+    Such a device only slows the others down: training without it would be faster.
+    """
+    lines = []
+    for rank, (replica, size) in enumerate(zip(stats, sizes, strict=True)):
+        others = [s.step_seconds for r, s in enumerate(stats) if r != rank and s.step_seconds > 0]
+        if size > floor or not others or replica.step_seconds <= 1.1 * max(others):
+            continue
+        lines.append(
+            f"replica {rank} sits at the smallest batch ({size}) and its steps still take "
+            f"{replica.step_seconds / max(others):.1f}× the others': it holds every step up. HINT: train without "
+            "this device, or lower the strategy's min_share."
+        )
+    return lines

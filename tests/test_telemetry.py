@@ -58,7 +58,27 @@ def test_plan_wide_metrics_wait_until_every_replica_has_a_speed():
 def test_summary_table_lists_every_replica_and_the_balance():
     table = summary_table(STATS, [60, 20, 20], merges=7, unit="samples")
     lines = table.splitlines()
-    assert lines[1].split() == ["replica", "samples/s", "batch", "share", "target", "weight", "step", "ms", "waiting"]
+    assert lines[1].split() == [
+        "replica",
+        "samples/s",
+        "batch",
+        "share",
+        "target",
+        "weight",
+        "step",
+        "ms",
+        "busy",
+        "ms",
+        "waiting",
+    ]
     assert len([line for line in lines if line.strip().startswith(("0 ", "1 ", "2 "))]) == 3
     assert "merges: 7" in table
     assert "2.00" in lines[-1]
+
+
+def test_a_replica_at_the_floor_that_is_still_late_is_named():
+    late = [*STATS[:2], ReplicaStats(20, 10.0, 5, 0.0, 0.50)]
+    table = summary_table(late, [60, 35, 5], merges=3, floor=5)
+    assert "replica 2 sits at the smallest batch (5)" in table
+    assert "5.0×" in table
+    assert "sits at the smallest batch" not in summary_table(STATS, [60, 20, 20], merges=3, floor=5)

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="aesgd-bench",
         description="Compare the algorithms on emulated heterogeneous devices: throughput, efficiency against "
         "the ideal, time to a target metric, ratios to DDP. Subcommand `overhead` measures merge, planner and "
-        "sampler costs (see `aesgd-bench overhead --help`).",
+        "sampler costs (see `aesgd-bench overhead --help`); `slowness` races both strategies against slowness "
+        "in user code, data loading, hooks and CPU quotas (see `aesgd-bench slowness --help`).",
     )
     parser.add_argument("--workload", default="xmc_mini", choices=sorted(WORKLOADS), help="what to train")
     parser.add_argument("--profiles", default=DEFAULT_PROFILES, help="comma list of configs/devices profiles")
@@ -49,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["overhead"]:
         return overhead_main(args[1:])
+    if args[:1] == ["slowness"]:
+        from lightning_aesgd.bench.slowness import main as slowness_main
+
+        return slowness_main(args[1:])
     parser = build_parser()
     options = parser.parse_args(args)
     workload = get_workload(options.workload)
