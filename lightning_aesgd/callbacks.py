@@ -30,12 +30,18 @@ class SlowdownCallback(pl.Callback):
     Args:
         profile: a :class:`~lightning_aesgd.slowdown.SlowdownProfile`, a list of factors, or a mapping with
             ``factors`` (and optional ``changes``, ``base``, ``mode``, ``seconds_per_sample``).
+        replicas_sharing: in the ``quota`` mode, how many replicas share the machine's cores equally at factor 1;
+            by default the replicas of this run on one node (a lone replica measuring one device of a larger
+            run sets the larger run's count).
     """
 
-    def __init__(self, profile: SlowdownProfile | Sequence[float] | Mapping[str, Any]) -> None:
+    def __init__(
+        self, profile: SlowdownProfile | Sequence[float] | Mapping[str, Any], replicas_sharing: int | None = None
+    ) -> None:
         resolved = as_profile(profile)
         assert resolved is not None
         self.profile = resolved
+        self.replicas_sharing = replicas_sharing
         self._clock: ComputeClock | None = None
         self._started = 0.0
         self._quota: CpuQuota | None = None
@@ -58,7 +64,7 @@ class SlowdownCallback(pl.Callback):
         elif self.mode == "data":
             self._slow_down_collate(trainer, pl_module)
         elif self.mode == "quota":
-            cores = _fair_share_of_cores(trainer) / self.profile.factor(rank, 0)
+            cores = _fair_share_of_cores(trainer, self.replicas_sharing) / self.profile.factor(rank, 0)
             self._quota = CpuQuota(cores, f"lightning_aesgd_{os.getpid()}_{rank}")
             self._quota.apply()
 
@@ -146,8 +152,8 @@ def _batch_size(batch: Any) -> int:
         return len(batch)
 
 
-def _fair_share_of_cores(trainer: pl.Trainer) -> float:
+def _fair_share_of_cores(trainer: pl.Trainer, replicas_sharing: int | None) -> float:
     """The CPUs each local replica would get if all shared the machine equally."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local_replicas = max(1, trainer.world_size // max(1, trainer.num_nodes))
+    local_replicas = replicas_sharing or max(1, trainer.world_size // max(1, trainer.num_nodes))
     return cores / local_replicas

@@ -8,20 +8,25 @@ are batched.
 from __future__ import annotations
 
 import os
-from collections.abc import Sized
+import time
+from collections.abc import Callable, Sized
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     RandomSampler,
     SequentialSampler,
 )
 
-from lightning_aesgd.sampler import ElasticBatchSampler, PlanBook
+from lightning_aesgd.sampler import ElasticBatchSampler, PlanBook, StepIndices
+
+LOADER_CLOCK_SLOTS = 1024  # steps remembered; far more than any loader prefetches
 
 # DataLoader options carried over unchanged; `prefetch_factor` only exists when workers do.
 _KEPT_OPTIONS = (
@@ -38,6 +43,74 @@ _KEPT_OPTIONS = (
 )
 
 
+class LoaderClock:
+    """Seconds the loader spent producing each step's batch, in whichever process produced it.
+
+    DataLoader workers prepare batches while the replica trains, so a slow data pipeline shows in the replica's
+    arrival times only by what the workers failed to hide. The workers write each batch's production time
+    (fetching and collating) into a small shared-memory ring, keyed by step; the replica reads it when it trains
+    that step, and plans from the larger of its arrival time and its loader's time.
+
+    Args:
+        slots: how many steps the ring remembers.
+    """
+
+    def __init__(self, slots: int = LOADER_CLOCK_SLOTS) -> None:
+        self.seconds = torch.zeros(slots, dtype=torch.float64).share_memory_()  # type: ignore[no-untyped-call]
+
+    def record(self, step: int, seconds: float) -> None:
+        """Note that producing step ``step``'s batch took ``seconds``."""
+        self.seconds[step % len(self.seconds)] = seconds
+
+    def read(self, step: int) -> float:
+        """Seconds producing step ``step``'s batch took (0 if not recorded)."""
+        return float(self.seconds[step % len(self.seconds)])
+
+
+class TimedLoading(Dataset[Any]):
+    """The user's dataset and collate function as one timed step: fetch every sample of a batch, then collate.
+
+    The elastic loader asks for whole batches (``__getitems__``) and its own collate function only unwraps what
+    this returns, so the time of the user's fetching and collating is measured in the process that does it.
+    Attributes of the user's dataset are reachable through this wrapper.
+
+    Args:
+        dataset: the user's map-style dataset.
+        collate: the user's collate function.
+        clock: where the times go.
+    """
+
+    def __init__(self, dataset: Dataset[Any], collate: Callable[[list[Any]], Any], clock: LoaderClock) -> None:
+        self.dataset = dataset
+        self.collate = collate
+        self.clock = clock
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        started = time.perf_counter()
+        fetch = getattr(self.dataset, "__getitems__", None)
+        samples = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+        batch = self.collate(samples)
+        if isinstance(indices, StepIndices):
+            self.clock.record(indices.step, time.perf_counter() - started)
+        return [batch]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "collate", "clock"):  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def unwrap_batch(data: list[Any]) -> Any:
+    """The elastic loader's collate function: :class:`TimedLoading` already collated the batch."""
+    return data[0]
+
+
 class ElasticDataLoader(DataLoader[Any]):
     """A DataLoader whose position in the data is saved in checkpoints, so a resumed run continues mid-epoch.
 
@@ -45,6 +118,7 @@ class ElasticDataLoader(DataLoader[Any]):
     """
 
     batch_sampler: ElasticBatchSampler
+    loader_clock: LoaderClock
 
     def state_dict(self) -> dict[str, int]:  # noqa: D102
         return self.batch_sampler.state_dict()
@@ -93,7 +167,12 @@ def build_elastic_loader(
     options: dict[str, Any] = {name: getattr(loader, name) for name in _KEPT_OPTIONS if hasattr(loader, name)}
     if loader.num_workers > 0:
         options["prefetch_factor"] = loader.prefetch_factor
-    return ElasticDataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
+    clock = LoaderClock()
+    options["collate_fn"] = unwrap_batch
+    timed = TimedLoading(loader.dataset, loader.collate_fn, clock)
+    elastic = ElasticDataLoader(timed, batch_sampler=batch_sampler, **options)
+    elastic.loader_clock = clock
+    return elastic
 
 
 def check_train_loader(loader: DataLoader[Any]) -> int:

@@ -184,8 +184,11 @@ class Router:
     # --- per step -----------------------------------------------------------------------------------------
 
     @contextmanager
-    def timing(self, record: StepRecord, step: int) -> Iterator[None]:
-        """Account one local step (busy time for telemetry; the ``step`` slowdown emulation around it)."""
+    def timing(self, record: StepRecord, step: int, loader_seconds: float = 0.0) -> Iterator[None]:
+        """Account one local step whose batch took the loader ``loader_seconds`` to produce.
+
+        Its busy time goes to telemetry; the ``step`` slowdown emulation runs around it.
+        """
         assert self._timer is not None
         assert self._clock is not None
         factor = self.slowdown.factor(self.rank, step) if self.slowdown is not None else 1.0
@@ -194,6 +197,7 @@ class Router:
             yield
         self._timer.stop()
         self._period.add(record.cost if self.cost_aware else float(record.num_samples), record.planned)
+        self._period.loader += loader_seconds
         # On CUDA a step's busy time is known a step or two later; only complete regions are counted.
         self._period.busy += sum(self._timer.pop_completed())
 
@@ -219,6 +223,7 @@ class Router:
             planned=period.planned,
             steps=float(period.steps) if measured else 0.0,
             active=self._arrival - self._release if self._release is not None else 0.0,
+            loader=period.loader,
             busy=period.busy,
             wait_fraction=self._wait_fraction,
             stop=1.0 if stop else 0.0,
@@ -331,6 +336,7 @@ class _Period:
         self.planned = 0.0
         self.steps = 0
         self.busy = 0.0
+        self.loader = 0.0
         self.measured = True
 
     def add(self, work: float, planned: int) -> None:

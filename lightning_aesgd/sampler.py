@@ -25,6 +25,19 @@ from torch.utils.data import Sampler
 from lightning_aesgd.core.planning import apportion, split_by_cost
 
 
+class StepIndices(list[int]):
+    """One replica's indices for one step, tagged with the step's key (so the loader can time that step).
+
+    Args:
+        indices: the dataset indices.
+        step: the step's key (:meth:`ElasticBatchSampler.step_key`).
+    """
+
+    def __init__(self, indices: Sequence[int], step: int) -> None:
+        super().__init__(indices)
+        self.step = step
+
+
 class PlanLagError(RuntimeError):
     """A plan arrived for a step that a sampler has already produced."""
 
@@ -245,7 +258,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         # A short last step keeps the plan's proportions: count it at its apportioned size.
         planned = sizes[self.rank] if len(step) == sum(sizes) else apportion(len(step), sizes)[self.rank]
         self._records[key] = StepRecord(num_samples=len(mine), cost=cost, planned=planned)
-        return mine.tolist()
+        return StepIndices(mine.tolist(), key)
 
     def _split(self, step: Tensor, sizes: Sequence[int]) -> list[int]:
         if self.costs is not None:

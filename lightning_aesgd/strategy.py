@@ -32,7 +32,7 @@ from lightning_aesgd.core.merge import MergeRule, get_merge_rule
 from lightning_aesgd.core.policies import PlanPolicy
 from lightning_aesgd.core.schedule import validate_schedule
 from lightning_aesgd.core.weights import L2Trend, WeightPolicy, nudge_factor, replica_weight
-from lightning_aesgd.dataloader import build_elastic_loader, check_train_loader, prefetch_depth
+from lightning_aesgd.dataloader import LoaderClock, build_elastic_loader, check_train_loader, prefetch_depth
 from lightning_aesgd.flat import FlatView, floating_buffers, trainable_parameters
 from lightning_aesgd.routing import ReplicaStats, Router, SampleCosts, resolve_sample_costs
 from lightning_aesgd.sampler import ElasticBatchSampler
@@ -184,6 +184,7 @@ class AdaptiveElasticMixin(_Base):
         self._checkpoint_extras: dict[str, Any] | None = None
         self._latest_stats: list[ReplicaStats] = []
         self._stop_check: _StopCheck | None = None
+        self._loader_clock: LoaderClock | None = None
 
     @property
     def _module(self) -> Any:
@@ -245,6 +246,7 @@ class AdaptiveElasticMixin(_Base):
             costs=costs,
         )
         self._sampler = loader.batch_sampler
+        self._loader_clock = loader.loader_clock
         self.router.cost_aware = costs is not None
         return loader
 
@@ -269,7 +271,9 @@ class AdaptiveElasticMixin(_Base):
         self._reset_on_lr_drop(optimizer, averager)
         averager.before_local_step()
         factor = record.num_samples / (sampler.step_batch_size / self.world_size) if self.lr_scaling else 1.0
-        with _scaled_learning_rate(optimizer, factor), self.router.timing(record, self._module.trainer.global_step):
+        loader_seconds = self._loader_clock.read(self._step_key) if self._loader_clock is not None else 0.0
+        timing = self.router.timing(record, self._module.trainer.global_step, loader_seconds)
+        with _scaled_learning_rate(optimizer, factor), timing:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if averager.after_local_step(record.num_samples):
             self._merge(averager, optimizer)

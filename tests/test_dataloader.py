@@ -39,22 +39,18 @@ def test_options_of_the_original_loader_are_kept():
         persistent_workers=True,
     )
     rebuilt = _build(loader)
-    for name in (
-        "num_workers",
-        "collate_fn",
-        "timeout",
-        "worker_init_fn",
-        "generator",
-        "prefetch_factor",
-        "persistent_workers",
-        "dataset",
-    ):
+    for name in ("num_workers", "timeout", "worker_init_fn", "generator", "prefetch_factor", "persistent_workers"):
         assert getattr(rebuilt, name) is getattr(loader, name)
+    # The user's dataset and collate function run together, timed, in the loader's workers.
+    assert rebuilt.dataset.dataset is loader.dataset
+    assert rebuilt.dataset.collate is loader.collate_fn
     assert rebuilt.batch_sampler.step_batch_size == 8  # batch_size × replicas by default
     assert rebuilt.batch_sampler.sampler.shuffle
     batches = list(rebuilt)
     assert [len(b) for b in batches] == [3] * 5  # rank 1 takes 3 of every 8 indices
     assert prefetch_depth(rebuilt) == 2 * 3 + 1
+    # Every batch's production time reached the main process, keyed by its step.
+    assert all(rebuilt.loader_clock.read(step) > 0 for step in range(5))
 
 
 def test_rebuilt_loader_state_round_trips():

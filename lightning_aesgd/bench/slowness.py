@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from lightning_aesgd.core.planning import share_error
 from lightning_aesgd.cpu_quota import quota_unavailable
 from lightning_aesgd.slowdown import SlowdownProfile
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
+from lightning_aesgd.workloads.images import FashionCNN
 
 REPLICAS = 4
 BATCH = 64  # per replica and step; the step batch is 256
@@ -59,7 +59,8 @@ class Case:
         factors: each replica's cost factor.
         step_ms: milliseconds of a cost-1 replica's step that the emulation adds (64-sample batches).
         workers: DataLoader worker processes per replica.
-        hidden: width of the MLP's hidden layer (real compute per step).
+        network: ``"mlp"`` (little compute: the emulation is the device) or ``"cnn"`` (a small convolutional
+            network: real compute per step, few parameters, for the modes that slow real work down).
         base: the ``step`` mode's common factor.
     """
 
@@ -68,7 +69,7 @@ class Case:
     factors: tuple[float, ...]
     step_ms: float = 64.0
     workers: int = 0
-    hidden: int = 64
+    network: str = "mlp"
     base: float = 1.0
 
     def profile(self, factors: tuple[float, ...] | None = None) -> SlowdownProfile:
@@ -85,8 +86,8 @@ CASES: dict[str, Case] = {
         Case("user+workers", "user", HETEROGENEOUS, workers=1),
         Case("data", "data", HETEROGENEOUS, workers=1),
         Case("hook", "hook", HETEROGENEOUS),
-        Case("quota", "quota", HETEROGENEOUS, step_ms=0.0, hidden=2048),
-        Case("step", "step", HETEROGENEOUS, step_ms=0.0, hidden=1024, base=4.0),
+        Case("quota", "quota", HETEROGENEOUS, step_ms=0.0, network="cnn"),
+        Case("step", "step", HETEROGENEOUS, step_ms=0.0, network="cnn", base=2.0),
         Case("short", "user", HETEROGENEOUS, step_ms=5.0),
         Case("equal-60ms", "user", HOMOGENEOUS, step_ms=60.0),
         Case("equal-5ms", "user", HOMOGENEOUS, step_ms=5.0),
@@ -133,19 +134,23 @@ class CaseResult:
         return None if plan is None else share_error(plan, [1 / f for f in self.factors])
 
 
-class MLP(pl.LightningModule):
-    """A one-hidden-layer classifier trained with SGD: the user's model in every case.
+class Classifier(pl.LightningModule):
+    """The user's model in every case: an image classifier trained with SGD.
 
     Args:
-        features: input features.
-        hidden: hidden units.
-        classes: output classes.
+        network: ``"mlp"`` (one hidden layer of 64 units), ``"cnn"`` (:class:`FashionCNN`) or ``"tiny"`` (one
+            linear layer: almost no work per step).
         lr: SGD learning rate.
     """
 
-    def __init__(self, features: int, hidden: int, classes: int = 10, lr: float = 0.05) -> None:
+    def __init__(self, network: str, lr: float = 0.05) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        layers: dict[str, Callable[[], nn.Module]] = {
+            "mlp": lambda: nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 10)),
+            "cnn": FashionCNN,
+            "tiny": lambda: nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10)),
+        }
+        self.net = layers[network]()
         self.lr = lr
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:  # noqa: D102
@@ -156,17 +161,17 @@ class MLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-class LoaderModule(MLP):
-    """The MLP with its training DataLoader (so that the ``data`` mode finds the hook that builds it).
+class LoaderModule(Classifier):
+    """The classifier with its training DataLoader (so that the ``data`` mode finds the hook that builds it).
 
     Args:
         dataset: the training data.
-        hidden: hidden units.
+        network: see :class:`Classifier`.
         workers: DataLoader worker processes.
     """
 
-    def __init__(self, dataset: TensorDataset, hidden: int, workers: int) -> None:
-        super().__init__(dataset.tensors[0].shape[1], hidden)
+    def __init__(self, dataset: TensorDataset, network: str, workers: int) -> None:
+        super().__init__(network)
         self.dataset = dataset
         self.workers = workers
 
@@ -197,17 +202,18 @@ class StepClock(pl.Callback):
 
 
 def load_data() -> TensorDataset:
-    """Fashion-MNIST's 60,000 training images as flat features, or the digits where it is not installed."""
+    """Fashion-MNIST's 60,000 training images, or the digits scaled to 28×28 where it is not installed."""
     from lightning_aesgd.workloads.fashion_mnist import is_available, load_split
 
     if is_available():
         images, labels = load_split("train")
-        return TensorDataset(images.reshape(len(images), -1).float(), labels)
+        return TensorDataset(images.reshape(-1, 1, 28, 28).float(), labels)
     from lightning_aesgd.workloads.digits import load_digits_tensors
 
     features, labels = load_digits_tensors()
+    images = nn.functional.interpolate(features.reshape(-1, 1, 8, 8), size=(28, 28), mode="bilinear")
     repeats = 32  # 57,504 rows: one epoch outlasts every run
-    return TensorDataset(features.repeat(repeats, 1), labels.repeat(repeats))
+    return TensorDataset(images.repeat(repeats, 1, 1, 1), labels.repeat(repeats))
 
 
 def run_once(
@@ -228,14 +234,12 @@ def run_once(
     # callback's, for every strategy alike.
     inside = algorithm == "adaptive_elastic" and profile is not None and profile.mode == "step"
     if profile is not None and not inside:
-        callbacks.append(SlowdownCallback(profile))
+        callbacks.append(SlowdownCallback(profile, replicas_sharing=len(case.factors)))
     strategy: Any = "auto"
     if algorithm == "adaptive_elastic":
         strategy = AdaptiveElasticStrategy(slowdown=profile if inside else None, start_method="fork")
     elif algorithm == "ddp":
         strategy = pl.strategies.DDPStrategy(start_method="fork")
-    else:
-        torch.set_num_threads(1)  # the threads each of the replicas gets
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -250,7 +254,7 @@ def run_once(
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(LoaderModule(dataset, case.hidden, case.workers))
+    trainer.fit(LoaderModule(dataset, case.network, case.workers))
     record = json.loads(path.read_text())
     return _result(algorithm, record, len(factors), steps)
 
@@ -271,11 +275,15 @@ def _result(algorithm: str, record: dict[str, Any], replicas: int, steps: int) -
 
 
 def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path) -> CaseResult:
-    """DDP and adaptive_elastic on ``case``, and one replica alone for the ideal (except under quotas)."""
-    ideal = None
-    if case.mode != "quota":  # a lone process would get the whole machine's quota share, not one replica's
-        solo = run_once(case, "solo", dataset, steps, out, factors=(1.0,))
-        ideal = solo.samples_per_second * sum(1 / f for f in case.factors)
+    """DDP and adaptive_elastic on ``case``, and replicas alone for the ideal ``Σᵢ solo speedᵢ``.
+
+    Sleeping devices are measured once at factor 1 (``solo speed at f = s₁/f``); under quotas every distinct
+    factor runs alone, with its quota of the shared machine.
+    """
+    factors = sorted(set(case.factors)) if case.mode == "quota" else [1.0]
+    solo = {f: run_once(case, "solo", dataset, steps, out, factors=(f,)).samples_per_second for f in factors}
+    quota = case.mode == "quota"
+    ideal = sum(solo[f] for f in case.factors) if quota else solo[1.0] * sum(1 / f for f in case.factors)
     result = CaseResult(case.name, case.mode, list(case.factors), case.step_ms, case.workers, ideal)
     for algorithm in ("ddp", "adaptive_elastic"):
         result.runs[algorithm] = run_once(case, algorithm, dataset, steps, out)
@@ -284,7 +292,7 @@ def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path) -> CaseR
 
 def machinery(dataset: TensorDataset, steps: int, out: Path) -> dict[str, float]:
     """Microseconds per step of a near-empty model: one process alone, DDP and adaptive_elastic (4 replicas)."""
-    tiny = Case("machinery", "none", HOMOGENEOUS, step_ms=0.0, hidden=4)
+    tiny = Case("machinery", "none", HOMOGENEOUS, step_ms=0.0, network="tiny")
     per_step = {
         algorithm: 1e6 * run_once(tiny, algorithm, dataset, steps, out, factors=factors).seconds_per_step
         for algorithm, factors in (("solo", (1.0,)), ("ddp", HOMOGENEOUS), ("adaptive_elastic", HOMOGENEOUS))
@@ -361,7 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"skipping the quota case: {quota_unavailable()}")
         names.remove("quota")
     options.out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # One thread per replica process (4 replicas share 2 cores; forked replicas inherit it): several threads of a
+    # process under a CPU quota spin waiting for each other while the quota has them throttled.
+    torch.set_num_threads(1)
     dataset = load_data()
     results = []
     for name in names:

@@ -7,13 +7,14 @@ a replica *arrives* at the merge. So each replica reports, per merge period, its
     aᵢ = (arrival at this merge) − (release from the previous merge),
 
 the wall time in which it did everything a step involves (data, hooks, compute, whatever slowed it), and not the
-time it spent waiting for peers inside the merge. Every replica sends its report inside the merge's own
-all-reduce (:class:`PeriodReport`, one row per replica), so every rank plans from the same numbers without a
-collective of its own.
+time it spent waiting for peers inside the merge. Where DataLoader workers prepare batches in parallel, their
+production time ``ℓᵢ`` per period is reported too, and the period costs ``max(aᵢ, ℓᵢ)``. Every replica sends its
+report inside the merge's own all-reduce (:class:`PeriodReport`, one row per replica), so every rank plans from
+the same numbers without a collective of its own.
 
 From the reports every rank fits the same per-replica step-time model ``tᵢ(b) = cᵢ·(kᵢ + b)`` to
-``(planned batch, aᵢ / steps)`` (:class:`ArrivalModel`) and asks the planner for a target; the plan then moves
-part of the way (:func:`damped_plan`):
+``(planned batch, max(aᵢ, ℓᵢ) / steps)`` (:class:`ArrivalModel`) and asks the planner for a target; the plan
+then moves part of the way (:func:`damped_plan`):
 
     b′ᵢ = bᵢ + γ·(targetᵢ − bᵢ), rounded to sum to M, unchanged while max |targetᵢ − bᵢ| / bᵢ < δ,
 
@@ -46,6 +47,8 @@ class PeriodReport:
         steps: local steps the report measures; 0 when the period was interrupted (validation, a new epoch,
             a checkpoint) and measures nothing.
         active: wall seconds from the release of the previous merge to the arrival at this one.
+        loader: seconds the replica's data loader spent producing the period's batches (in its worker
+            processes, where it has them).
         busy: seconds inside the optimizer step (forward, backward, update), for telemetry.
         wait_fraction: share of the previous period's wall time spent inside the merge.
         stop: 1 when the replica was asked to stop (SIGTERM): every replica stops after this merge.
@@ -56,6 +59,7 @@ class PeriodReport:
     planned: float = 0.0
     steps: float = 0.0
     active: float = 0.0
+    loader: float = 0.0
     busy: float = 0.0
     wait_fraction: float = 0.0
     stop: float = 0.0
@@ -75,6 +79,15 @@ class PeriodReport:
         if len(row) != cls.size():
             raise ValueError(f"A report row has {cls.size()} numbers, got {len(row)}.")
         return cls(*(float(value) for value in row))
+
+    @property
+    def seconds(self) -> float:
+        """What the period cost the replica: its active time, or its loader's time where that is longer.
+
+        Loader workers prepare batches while the replica waits at merges, so a data pipeline slower than the
+        replica's share shows in its arrivals only by what the workers failed to hide.
+        """
+        return max(self.active, self.loader)
 
     @property
     def measured(self) -> bool:
@@ -110,8 +123,8 @@ class ArrivalModel:
             raise ValueError(f"need one report per replica ({self.num_replicas}), got {len(reports)}")
         for report, step_time, speed in zip(reports, self.step_time, self.speed, strict=True):
             if report.measured:
-                step_time.update(report.planned / report.steps, report.active / report.steps)
-                speed.update(report.work, report.active)
+                step_time.update(report.planned / report.steps, report.seconds / report.steps)
+                speed.update(report.work, report.seconds)
 
     def models(self) -> list[StepTime] | None:
         """Every replica's fitted step-time model, or ``None`` until every replica has been measured."""
