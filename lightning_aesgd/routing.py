@@ -136,8 +136,9 @@ class Router:
         self.rank = 0
         self.stop_requested = False
         self.merge_weights: list[float] = []  # every replica's weight at the latest merge
-        # The latest exchanges, for the end-of-fit summary and the benchmark's plots; bounded for long runs.
-        self.history: deque[tuple[int, list[ReplicaStats], tuple[int, ...]]] = deque(maxlen=100_000)
+        self.latest_reports: list[PeriodReport] = []
+        # Every merge's step, measured speeds and latest plan, for the benchmark's plots; bounded for long runs.
+        self.history: deque[tuple[int, tuple[float, ...], tuple[int, ...]]] = deque(maxlen=100_000)
         self._saved_state: dict[str, Any] | None = None
         self._timer: BusyTimer | None = None
         self._clock: ComputeClock | None = None
@@ -229,7 +230,7 @@ class Router:
             stop=1.0 if stop else 0.0,
         )
 
-    def receive(self, rows: Sequence[Sequence[float]], step: int) -> list[ReplicaStats]:
+    def receive(self, rows: Sequence[Sequence[float]], step: int) -> None:
         """Take every replica's report (rank order) after the merge; update the models and schedule a plan.
 
         Every rank passes the same rows, so every rank takes the same decision.
@@ -253,10 +254,9 @@ class Router:
                 sizes = damped_plan(current, sizes, self.plan_gain, self.plan_dead_band, self.floor, self.max_batch)
             if tuple(sizes) != current:
                 self.plan_book.schedule(step + self.lag, sizes)
-        stats = self._stats(reports)
-        self.history.append((step, stats, self.plan_book.latest))
+        self.latest_reports = reports
+        self.history.append((step, tuple(self.model.rates()), self.plan_book.latest))
         self._period = _Period()
-        return stats
 
     def _plans_now(self, step: int, models: Sequence[StepTime]) -> bool:
         """Whether to ask a named planner for a new plan at this merge (a PlanPolicy object is always asked).
@@ -277,8 +277,11 @@ class Router:
         self._next_plan = step + self.lag + 1
         return True
 
-    def _stats(self, reports: Sequence[PeriodReport]) -> list[ReplicaStats]:
-        assert self.model is not None
+    def stats(self) -> list[ReplicaStats]:
+        """Every replica as the latest merge saw it (empty before the first merge)."""
+        if self.model is None or not self.latest_reports:
+            return []
+        reports = self.latest_reports
         rates, seconds = self.model.rates(), self.model.step_seconds()
         return [
             ReplicaStats(

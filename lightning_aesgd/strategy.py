@@ -34,7 +34,7 @@ from lightning_aesgd.core.schedule import validate_schedule
 from lightning_aesgd.core.weights import L2Trend, WeightPolicy, nudge_factor, replica_weight
 from lightning_aesgd.dataloader import LoaderClock, build_elastic_loader, check_train_loader, prefetch_depth
 from lightning_aesgd.flat import FlatView, floating_buffers, trainable_parameters
-from lightning_aesgd.routing import ReplicaStats, Router, SampleCosts, resolve_sample_costs
+from lightning_aesgd.routing import Router, SampleCosts, resolve_sample_costs
 from lightning_aesgd.sampler import ElasticBatchSampler
 from lightning_aesgd.telemetry import replica_metrics, summary_table
 
@@ -182,9 +182,9 @@ class AdaptiveElasticMixin(_Base):
         self._step_key = 0
         self._last_lr: float | None = None
         self._checkpoint_extras: dict[str, Any] | None = None
-        self._latest_stats: list[ReplicaStats] = []
         self._stop_check: _StopCheck | None = None
         self._loader_clock: LoaderClock | None = None
+        self.merged_last_step = False
 
     @property
     def _module(self) -> Any:
@@ -275,9 +275,10 @@ class AdaptiveElasticMixin(_Base):
         timing = self.router.timing(record, self._module.trainer.global_step, loader_seconds)
         with _scaled_learning_rate(optimizer, factor), timing:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if averager.after_local_step(record.num_samples):
+        self.merged_last_step = averager.after_local_step(record.num_samples)
+        if self.merged_last_step:
             self._merge(averager, optimizer)
-        if self.telemetry and self.is_global_zero and self._latest_stats and self._logs_this_step():
+        if self.telemetry and self.is_global_zero and self.router.latest_reports and self._logs_this_step():
             self._log_telemetry()
         return output
 
@@ -286,7 +287,7 @@ class AdaptiveElasticMixin(_Base):
         # directly: through `LightningModule.log_dict` a score of metrics costs tens of milliseconds.
         assert self.router.plan_book is not None
         trainer = self._module.trainer
-        metrics = replica_metrics(self._latest_stats, self.router.plan_book.latest)
+        metrics = replica_metrics(self.router.stats(), self.router.plan_book.latest)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -302,7 +303,7 @@ class AdaptiveElasticMixin(_Base):
         center, rows = averager.merge(weight, optimizer, report.as_row())
         if self.l2_nudge:
             self._l2_trend.update(float(center.norm()))
-        self._latest_stats = self.router.receive(rows, self._step_key)
+        self.router.receive(rows, self._step_key)
 
     def _logs_this_step(self) -> bool:
         # Only on the steps Lightning's loggers write.
@@ -337,8 +338,8 @@ class AdaptiveElasticMixin(_Base):
         # The module leaves fit holding the merged model: that is what `trainer.test` and users' code see.
         if self._averager is not None:
             self._averager.adopt_global_model()
-            if self.telemetry and self.is_global_zero and self.router.history:
-                _, stats, sizes = self.router.history[-1]
+            if self.telemetry and self.is_global_zero and self.router.latest_reports:
+                stats, sizes = self.router.stats(), self.router.history[-1][2]
                 unit = "units" if self.router.cost_aware else "samples"
                 table = summary_table(stats, sizes, self._averager.merges, unit, self.router.floor)
                 log.info("\n%s", table)
@@ -440,23 +441,27 @@ def _broadcast_module(module: torch.nn.Module, comm: Communicator, with_buffers:
 
 
 class _StopCheck:
-    """Lightning's per-step SIGTERM check, answered from the merges instead of a broadcast of its own.
+    """Lightning's per-step SIGTERM check, answered from the merge that just ran instead of a broadcast.
 
     Lightning's training epoch loop broadcasts rank zero's "received SIGTERM" flag at the start of every step:
     a collective per step, and a synchronisation point where fast replicas would wait for slow ones outside
     the merge, hiding what the arrival sensing must see. Every replica's flag travels in the merge's report
-    instead; once any replica asked to stop, every replica stops at the same step (after the same merge).
+    instead: after a step that merged, once any replica asked to stop, every replica stops before the next
+    step. After a step without a merge (``period > 1``) Lightning's own broadcast runs, as under DDP.
     """
 
     def __init__(self, loop: Any, strategy: AdaptiveElasticMixin) -> None:
         self.loop = loop
         self.strategy = strategy
+        self.broadcast = loop._broadcast_sigterm_tensor
         # The loop's own module imports the exception of whichever Lightning namespace is running.
         self.exception = sys.modules[type(loop).__module__].SIGTERMException
         loop._broadcast_sigterm_tensor = self
 
     def __call__(self) -> None:
-        if self.strategy.router.stop_requested:
+        if not self.strategy.merged_last_step:
+            self.broadcast()
+        elif self.strategy.router.stop_requested:
             raise self.exception()
 
     def restore(self) -> None:

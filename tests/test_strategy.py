@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import lightning.pytorch as L
 import pytest
@@ -14,6 +15,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from lightning_aesgd import SMA, AdaptiveElasticStrategy
 from lightning_aesgd.averager import ElasticAverager
 from lightning_aesgd.checks import UnsupportedSettingError
+from lightning_aesgd.strategy import _replace_stop_broadcast
 
 pytestmark = pytest.mark.slow
 
@@ -170,3 +172,45 @@ def test_end_of_fit_summary_shows_every_replica(caplog):
     summary = "\n".join(record.getMessage() for record in caplog.records if record.name.startswith("lightning_aesgd"))
     assert "replicas at the end of fit" in summary
     assert "merges: 4" in summary
+
+
+class SIGTERMException(SystemExit):
+    """Stands in for Lightning's: the stop check raises the exception of the loop's own module."""
+
+
+class _EpochLoop:
+    def __init__(self):
+        self.broadcasts = 0
+
+    def _broadcast_sigterm_tensor(self):
+        self.broadcasts += 1
+
+
+def test_the_per_step_sigterm_broadcast_is_answered_from_the_merge_that_just_ran():
+    loop = _EpochLoop()
+    strategy = SimpleNamespace(merged_last_step=False, router=SimpleNamespace(stop_requested=False))
+    check = _replace_stop_broadcast(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop)), strategy)
+    loop._broadcast_sigterm_tensor()  # after a step without a merge: Lightning's own broadcast
+    assert loop.broadcasts == 1
+    strategy.merged_last_step = True
+    loop._broadcast_sigterm_tensor()  # after a merge: no collective
+    assert loop.broadcasts == 1
+    strategy.router.stop_requested = True  # a replica reported SIGTERM in that merge
+    with pytest.raises(SIGTERMException):
+        loop._broadcast_sigterm_tensor()
+    check.restore()
+    loop._broadcast_sigterm_tensor()
+    assert loop.broadcasts == 2
+
+
+def test_the_strategy_replaces_the_sigterm_broadcast_only_during_fit():
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            seen.append(type(vars(trainer.fit_loop.epoch_loop).get("_broadcast_sigterm_tensor")).__name__)
+
+    trainer = _trainer(AdaptiveElasticStrategy(), max_steps=2, callbacks=[Probe()], limit_val_batches=0)
+    trainer.fit(RegressionModel())
+    assert seen == ["_StopCheck", "_StopCheck"]
+    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)

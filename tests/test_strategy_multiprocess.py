@@ -14,7 +14,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_aesgd import AdaptiveElasticStrategy
+from lightning_aesgd import AdaptiveElasticStrategy, SlowdownCallback
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -72,6 +72,35 @@ def _stateful_strategy(planner) -> AdaptiveElasticStrategy:
         start_method="fork",
         timeout=TIMEOUT,
     )
+
+
+class _PlanWriter(pl.Callback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(trainer.strategy.router.plan_book.state_dict()))
+
+
+def test_defaults_follow_slowness_in_hooks_and_still_match_ddp_with_plain_sgd(tmp_path):
+    """By name the strategy routes by arrivals; with plain SGD any plan computes DDP's update on the same batch.
+
+    Replica 1's ``on_train_batch_end`` takes 3× as long per sample (outside anything the strategy times). The
+    plan must move towards 3:1; and since each step's M samples are the same set DDP's sampler gives its
+    replicas, the sample-weighted merge θ − η·Σbᵢgᵢ/M is DDP's step whatever the split.
+    """
+    steps = 30
+    slow = {"factors": [1, 3], "mode": "hook", "seconds_per_sample": 0.004}
+    model_kwargs = {"size": 256, "batch_size": 8}
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), model_kwargs, max_steps=steps)
+    callbacks = [SlowdownCallback(slow), _PlanWriter(tmp_path / "plans.json")]
+    ours = _fit(AdaptiveElasticStrategy(start_method="fork", timeout=TIMEOUT), model_kwargs, max_steps=steps,
+                callbacks=callbacks)  # fmt: skip
+    plans = json.loads((tmp_path / "plans.json").read_text())
+    fast = plans["sizes"][-1][0]
+    assert fast >= 10, f"the plan must favour the faster replica (ideal 12:4), got {plans}"
+    torch.testing.assert_close(ours, ddp, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("planner", ["static", "rotating"])

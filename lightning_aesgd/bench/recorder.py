@@ -135,8 +135,7 @@ class BenchRecorder(pl.Callback):
         if router is not None and router.plan_book is not None:
             self.record.plans = router.plan_book.state_dict()
             self.record.exchanges = [
-                {"step": step, "sizes": list(sizes), "speeds": [s.speed for s in stats]}
-                for step, stats, sizes in router.history
+                {"step": step, "sizes": list(sizes), "speeds": list(speeds)} for step, speeds, sizes in router.history
             ]
         if trainer.is_global_zero:
             self.record.save(self.path)

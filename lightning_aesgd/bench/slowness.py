@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -290,14 +291,21 @@ def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path) -> CaseR
     return result
 
 
-def machinery(dataset: TensorDataset, steps: int, out: Path) -> dict[str, float]:
-    """Microseconds per step of a near-empty model: one process alone, DDP and adaptive_elastic (4 replicas)."""
+def machinery(dataset: TensorDataset, steps: int, out: Path, repeats: int = 3) -> dict[str, float]:
+    """Microseconds per step of a near-empty model: one process alone, DDP and adaptive_elastic (4 replicas).
+
+    The three runs are repeated ``repeats`` times, interleaved, and the medians reported: on a shared machine
+    single runs of a few seconds differ by several percent.
+    """
     tiny = Case("machinery", "none", HOMOGENEOUS, step_ms=0.0, network="tiny")
-    per_step = {
-        algorithm: 1e6 * run_once(tiny, algorithm, dataset, steps, out, factors=factors).seconds_per_step
-        for algorithm, factors in (("solo", (1.0,)), ("ddp", HOMOGENEOUS), ("adaptive_elastic", HOMOGENEOUS))
-    }
+    runs: dict[str, list[float]] = {"solo": [], "ddp": [], "adaptive_elastic": []}
+    for _ in range(repeats):
+        for algorithm, factors in (("solo", (1.0,)), ("ddp", HOMOGENEOUS), ("adaptive_elastic", HOMOGENEOUS)):
+            result = run_once(tiny, algorithm, dataset, steps, out, factors=factors)
+            runs[algorithm].append(1e6 * result.seconds_per_step)
+    per_step = {algorithm: statistics.median(values) for algorithm, values in runs.items()}
     return {
+        "repeats": repeats,
         "solo_us_per_step": per_step["solo"],
         "ddp_us_per_step": per_step["ddp"],
         "adaptive_elastic_us_per_step": per_step["adaptive_elastic"],
@@ -330,7 +338,7 @@ def machinery_table(figures: dict[str, float]) -> str:
     """The per-step machinery figures as a markdown table."""
     return "\n".join(
         [
-            "| per step, near-empty model | µs |",
+            f"| per step, near-empty model (median of {figures['repeats']:.0f}) | µs |",
             "|---|---|",
             f"| one process, no strategy | {figures['solo_us_per_step']:.0f} |",
             f"| DDP, 4 replicas | {figures['ddp_us_per_step']:.0f} (machinery {figures['ddp_machinery_us']:.0f}) |",
@@ -354,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--machinery-steps", type=int, default=200, help="steps of the machinery runs (0: skip)")
+    parser.add_argument("--machinery-repeats", type=int, default=3, help="interleaved repeats of the machinery runs")
     parser.add_argument("--out", type=Path, default=Path("bench_results") / "slowness", help="output directory")
     return parser
 
@@ -377,7 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         results.append(run_case(CASES[name], dataset, options.steps, options.out))
         print(f"{name}: adaptive_elastic ÷ DDP = {results[-1].ratio():.2f}", flush=True)
-    figures = machinery(dataset, options.machinery_steps, options.out) if options.machinery_steps else None
+    steps, repeats = options.machinery_steps, options.machinery_repeats
+    figures = machinery(dataset, steps, options.out, repeats) if steps else None
     report = {"cases": [asdict(r) for r in results], "machinery": figures, "steps": options.steps}
     (options.out / RESULTS_FILE).write_text(json.dumps(report, indent=2) + "\n")
     print("\n" + table(results))

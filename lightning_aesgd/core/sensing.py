@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_aesgd.core.planning import apportion
@@ -67,18 +67,18 @@ class PeriodReport:
     @classmethod
     def size(cls) -> int:
         """Numbers per report row."""
-        return len(fields(cls))
+        return _REPORT_SIZE
 
     def as_row(self) -> list[float]:
         """The report as a row of floats, in field order."""
-        return [float(value) for value in astuple(self)]
+        return [float(getattr(self, name)) for name in _REPORT_FIELDS]
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> PeriodReport:
         """Read a row written by :meth:`as_row`."""
-        if len(row) != cls.size():
-            raise ValueError(f"A report row has {cls.size()} numbers, got {len(row)}.")
-        return cls(*(float(value) for value in row))
+        if len(row) != _REPORT_SIZE:
+            raise ValueError(f"A report row has {_REPORT_SIZE} numbers, got {len(row)}.")
+        return cls(*row)
 
     @property
     def seconds(self) -> float:
@@ -93,6 +93,10 @@ class PeriodReport:
     def measured(self) -> bool:
         """Whether the report holds a usable measurement."""
         return self.steps > 0 and self.active > 0 and self.planned > 0 and math.isfinite(self.active)
+
+
+_REPORT_FIELDS = tuple(field.name for field in fields(PeriodReport))
+_REPORT_SIZE = len(_REPORT_FIELDS)
 
 
 class ArrivalModel:
