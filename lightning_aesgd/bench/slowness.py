@@ -104,6 +104,7 @@ class RunResult:
     algorithm: str
     samples_per_second: float
     seconds_per_step: float
+    cpu_seconds_per_step: float
     plan_at_check: list[int] | None = None
     smallest_batch: int | None = None
     final_plan: list[int] | None = None
@@ -190,16 +191,18 @@ class StepClock(pl.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
         self.times: list[float] = []
+        self.cpu: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: D102
         self.times.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
         if not trainer.is_global_zero:
             return
         router = getattr(trainer.strategy, "router", None)
         plans = router.plan_book.state_dict() if router is not None and router.plan_book is not None else None
-        self.path.write_text(json.dumps({"times": self.times, "plans": plans}))
+        self.path.write_text(json.dumps({"times": self.times, "cpu": self.cpu, "plans": plans}))
 
 
 def load_data() -> TensorDataset:
@@ -261,10 +264,11 @@ def run_once(
 
 
 def _result(algorithm: str, record: dict[str, Any], replicas: int, steps: int) -> RunResult:
-    times = record["times"]
+    times, cpu = record["times"], record["cpu"]
     first = min(WARMUP_STEPS, len(times) // 2)
     seconds = (times[-1] - times[first - 1]) / (len(times) - first)
-    result = RunResult(algorithm, BATCH * replicas / seconds, seconds)
+    cpu_seconds = (cpu[-1] - cpu[first - 1]) / (len(cpu) - first)
+    result = RunResult(algorithm, BATCH * replicas / seconds, seconds, cpu_seconds)
     plans = record["plans"]
     if plans is not None:
         starts, sizes = plans["starts"], plans["sizes"]
@@ -298,20 +302,22 @@ def machinery(dataset: TensorDataset, steps: int, out: Path, repeats: int = 3) -
     single runs of a few seconds differ by several percent.
     """
     tiny = Case("machinery", "none", HOMOGENEOUS, step_ms=0.0, network="tiny")
-    runs: dict[str, list[float]] = {"solo": [], "ddp": [], "adaptive_elastic": []}
+    names = ("solo", "ddp", "adaptive_elastic")
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(repeats):
-        for algorithm, factors in (("solo", (1.0,)), ("ddp", HOMOGENEOUS), ("adaptive_elastic", HOMOGENEOUS)):
+        for algorithm, factors in zip(names, ((1.0,), HOMOGENEOUS, HOMOGENEOUS), strict=True):
             result = run_once(tiny, algorithm, dataset, steps, out, factors=factors)
-            runs[algorithm].append(1e6 * result.seconds_per_step)
-    per_step = {algorithm: statistics.median(values) for algorithm, values in runs.items()}
-    return {
-        "repeats": repeats,
-        "solo_us_per_step": per_step["solo"],
-        "ddp_us_per_step": per_step["ddp"],
-        "adaptive_elastic_us_per_step": per_step["adaptive_elastic"],
-        "ddp_machinery_us": per_step["ddp"] - per_step["solo"],
-        "adaptive_elastic_machinery_us": per_step["adaptive_elastic"] - per_step["solo"],
-    }
+            wall[algorithm].append(1e6 * result.seconds_per_step)
+            cpu[algorithm].append(1e6 * result.cpu_seconds_per_step)
+    figures: dict[str, float] = {"repeats": repeats}
+    for name in names:
+        figures[f"{name}_us_per_step"] = statistics.median(wall[name])
+        figures[f"{name}_cpu_us_per_step"] = statistics.median(cpu[name])
+    for name in names[1:]:
+        figures[f"{name}_machinery_us"] = figures[f"{name}_us_per_step"] - figures["solo_us_per_step"]
+        figures[f"{name}_machinery_cpu_us"] = figures[f"{name}_cpu_us_per_step"] - figures["solo_cpu_us_per_step"]
+    return figures
 
 
 def table(results: Sequence[CaseResult]) -> str:
@@ -336,16 +342,19 @@ def table(results: Sequence[CaseResult]) -> str:
 
 def machinery_table(figures: dict[str, float]) -> str:
     """The per-step machinery figures as a markdown table."""
-    return "\n".join(
-        [
-            f"| per step, near-empty model (median of {figures['repeats']:.0f}) | µs |",
-            "|---|---|",
-            f"| one process, no strategy | {figures['solo_us_per_step']:.0f} |",
-            f"| DDP, 4 replicas | {figures['ddp_us_per_step']:.0f} (machinery {figures['ddp_machinery_us']:.0f}) |",
-            f"| adaptive_elastic, 4 replicas | {figures['adaptive_elastic_us_per_step']:.0f} "
-            f"(machinery {figures['adaptive_elastic_machinery_us']:.0f}) |",
-        ]
-    )
+    lines = [
+        f"| per step, near-empty model (median of {figures['repeats']:.0f}) | wall µs | machinery µs "
+        "| CPU µs of rank 0 | machinery CPU µs |",
+        "|---|---|---|---|---|",
+        f"| one process, no strategy | {figures['solo_us_per_step']:.0f} | – "
+        f"| {figures['solo_cpu_us_per_step']:.0f} | – |",
+    ]
+    for name, label in (("ddp", "DDP, 4 replicas"), ("adaptive_elastic", "adaptive_elastic, 4 replicas")):
+        lines.append(
+            f"| {label} | {figures[f'{name}_us_per_step']:.0f} | {figures[f'{name}_machinery_us']:.0f} "
+            f"| {figures[f'{name}_cpu_us_per_step']:.0f} | {figures[f'{name}_machinery_cpu_us']:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def _factors(factors: Sequence[float]) -> str:
