@@ -279,19 +279,24 @@ def _result(algorithm: str, record: dict[str, Any], replicas: int, steps: int) -
     return result
 
 
-def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path) -> CaseResult:
+def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path, repeats: int = 1) -> CaseResult:
     """DDP and adaptive_elastic on ``case``, and replicas alone for the ideal ``Σᵢ solo speedᵢ``.
 
     Sleeping devices are measured once at factor 1 (``solo speed at f = s₁/f``); under quotas every distinct
-    factor runs alone, with its quota of the shared machine.
+    factor runs alone, with its quota of the shared machine. With ``repeats`` > 1 the two strategies alternate
+    and each keeps its run of median throughput.
     """
     factors = sorted(set(case.factors)) if case.mode == "quota" else [1.0]
     solo = {f: run_once(case, "solo", dataset, steps, out, factors=(f,)).samples_per_second for f in factors}
     quota = case.mode == "quota"
     ideal = sum(solo[f] for f in case.factors) if quota else solo[1.0] * sum(1 / f for f in case.factors)
     result = CaseResult(case.name, case.mode, list(case.factors), case.step_ms, case.workers, ideal)
-    for algorithm in ("ddp", "adaptive_elastic"):
-        result.runs[algorithm] = run_once(case, algorithm, dataset, steps, out)
+    runs: dict[str, list[RunResult]] = {"ddp": [], "adaptive_elastic": []}
+    for _ in range(repeats):
+        for algorithm, done in runs.items():
+            done.append(run_once(case, algorithm, dataset, steps, out))
+    for algorithm, done in runs.items():
+        result.runs[algorithm] = sorted(done, key=lambda run: run.samples_per_second)[len(done) // 2]
     return result
 
 
@@ -370,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aesgd-bench slowness", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per strategy (median reported)")
     parser.add_argument("--machinery-steps", type=int, default=200, help="steps of the machinery runs (0: skip)")
     parser.add_argument("--machinery-repeats", type=int, default=3, help="interleaved repeats of the machinery runs")
     parser.add_argument("--out", type=Path, default=Path("bench_results") / "slowness", help="output directory")
@@ -393,11 +399,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     dataset = load_data()
     results = []
     for name in names:
-        results.append(run_case(CASES[name], dataset, options.steps, options.out))
+        results.append(run_case(CASES[name], dataset, options.steps, options.out, options.repeats))
         print(f"{name}: adaptive_elastic ÷ DDP = {results[-1].ratio():.2f}", flush=True)
     steps, repeats = options.machinery_steps, options.machinery_repeats
     figures = machinery(dataset, steps, options.out, repeats) if steps else None
-    report = {"cases": [asdict(r) for r in results], "machinery": figures, "steps": options.steps}
+    report = {
+        "cases": [asdict(r) for r in results],
+        "machinery": figures,
+        "steps": options.steps,
+        "repeats": options.repeats,
+    }
     (options.out / RESULTS_FILE).write_text(json.dumps(report, indent=2) + "\n")
     print("\n" + table(results))
     if figures is not None:
