@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_aesgd.core.planning import apportion
 from lightning_aesgd.core.policies import PlanPolicy, StaticPolicy, get_plan_policy
-from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
+from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, check_plan_damping, damped_plan
 from lightning_aesgd.core.speed import BusyTimer, StepTime
 from lightning_aesgd.sampler import PlanBook, StepRecord
 from lightning_aesgd.slowdown import ComputeClock, SlowdownProfile, as_profile, emulated_slowdown
@@ -95,7 +95,8 @@ class Router:
         min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``.
         speed_smoothing: smoothing β of the moving averages.
         plan_gain: fraction γ of the way to the planner's target that each new plan moves.
-        plan_dead_band: the plan stays while every replica's relative move is below this.
+        plan_dead_band: no plan is made while the predicted step times agree within this relative tolerance, and a
+            plan stays while every replica's relative move is below it.
         slowdown: an emulated slowdown profile (its ``step`` mode: slowness inside the optimizer step).
         clock: wall clock in seconds (tests pass a scripted one).
         planner_options: extra arguments of the planner (e.g. ``step`` of the additive rule).
@@ -117,7 +118,7 @@ class Router:
     ) -> None:
         self.planner, self.shares, self.planner_options = planner, shares, planner_options
         self.min_batch, self.max_batch = min_batch, max_batch
-        batch_floor(1, 1, min_batch, min_share)  # validates min_share
+        check_plan_damping(min_share, plan_gain, plan_dead_band)
         self.min_share, self.plan_gain, self.plan_dead_band = min_share, plan_gain, plan_dead_band
         self.adaptive = planner != "static"
         self.speed_smoothing = speed_smoothing
@@ -142,7 +143,6 @@ class Router:
         self._saved_state: dict[str, Any] | None = None
         self._timer: BusyTimer | None = None
         self._clock: ComputeClock | None = None
-        self._pending_busy = 0
         self._period = _Period()
         self._release: float | None = None
         self._arrival = 0.0
@@ -160,7 +160,6 @@ class Router:
             self.model = ArrivalModel(num_replicas, self.speed_smoothing)
         self._timer = BusyTimer(device)
         self._clock = ComputeClock(device)
-        self._pending_busy = 0
         self.stop_requested = False
         self.interrupt()
 

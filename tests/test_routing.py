@@ -229,3 +229,12 @@ def test_a_restored_router_continues_with_the_same_plans_and_measurements():
     assert restored.model.models() == routers[1].model.models()
     assert restored.model.rates() == routers[1].model.rates()
     assert restored.plan_book.state_dict() == routers[1].plan_book.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"min_share": 1.5}, "min_share"), ({"plan_gain": 0.0}, "plan_gain"), ({"plan_dead_band": -0.1}, "dead_band")],
+)
+def test_bad_damping_options_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Router(**kwargs)

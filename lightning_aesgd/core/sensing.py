@@ -33,7 +33,7 @@ from typing import Any
 from lightning_aesgd.core.planning import apportion
 from lightning_aesgd.core.speed import SpeedEstimator, StepTime, StepTimeEstimator
 
-__all__ = ["ArrivalModel", "PeriodReport", "batch_floor", "damped_plan"]
+__all__ = ["ArrivalModel", "PeriodReport", "batch_floor", "check_plan_damping", "damped_plan"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,16 @@ class ArrivalModel:
             estimator.load_state_dict(saved)
         for speed, saved in zip(self.speed, state["speed"], strict=True):
             speed.load_state_dict(saved)
+
+
+def check_plan_damping(min_share: float, gain: float, dead_band: float) -> None:
+    """Raise, naming the fix, unless ``0 ≤ min_share ≤ 1``, ``0 < gain ≤ 1`` and ``0 ≤ dead_band < 1``."""
+    if not 0.0 <= min_share <= 1.0:
+        raise ValueError(f"`min_share` is a fraction of the equal share M/n: pass a value in [0, 1], got {min_share}.")
+    if not 0.0 < gain <= 1.0:
+        raise ValueError(f"`plan_gain` is the fraction of the way each plan moves: pass a value in (0, 1], got {gain}.")
+    if not 0.0 <= dead_band < 1.0:
+        raise ValueError(f"`plan_dead_band` is a relative tolerance: pass a value in [0, 1), got {dead_band}.")
 
 
 def batch_floor(total: int, num_replicas: int, min_batch: int = 1, min_share: float = 0.0) -> int:
