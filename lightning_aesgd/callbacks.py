@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities.data import extract_batch_size
 
 from lightning_aesgd.cpu_quota import CpuQuota
@@ -146,10 +147,13 @@ class SlowCollate:
 
 
 def _batch_size(batch: Any) -> int:
-    try:
-        return int(extract_batch_size(batch))
-    except Exception:  # a batch Lightning cannot size (e.g. a custom object): count it by its length
+    """Samples in a batch: a batch object's own length (e.g. a sparse batch), else Lightning's estimate."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if hasattr(batch, "__len__") and not isinstance(batch, (list, tuple, Mapping, str)):
+        # Lightning's estimate would take the first tensor inside it, e.g. a sparse batch's non-zeros.
         return len(batch)
+    return int(extract_batch_size(batch))
 
 
 def _fair_share_of_cores(trainer: pl.Trainer, replicas_sharing: int | None) -> float:

@@ -144,7 +144,8 @@ class Router:
         self._timer: BusyTimer | None = None
         self._clock: ComputeClock | None = None
         self._period = _Period()
-        self._release: float | None = None
+        self._release: float | None = None  # None while paused
+        self._active_before = 0.0  # active seconds of this period before a pause
         self._arrival = 0.0
         self._wait_fraction = 0.0
         self._next_plan = 0
@@ -202,13 +203,28 @@ class Router:
         self._period.busy += sum(self._timer.pop_completed())
 
     def interrupt(self) -> None:
-        """Something other than training ran (validation, a new epoch, a checkpoint): restart the period's clock.
+        """A new epoch began (loader workers started, epoch-end hooks ran): restart the period's clock.
 
         A period that already holds steps then measures nothing; an empty one measures from now.
         """
         if self._period.steps:
             self._period.measured = False
         self._release = self.clock()
+        self._active_before = 0.0
+
+    def pause(self) -> None:
+        """Stop the period's clock while something other than training runs (validation, a checkpoint).
+
+        The time since the release, the replica's hooks after its last step included, stays in the period.
+        """
+        if self._release is not None:
+            self._active_before += self.clock() - self._release
+            self._release = None
+
+    def resume(self) -> None:
+        """Restart the period's clock after :meth:`pause`."""
+        if self._release is None:
+            self._release = self.clock()
 
     # --- at a merge ---------------------------------------------------------------------------------------
 
@@ -217,12 +233,13 @@ class Router:
         self._arrival = self.clock()
         period = self._period
         measured = period.measured and self._release is not None
+        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
         return PeriodReport(
             merge_weight=merge_weight,
             work=period.work,
             planned=period.planned,
             steps=float(period.steps) if measured else 0.0,
-            active=self._arrival - self._release if self._release is not None else 0.0,
+            active=active,
             loader=period.loader,
             busy=period.busy,
             wait_fraction=self._wait_fraction,
@@ -237,9 +254,11 @@ class Router:
         assert self.plan_book is not None
         assert self.model is not None
         released = self.clock()
-        wall = released - (self._release if self._release is not None else self._arrival)
+        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
+        wall = active + released - self._arrival
         self._wait_fraction = (released - self._arrival) / wall if wall > 0 else 0.0
         self._release = released
+        self._active_before = 0.0
         reports = [PeriodReport.from_row(row) for row in rows]
         self.model.update(reports)
         self.stop_requested = any(report.stop > 0 for report in reports)

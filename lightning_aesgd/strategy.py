@@ -258,6 +258,7 @@ class AdaptiveElasticMixin(_Base):
             self._step_key = self._sampler.step_key(self._module.trainer.current_epoch, batch_idx)
         if batch_idx == 0:  # a new epoch: loader workers started, epoch-end hooks ran; not a training period
             self.router.interrupt()
+        self.router.resume()  # after whatever paused the clock (validation, a checkpoint)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -323,6 +324,7 @@ class AdaptiveElasticMixin(_Base):
     @override
     def on_validation_start(self) -> None:
         if self._averager is not None:
+            self.router.pause()  # before the swap-in's collective: waiting for peers is not this replica's time
             self._averager.swap_in_global_model()
         super().on_validation_start()
 
@@ -330,7 +332,7 @@ class AdaptiveElasticMixin(_Base):
     def on_validation_end(self) -> None:
         if self._averager is not None:
             self._averager.swap_out()
-            self.router.interrupt()
+            self.router.resume()
         super().on_validation_end()
 
     @override
@@ -363,12 +365,12 @@ class AdaptiveElasticMixin(_Base):
         averager = self._averager
         if averager is None:
             return super().lightning_module_state_dict()
+        self.router.pause()  # writing a checkpoint is not training time
         was_swapped = averager.swapped_in
         averager.swap_in_global_model()
         state = {name: tensor.clone() for name, tensor in self._module.state_dict().items()}
         if not was_swapped:
             averager.swap_out()
-        self.router.interrupt()  # writing a checkpoint is not training time
         optimizer = self.optimizers[0] if self.optimizers else None
         self._checkpoint_extras = gather_training_state(
             averager, self.router, self._l2_trend, optimizer, with_replicas=self.checkpoint_replicas
@@ -382,6 +384,7 @@ class AdaptiveElasticMixin(_Base):
             checkpoint[CHECKPOINT_KEY] = self._checkpoint_extras
         self._checkpoint_extras = None
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.router.resume()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

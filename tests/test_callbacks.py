@@ -128,3 +128,19 @@ def test_a_real_cpu_quota_throttles_this_process_and_is_released():
         quota.release()
     assert throttled > 2.5 * 0.1  # a quarter of a core: about 4× the CPU time in wall time
     assert not quota.group.exists()
+
+
+def test_a_batch_object_is_counted_by_its_own_length(monkeypatch):
+    class SparseRows:
+        def __init__(self):
+            self.indices = torch.zeros(500)  # non-zeros: Lightning's estimate would count these
+
+        def __len__(self):
+            return 4
+
+    sleeps = []
+    monkeypatch.setattr(callback_time, "sleep", sleeps.append)
+    callback = SlowdownCallback(_per_sample("hook"))
+    callback.setup(_trainer(0, 0), None, "fit")
+    callback.on_train_batch_end(_trainer(0, 1), None, None, SparseRows(), 0)
+    assert sleeps == [pytest.approx(0.01 * 4)]

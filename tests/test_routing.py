@@ -238,3 +238,23 @@ def test_a_restored_router_continues_with_the_same_plans_and_measurements():
 def test_bad_damping_options_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Router(**kwargs)
+
+
+def test_a_pause_keeps_the_time_before_it_and_skips_the_time_during_it():
+    (router,) = _group(1)
+    router.clock.now = 0.0
+    router.interrupt()
+    with router.timing(StepRecord(num_samples=10, cost=10.0, planned=10), step=0):
+        pass
+    router.clock.now = 0.3  # the step and its hooks
+    router.pause()  # validation
+    router.clock.now = 5.0
+    router.resume()
+    router.clock.now = 5.2  # the next step's data and compute
+    report = router.report(1.0)
+    assert report.measured
+    assert report.active == pytest.approx(0.5)
+    router.clock.now = 5.25
+    router.receive([report.as_row()], step=0)
+    assert router.latest_reports[0].active == pytest.approx(0.5)
+    assert router.report(1.0).wait_fraction == pytest.approx(0.05 / 0.55)

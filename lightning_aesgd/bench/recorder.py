@@ -5,7 +5,7 @@ the rank-zero child: :class:`BenchRecorder` writes them to a JSON file when trai
 it back with :meth:`RunRecord.load`.
 
 The **training clock** is wall time from the start of training to its end, paused between
-``on_validation_start`` and ``on_validation_end``: it counts steps, merges, data loading and emulated slowdown,
+``on_validation_epoch_start`` and ``on_validation_end``: it counts steps, merges, data loading and emulated slowdown,
 never evaluation. Every replica is waited for before the clock pauses, so that time spent waiting for a
 straggler is counted even when validation follows. Sanity checks run before training starts and are therefore
 never counted.
@@ -116,9 +116,11 @@ class BenchRecorder(pl.Callback):
         self.record.samples.append(samples_in_step(trainer, batch, batch_idx))
         self.record.clock.append(self._now())
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
         # Wait for every replica before pausing: a straggler still finishing its step would otherwise be waited
-        # for inside validation, off the clock, and frequent validation would hide most of DDP's waiting.
+        # for inside validation, off the clock, and frequent validation would hide most of DDP's waiting. Not in
+        # `on_validation_start`: that runs before the strategy's own, where adaptive_elastic stops its arrival
+        # clock, and the waiting would count as the replicas' own time.
         trainer.strategy.barrier("bench-clock")
         self._pause()
 

@@ -230,7 +230,8 @@ def run_once(
 ) -> RunResult:
     """Train ``steps`` steps of ``case`` under ``algorithm`` (``ddp``, ``adaptive_elastic`` or ``solo``)."""
     factors = factors or case.factors
-    path = out / f"{case.name}-{algorithm}.json"
+    path = out / "runs" / f"{case.name}-{algorithm}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     callbacks: list[pl.Callback] = [StepClock(path)]
     profile = case.profile(factors) if case.mode != "none" else None
