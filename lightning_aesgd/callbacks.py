@@ -77,6 +77,10 @@ class SlowdownCallback(pl.Callback):
             restore()
         self._restore.clear()
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Release the CPU quota and the wrapped hooks when fit fails, as when it ends."""
+        self.teardown(trainer, pl_module, "fit")
+
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: D102
         if self._clock is not None:
             self._started = self._clock.now()
