@@ -133,7 +133,7 @@ class WeightedMean:
         """
         means = list(flats)  # placeholders, each replaced by its mean below
         dtypes = list(dict.fromkeys(flat.dtype for flat in flats))
-        carrier = _widest(dtypes)
+        carrier = _row_carrier(dtypes)
         rows: list[list[float]] = []
         row_slots = len(row) * self.comm.world_size
         for dtype in dtypes:
@@ -158,8 +158,9 @@ class WeightedMean:
                 rows = bucket[body + 1 :].view(-1, len(row)).tolist()
             for k, mean in zip(positions, torch.split(bucket[:body], sizes), strict=True):
                 means[k] = mean
-        if row and not rows:  # nothing to carry the row (no floating tensors): send it on its own
-            slots = torch.zeros(row_slots, dtype=torch.float64)
+        if row and not rows:  # no float32/float64 bucket to carry the row: send it on its own
+            device = flats[0].device if flats else torch.device("cpu")
+            slots = torch.zeros(row_slots, dtype=torch.float64, device=device)
             _write_row(slots, row, self.comm.rank)
             self.comm.all_reduce_sum_(slots)
             rows = slots.view(-1, len(row)).tolist()
@@ -172,10 +173,16 @@ class WeightedMean:
         return self._buckets[key]
 
 
-def _widest(dtypes: Sequence[torch.dtype]) -> torch.dtype | None:
-    """The floating dtype with the most mantissa bits: it carries the report rows most exactly."""
-    floating = [dtype for dtype in dtypes if dtype.is_floating_point]
-    return max(floating, key=lambda dtype: torch.finfo(dtype).eps * -1.0, default=None)
+def _row_carrier(dtypes: Sequence[torch.dtype]) -> torch.dtype | None:
+    """The bucket dtype that carries the report rows: float64 or float32, never a half-precision type.
+
+    Half precision would turn counts above 65504 into ``inf`` (fp16) or round them (bf16); a model without a
+    float32 or float64 bucket sends its rows in a small all-reduce of their own.
+    """
+    for dtype in (torch.float64, torch.float32):
+        if dtype in dtypes:
+            return dtype
+    return None
 
 
 def _write_row(slots: Tensor, row: Sequence[float], rank: int) -> None:

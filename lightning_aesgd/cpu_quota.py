@@ -77,14 +77,31 @@ class CpuQuota:
                 "Linux with the cgroup cpu controller, or use the 'user', 'data' or 'hook' mode."
             )
         quota_us = max(1000, round(self.cores * self.period_us))
+        previous = self._current_group()
         self.group.mkdir(exist_ok=True)
-        if self.v2:
-            (self.group / "cpu.max").write_text(f"{quota_us} {self.period_us}")
-        else:
-            (self.group / "cpu.cfs_period_us").write_text(str(self.period_us))
-            (self.group / "cpu.cfs_quota_us").write_text(str(quota_us))
-        self._previous = self.group.parent
-        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            if self.v2:
+                (self.group / "cpu.max").write_text(f"{quota_us} {self.period_us}")
+            else:
+                (self.group / "cpu.cfs_period_us").write_text(str(self.period_us))
+                (self.group / "cpu.cfs_quota_us").write_text(str(quota_us))
+            (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError:
+            with contextlib.suppress(OSError):
+                self.group.rmdir()
+            raise
+        self._previous = previous
+
+    def _current_group(self) -> Path:
+        """The cgroup this process is in now (the cpu controller's, on cgroup v1), to move back to."""
+        base = self.group.parent
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if (self.v2 and controllers == "") or (not self.v2 and "cpu" in controllers.split(",")):
+                candidate = base / path.lstrip("/")
+                if (candidate / "cgroup.procs").is_file():
+                    return candidate
+        return base
 
     def release(self) -> None:
         """Move this process back to the parent group and remove the quota's group."""

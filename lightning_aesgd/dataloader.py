@@ -63,8 +63,11 @@ class LoaderClock:
         self.seconds[step % len(self.seconds)] = seconds
 
     def read(self, step: int) -> float:
-        """Seconds producing step ``step``'s batch took (0 if not recorded)."""
-        return float(self.seconds[step % len(self.seconds)])
+        """Seconds producing step ``step``'s batch took (0 if not recorded); the slot is cleared."""
+        slot = step % len(self.seconds)
+        seconds = float(self.seconds[slot])
+        self.seconds[slot] = 0.0
+        return seconds
 
 
 class TimedLoading(Dataset[Any]):
@@ -78,12 +81,23 @@ class TimedLoading(Dataset[Any]):
         dataset: the user's map-style dataset.
         collate: the user's collate function.
         clock: where the times go.
+        workers: loader worker processes producing batches in parallel; each batch's time is divided by their
+            number, the rate at which the loader can keep up.
     """
 
-    def __init__(self, dataset: Dataset[Any], collate: Callable[[list[Any]], Any], clock: LoaderClock) -> None:
-        self.dataset = dataset
-        self.collate = collate
-        self.clock = clock
+    _OWN = ("dataset", "collate", "clock", "workers")
+    dataset: Dataset[Any]
+    collate: Callable[[list[Any]], Any]
+    clock: LoaderClock
+    workers: int
+
+    def __init__(
+        self, dataset: Dataset[Any], collate: Callable[[list[Any]], Any], clock: LoaderClock, workers: int = 0
+    ) -> None:
+        object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "collate", collate)
+        object.__setattr__(self, "clock", clock)
+        object.__setattr__(self, "workers", workers)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -97,13 +111,20 @@ class TimedLoading(Dataset[Any]):
         samples = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
         batch = self.collate(samples)
         if isinstance(indices, StepIndices):
-            self.clock.record(indices.step, time.perf_counter() - started)
+            self.clock.record(indices.step, (time.perf_counter() - started) / max(1, self.workers))
         return [batch]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("dataset", "collate", "clock"):  # not set yet (unpickling): no recursion
+        if name in self._OWN:  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A worker_init_fn that sets state on `get_worker_info().dataset` means the user's dataset.
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
 
 
 def unwrap_batch(data: list[Any]) -> Any:
@@ -169,7 +190,7 @@ def build_elastic_loader(
         options["prefetch_factor"] = loader.prefetch_factor
     clock = LoaderClock()
     options["collate_fn"] = unwrap_batch
-    timed = TimedLoading(loader.dataset, loader.collate_fn, clock)
+    timed = TimedLoading(loader.dataset, loader.collate_fn, clock, loader.num_workers)
     elastic = ElasticDataLoader(timed, batch_sampler=batch_sampler, **options)
     elastic.loader_clock = clock
     return elastic

@@ -185,6 +185,7 @@ class AdaptiveElasticMixin(_Base):
         self._stop_check: _StopCheck | None = None
         self._loader_clock: LoaderClock | None = None
         self.merged_last_step = False
+        self._first_batch = True
 
     @property
     def _module(self) -> Any:
@@ -220,6 +221,7 @@ class AdaptiveElasticMixin(_Base):
             optimizer_state=self.merge_optimizer_state,
         )
         self.router.attach(comm.world_size, comm.rank, self.root_device)
+        self._first_batch = True
         self._stop_check = _replace_stop_broadcast(trainer, self)
 
     def _communicator(self) -> Communicator:
@@ -256,8 +258,11 @@ class AdaptiveElasticMixin(_Base):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._sampler is not None:
             self._step_key = self._sampler.step_key(self._module.trainer.current_epoch, batch_idx)
-        if batch_idx == 0:  # a new epoch: loader workers started, epoch-end hooks ran; not a training period
+        if batch_idx == 0 or self._first_batch:
+            # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch
+            # included (checkpoint restore, first fetch): not a training period.
             self.router.interrupt()
+            self._first_batch = False
         self.router.resume()  # after whatever paused the clock (validation, a checkpoint)
         super().on_train_batch_start(batch, batch_idx)
 
@@ -384,7 +389,6 @@ class AdaptiveElasticMixin(_Base):
             checkpoint[CHECKPOINT_KEY] = self._checkpoint_extras
         self._checkpoint_extras = None
         super().save_checkpoint(checkpoint, filepath, storage_options)
-        self.router.resume()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

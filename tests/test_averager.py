@@ -174,3 +174,12 @@ def test_shared_and_local_state_round_trip():
     assert fresh.own_weight() == 2
     for name, tensor in shared["rule_state"].items():
         torch.testing.assert_close(fresh.rule_state[name], tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_report_rows_of_a_half_precision_model_keep_large_counts(dtype):
+    comm = FakeCommunicator(world_size=1, peers_sum=lambda bucket: torch.zeros_like(bucket))
+    means, rows = WeightedMean(comm)([torch.ones(3, dtype=dtype)], 1.0, row=[70000.0, 257.0])
+    assert rows == [[70000.0, 257.0]]  # float64, not the model's half precision
+    assert comm.calls == ["all_reduce_sum_", "all_reduce_sum_"]
+    assert means[0].dtype == dtype

@@ -7,8 +7,14 @@ import torch
 from helpers import RegressionData
 from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 
-from lightning_aesgd.dataloader import ElasticDataLoader, build_elastic_loader, prefetch_depth
-from lightning_aesgd.sampler import PlanBook
+from lightning_aesgd.dataloader import (
+    ElasticDataLoader,
+    LoaderClock,
+    TimedLoading,
+    build_elastic_loader,
+    prefetch_depth,
+)
+from lightning_aesgd.sampler import PlanBook, StepIndices
 
 
 def _collate(samples):
@@ -88,3 +94,28 @@ class _NoLength(torch.utils.data.Dataset):
 def test_unsupported_loaders_are_refused_with_the_fix(loader, hint):
     with pytest.raises(TypeError, match=hint):
         _build(loader)
+
+
+def test_loader_time_is_divided_among_parallel_workers_and_read_once():
+    clock = LoaderClock()
+    timed = TimedLoading(list(range(8)), lambda samples: samples, clock, workers=4)
+    timed.__getitems__(StepIndices([0, 1], step=3))
+    single = LoaderClock()
+    TimedLoading(list(range(8)), lambda samples: samples, single, workers=0).__getitems__(StepIndices([0, 1], 3))
+    assert 0 < clock.read(3) <= single.read(3)
+    assert clock.read(3) == 0.0  # read once: a later step with the same slot never sees a stale time
+
+
+def test_state_set_on_the_worker_dataset_reaches_the_users_dataset():
+    class Data:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return self.handle + index
+
+    data = Data()
+    timed = TimedLoading(data, list, LoaderClock())
+    timed.handle = 10  # what a worker_init_fn does with get_worker_info().dataset
+    assert data.handle == 10
+    assert timed[1] == 11
