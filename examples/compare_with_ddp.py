@@ -18,7 +18,7 @@ from typing import Literal
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import DDPStrategy, Strategy
 
-from lightning_aesgd import AdaptiveElasticStrategy, SlowdownCallback, SlowdownProfile
+from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback, SlowdownProfile
 from lightning_aesgd.workloads import XMCDataModule, XMCModule
 
 REPLICAS, BATCH_SIZE, EPOCHS = 4, 512, 5
@@ -61,7 +61,12 @@ def main() -> None:
     samples = steps * REPLICAS * BATCH_SIZE
 
     adaptive = AdaptiveElasticStrategy(
-        planner="balanced", period=2, momentum=0.3, sample_costs="auto", slowdown=PROFILE, start_method=START
+        planner="balanced",
+        period=2,
+        merge_rule=ElasticAverage(momentum=0.3),
+        sample_costs="auto",
+        slowdown=PROFILE,
+        start_method=START,
     )
     seconds = {
         "adaptive_elastic": timed_fit(adaptive, [], datamodule, args.max_steps),

@@ -16,8 +16,9 @@ import sys
 
 import pytorch_lightning as pl
 
-from lightning_aesgd import AdaptiveElasticStrategy, SlowdownProfile
-from lightning_aesgd.workloads import FashionMNISTDataModule, ImageClassifier, fashion_mnist
+from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownProfile
+from lightning_aesgd.workloads import FashionMNISTDataModule, ImageClassifier
+from lightning_aesgd.workloads.images import fashion_mnist
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
         planner="balanced",
         period=2,
         warmup_steps=10,
-        momentum=0.3,
+        merge_rule=ElasticAverage(momentum=0.3),
         # Replica i is 2·fᵢ times slower than a real core, which keeps 4 replicas on 2 cores out of each
         # other's way while the run stays short.
         slowdown=SlowdownProfile((1, 1, 2, 4), base=2),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger
 
-from lightning_aesgd import AdaptiveElasticStrategy, SlowdownProfile
+from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownProfile
 from lightning_aesgd.workloads import XMCDataModule, XMCModule
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     strategy = AdaptiveElasticStrategy(
         planner="balanced",  # batch sizes that give every replica the same predicted step time
         period=2,  # merge every 2 local steps
-        momentum=0.3,  # outer momentum of the merged model
+        merge_rule=ElasticAverage(momentum=0.3),  # outer momentum of the merged model
         sample_costs="auto",  # a sparse row costs its non-zeros
         # Replica i is 6·fᵢ times slower than a real core: devices of relative speeds 1, 1, 1/2, 1/4.
         slowdown=SlowdownProfile((1, 1, 2, 4), base=6),

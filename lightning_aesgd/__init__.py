@@ -11,8 +11,8 @@ import logging
 
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.core.merge import EASGD, SMA, CentralElastic, ElasticAverage, MergeRule
+from lightning_aesgd.core.slowdown import SlowdownChange, SlowdownProfile
 from lightning_aesgd.registration import register_all
-from lightning_aesgd.slowdown import SlowdownChange, SlowdownProfile
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
 
 __version__ = "0.1.0"

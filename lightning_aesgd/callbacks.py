@@ -12,15 +12,16 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.data import extract_batch_size
 
-from lightning_aesgd.cpu_quota import CpuQuota
-from lightning_aesgd.slowdown import ComputeClock, SlowdownProfile, as_profile
+from lightning_aesgd.core.slowdown import SlowdownProfile, as_profile
+from lightning_aesgd.engine.cpu_quota import CpuQuota
+from lightning_aesgd.engine.timing import ComputeClock, stretch
 
 
 class SlowdownCallback(pl.Callback):
     """Emulate slower devices under any strategy, with the slowness where the profile's ``mode`` puts it.
 
     * ``step``: replica ``r`` sleeps ``(f_r − 1) × c`` at the end of each step, ``c`` the step's compute time as
-      :class:`~lightning_aesgd.slowdown.ComputeClock` measures it (CPU time on CPU, which excludes time DDP's
+      :class:`~lightning_aesgd.engine.timing.ComputeClock` measures it (CPU time on CPU, which excludes time DDP's
       gradient all-reduce spends waiting for slower peers). ``adaptive_elastic`` applies this mode itself,
       inside its optimizer step, through its ``slowdown`` argument.
     * ``user``: the LightningModule's ``training_step`` takes ``f_r × s`` more seconds per sample.
@@ -29,7 +30,7 @@ class SlowdownCallback(pl.Callback):
     * ``quota``: each replica process runs under a CPU quota of ``1/f_r`` of its fair share of the cores.
 
     Args:
-        profile: a :class:`~lightning_aesgd.slowdown.SlowdownProfile`, a list of factors, or a mapping with
+        profile: a :class:`~lightning_aesgd.core.slowdown.SlowdownProfile`, a list of factors, or a mapping with
             ``factors`` (and optional ``changes``, ``base``, ``mode``, ``seconds_per_sample``).
         replicas_sharing: in the ``quota`` mode, how many replicas share the machine's cores equally at factor 1;
             by default the replicas of this run on one node (a lone replica measuring one device of a larger
@@ -90,9 +91,7 @@ class SlowdownCallback(pl.Callback):
     ) -> None:
         step = trainer.global_step - 1
         if self._clock is not None:
-            factor = self.profile.factor(trainer.global_rank, step)
-            if factor > 1:
-                time.sleep((factor - 1) * (self._clock.now() - self._started))
+            stretch(self._clock, self._started, self.profile.factor(trainer.global_rank, step))
         elif self.mode == "hook":
             time.sleep(self.profile.extra_seconds(trainer.global_rank, step, _batch_size(batch)))
 

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lightning_aesgd.callbacks import SlowdownCallback
-from lightning_aesgd.slowdown import as_profile
+from lightning_aesgd.core.slowdown import as_profile
 from lightning_aesgd.strategy import AdaptiveElasticMixin
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +10,6 @@ import torch
 from lightning_aesgd import SlowdownCallback, SlowdownChange, SlowdownProfile
 from lightning_aesgd.callbacks import SlowCollate
 from lightning_aesgd.callbacks import time as callback_time
-from lightning_aesgd.cpu_quota import CpuQuota, quota_unavailable
 
 
 class _Clock:
@@ -95,39 +92,6 @@ def test_data_mode_slows_the_loaders_collate_function(monkeypatch):
     assert isinstance(loader.collate_fn, SlowCollate)
     assert batch.tolist() == [0, 1, 2, 3]
     assert sleeps == [pytest.approx(3 * 0.01 * 4)]
-
-
-def test_per_sample_modes_need_seconds_per_sample_and_fixed_modes_no_changes():
-    with pytest.raises(ValueError, match="seconds_per_sample"):
-        SlowdownProfile((1, 2), mode="hook")
-    with pytest.raises(ValueError, match="cannot change"):
-        SlowdownProfile((1, 2), (SlowdownChange(5, 0, 2.0),), mode="quota")
-    with pytest.raises(ValueError, match="Unknown slowdown mode"):
-        SlowdownProfile((1, 2), mode="network")
-
-
-def test_a_cpu_quota_without_cgroups_fails_with_the_fix(tmp_path):
-    assert "no cgroup cpu controller" in quota_unavailable(tmp_path)
-    with pytest.raises(RuntimeError, match="HINT"):
-        CpuQuota(0.5, "test", root=tmp_path).apply()
-
-
-@pytest.mark.skipif(quota_unavailable() is not None, reason="CPU quotas need writable cgroups")
-def test_a_real_cpu_quota_throttles_this_process_and_is_released():
-    def wall_seconds_for(cpu_seconds):
-        started, cpu = time.perf_counter(), time.process_time()
-        while time.process_time() - cpu < cpu_seconds:
-            pass
-        return time.perf_counter() - started
-
-    quota = CpuQuota(0.25, f"lightning_aesgd_test_{os.getpid()}")
-    quota.apply()
-    try:
-        throttled = wall_seconds_for(0.1)
-    finally:
-        quota.release()
-    assert throttled > 2.5 * 0.1  # a quarter of a core: about 4× the CPU time in wall time
-    assert not quota.group.exists()
 
 
 def test_a_batch_object_is_counted_by_its_own_length(monkeypatch):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_aesgd.workloads import fashion_mnist
+from lightning_aesgd.workloads.images import fashion_mnist
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import lightning.pytorch as L
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionModel, flat_parameters
+from helpers import RegressionData, RegressionModel, flat_parameters
 from pytorch_lightning.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
 
-from lightning_aesgd import SMA, AdaptiveElasticStrategy
-from lightning_aesgd.averager import ElasticAverager
+from lightning_aesgd import SMA, AdaptiveElasticStrategy, ElasticAverage
 from lightning_aesgd.checks import UnsupportedSettingError
-from lightning_aesgd.strategy import _replace_stop_broadcast
+from lightning_aesgd.engine.averager import ElasticAverager
 
 pytestmark = pytest.mark.slow
 
@@ -118,12 +117,13 @@ def test_unsupported_settings_fail_before_training(model, trainer_kwargs, match)
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"alpha": 1.5}, "alpha"),
         ({"period": 0}, "period"),
+        ({"period": 2.5}, "whole numbers"),
+        ({"step_batch_size": 0}, "step_batch_size"),
+        ({"plan_lag": 0}, "plan_lag"),
         ({"warmup_steps": -1}, "warmup"),
         ({"merge_weights": "loss"}, "samples"),
         ({"merge_rule": "gossip"}, "elastic_average"),
-        ({"merge_rule": "easgd", "alpha": 0.1}, "EASGD"),
         ({"optimizer_state": "drop"}, "keep"),
         ({"planner": "greedy"}, "proportional"),
         ({"planner": "proportional", "shares": [1, 2]}, "static"),
@@ -178,31 +178,6 @@ class SIGTERMException(SystemExit):
     """Stands in for Lightning's: the stop check raises the exception of the loop's own module."""
 
 
-class _EpochLoop:
-    def __init__(self):
-        self.broadcasts = 0
-
-    def _broadcast_sigterm_tensor(self):
-        self.broadcasts += 1
-
-
-def test_the_per_step_sigterm_broadcast_is_answered_from_the_merge_that_just_ran():
-    loop = _EpochLoop()
-    strategy = SimpleNamespace(merged_last_step=False, router=SimpleNamespace(stop_requested=False))
-    check = _replace_stop_broadcast(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop)), strategy)
-    loop._broadcast_sigterm_tensor()  # after a step without a merge: Lightning's own broadcast
-    assert loop.broadcasts == 1
-    strategy.merged_last_step = True
-    loop._broadcast_sigterm_tensor()  # after a merge: no collective
-    assert loop.broadcasts == 1
-    strategy.router.stop_requested = True  # a replica reported SIGTERM in that merge
-    with pytest.raises(SIGTERMException):
-        loop._broadcast_sigterm_tensor()
-    check.restore()
-    loop._broadcast_sigterm_tensor()
-    assert loop.broadcasts == 2
-
-
 def test_the_strategy_replaces_the_sigterm_broadcast_only_during_fit():
     seen = []
 
@@ -212,5 +187,31 @@ def test_the_strategy_replaces_the_sigterm_broadcast_only_during_fit():
 
     trainer = _trainer(AdaptiveElasticStrategy(), max_steps=2, callbacks=[Probe()], limit_val_batches=0)
     trainer.fit(RegressionModel())
-    assert seen == ["_StopCheck", "_StopCheck"]
+    assert seen == ["StopCheck", "StopCheck"]
     assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
+
+
+class _WeightedSampling(RegressionModel):
+    def train_dataloader(self):
+        weights = [0.0] * 32 + [1.0] * 32  # the first half must never be drawn
+        sampler = torch.utils.data.WeightedRandomSampler(weights, num_samples=64)
+        return DataLoader(RegressionData(64), batch_size=4, sampler=sampler)
+
+
+def test_a_weighted_sampler_is_refused_before_training_not_replaced():
+    model = _WeightedSampling()
+    with pytest.raises(TypeError, match="WeightedRandomSampler"):
+        _trainer(max_steps=4).fit(model)
+    assert model.seen == []  # not one step trained
+
+
+def test_a_plan_lag_within_the_prefetch_depth_fails_before_training():
+    model = RegressionModel()
+    with pytest.raises(ValueError, match=r"plan_lag=1 is not above .* prefetch depth 1.*HINT: set plan_lag >= 2"):
+        _trainer(AdaptiveElasticStrategy(plan_lag=1), max_steps=2).fit(model)
+    assert model.seen == []
+
+
+def test_a_rule_that_never_pulls_the_replicas_together_is_named():
+    with pytest.warns(UserWarning, match="never pulls the replicas together"):
+        AdaptiveElasticStrategy(merge_rule=ElasticAverage(alpha=0.0))

@@ -14,7 +14,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_aesgd import AdaptiveElasticStrategy, SlowdownCallback
+from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -49,7 +49,7 @@ def test_matches_ddp_with_plain_sgd_equal_batches_and_hard_averaging():
     ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), max_steps=steps)
     ours = _fit(
         AdaptiveElasticStrategy(
-            planner="static", period=1, alpha=1.0, merge_weights="uniform", start_method="fork", timeout=TIMEOUT
+            planner="static", period=1, merge_weights="uniform", start_method="fork", timeout=TIMEOUT
         ),
         max_steps=steps,
     )
@@ -64,8 +64,7 @@ def _stateful_strategy(planner) -> AdaptiveElasticStrategy:
     return AdaptiveElasticStrategy(
         period=3,
         warmup_steps=2,
-        alpha=0.5,
-        momentum=0.5,
+        merge_rule=ElasticAverage(alpha=0.5, momentum=0.5),
         planner=planner,
         shares=shares,
         l2_nudge=True,
@@ -217,3 +216,32 @@ def test_cost_aware_batches_and_per_replica_learning_rate_scaling(tmp_path):
             assert step["lr_used"] == pytest.approx(0.05 * len(step["indices"]) / 4)
             assert step["lr_after"] == pytest.approx(0.05)
     assert len(counts) > 1, "cost-aware splits give uneven counts on this data"
+
+
+class _NaNOnRankOne(RegressionModel):
+    """Replica 1's loss turns NaN at step 5: its gradient and then its parameters are not finite."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == 5:
+            loss = loss * float("nan")
+        return loss
+
+
+class _FinalState(pl.Callback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        state = {"finite": bool(torch.isfinite(flat_parameters(pl_module)).all()), "excluded": None}
+        state["excluded"] = trainer.strategy.engine.exclusions
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
+def test_a_replica_that_turns_nan_is_left_out_and_restored(tmp_path):
+    strategy = AdaptiveElasticStrategy(merge_rule=ElasticAverage(alpha=0.5), start_method="fork", timeout=TIMEOUT)
+    pl.seed_everything(7)
+    _trainer(strategy, max_steps=10, callbacks=[_FinalState(tmp_path)]).fit(_NaNOnRankOne())
+    states = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert all(state["finite"] for state in states), states
+    assert all(state["excluded"] == [[5, 1]] for state in states), states  # one exclusion, seen by every rank

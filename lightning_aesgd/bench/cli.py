@@ -1,103 +1,22 @@
-"""Command line: ``python -m lightning_aesgd.bench [options]`` and ``python -m lightning_aesgd.bench overhead``."""
+"""Command line: ``python -m lightning_aesgd.bench [PROGRAM] [options]``, where PROGRAM picks the benchmark.
+
+``overhead`` and ``slowness`` name their programs; without a program name, the arguments are the race's.
+"""
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
-from lightning_aesgd.bench.benchmark import BenchSettings, run_benchmark
-from lightning_aesgd.bench.overhead import main as overhead_main
-from lightning_aesgd.bench.workloads import WORKLOADS, Target, get_workload
+from lightning_aesgd.bench import overhead, race, slowness
 
-DEFAULT_PROFILES = "strong,homogeneous"
-DEFAULT_ALGORITHMS = "adaptive_sgd,ddp,local_sgd,sma,easgd,post_local_sgd"
-TINY_EPOCHS = 2
-_CHATTY_LOGGERS = ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric", "lightning_aesgd")
-_KNOWN_WARNINGS = (".*sync_dist=True.*", ".*LeafSpec.*", ".*does not have many workers.*")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The benchmark's options."""
-    parser = argparse.ArgumentParser(
-        prog="aesgd-bench",
-        description="Compare the algorithms on emulated heterogeneous devices: throughput, efficiency against "
-        "the ideal, time to a target metric, ratios to DDP. Subcommand `overhead` measures merge, planner and "
-        "sampler costs (see `aesgd-bench overhead --help`); `slowness` races both strategies against slowness "
-        "in user code, data loading, hooks and CPU quotas (see `aesgd-bench slowness --help`).",
-    )
-    parser.add_argument("--workload", default="xmc_mini", choices=sorted(WORKLOADS), help="what to train")
-    parser.add_argument("--profiles", default=DEFAULT_PROFILES, help="comma list of configs/devices profiles")
-    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="comma list of configs/algorithm names")
-    parser.add_argument("--epochs", type=int, help="epochs of every run (default: the workload's)")
-    parser.add_argument("--repeats", type=int, default=1, help="repeats of the whole matrix (medians reported)")
-    parser.add_argument("--target", help="validation target '<metric>=<value>' (default: the workload's)")
-    parser.add_argument("--out", type=Path, help="output directory (default: bench_results/<workload>)")
-    parser.add_argument(
-        "--override", action="append", default=[], metavar="KEY=VALUE", help="extra Hydra override (repeatable)"
-    )
-    parser.add_argument("--tiny", action="store_true", help="a seconds-long configuration (tests)")
-    parser.add_argument("--verbose", action="store_true", help="keep Lightning's and the strategy's messages")
-    return parser
+PROGRAMS: dict[str, Callable[[Sequence[str]], int]] = {"overhead": overhead.main, "slowness": slowness.main}
+"""The programs run by name; the race is the default."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark (or, with ``overhead`` first, the overhead measurements); returns the exit status."""
+    """Run the program the first argument names (the race without one); returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["overhead"]:
-        return overhead_main(args[1:])
-    if args[:1] == ["slowness"]:
-        from lightning_aesgd.bench.slowness import main as slowness_main
-
-        return slowness_main(args[1:])
-    parser = build_parser()
-    options = parser.parse_args(args)
-    workload = get_workload(options.workload)
-    try:
-        workload.overrides(options.tiny)  # fails early, with a hint, when the workload's configs are missing
-    except FileNotFoundError as error:
-        parser.error(str(error))
-    settings = BenchSettings(
-        workload=options.workload,
-        profiles=_names(options.profiles),
-        algorithms=_names(options.algorithms),
-        epochs=options.epochs or (TINY_EPOCHS if options.tiny else workload.epochs),
-        repeats=options.repeats,
-        target=Target.parse(options.target or workload.target),
-        out=options.out or Path("bench_results") / options.workload,
-        overrides=options.override,
-        tiny=options.tiny,
-    )
-    with nullcontext() if options.verbose else quiet_lightning():
-        result = run_benchmark(settings)
-    print(f"\n{result.table}\n")
-    print(f"Wrote {len(result.files)} files under {settings.out}: " + ", ".join(p.name for p in result.files))
-    return 0
-
-
-@contextmanager
-def quiet_lightning() -> Iterator[None]:
-    """Keep Lightning's start-up messages, known warnings and the strategy's summaries off the terminal."""
-    loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    with warnings.catch_warnings():
-        for message in _KNOWN_WARNINGS:
-            warnings.filterwarnings("ignore", message=message)
-        for logger in loggers:
-            logger.setLevel(logging.WARNING)
-        try:
-            yield
-        finally:
-            for logger, level in zip(loggers, levels, strict=True):
-                logger.setLevel(level)
-
-
-def _names(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise SystemExit(f"Expected a comma-separated list of names, got {text!r}.")
-    return names
+    if args and args[0] in PROGRAMS:
+        return PROGRAMS[args[0]](args[1:])
+    return race.main(args)

@@ -6,16 +6,16 @@ computes, across the ``n`` replicas, the weighted mean of what each replica cont
     mean = Σ_i w_i·x̂_i / Σ_i w_i,
 
 and hands it to a :class:`MergeRule`, which writes the merged result back into the local replica (in place)
-and updates its own state. Every rule here is an instance of one unified merge operator: an
-optional outer (central) update with Polyak momentum, followed by an elastic pull of each replica
-towards the global model.
+and updates its own state. Every rule is an optional outer (central) update with Polyak momentum followed by
+an elastic pull of each replica towards the global model.
 
 Rules:
-    * :class:`ElasticAverage` — Adaptive SGD (Ma, Rusu, Wu, Sim, arXiv 2110.07029) as its authors' code does
-      it, and local SGD: average, extrapolate with outer momentum, pull (or hard-reset) the replicas.
+    * :class:`ElasticAverage` — average, extrapolate with outer momentum, pull (or hard-reset) the replicas:
+      Adaptive SGD and local SGD.
     * :class:`CentralElastic` — a stored central model moved by the replicas' elastic corrections;
-      :class:`SMA` (Crossbow, Koliousis et al., VLDB 2019) and :class:`EASGD` (Zhang, Choromanska,
-      LeCun, NIPS 2015) are its presets.
+      :class:`SMA` and :class:`EASGD` are its presets.
+
+Method cards: ``docs/methods/adaptive_sgd.md``, ``sma.md``, ``easgd.md``, ``local_sgd.md``.
 
 The module imports torch only (never Lightning or ``torch.distributed``), so every rule can be exercised in
 one process by simulating the replicas.
@@ -29,6 +29,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from lightning_aesgd.core.weights import checked_weights
 
 __all__ = [
     "EASGD",
@@ -50,11 +52,10 @@ class MergeRule(Protocol):
 
     Attributes:
         needs_snapshot: ``True`` if the mean must be taken over each replica's model as it was *before* the
-            local step of the merge step (the simultaneous form of Crossbow SMA and synchronous EASGD, where
-            the gradient and the correction are both computed at ``x_t``); ``False`` if it is taken over the
-            model after the local step.
+            local step of the merge step (gradient and correction both computed at ``x_t``); ``False`` if it is
+            taken over the model after the local step.
         resets_on_lr_drop: ``True`` if replicas are to be reset to the central model whenever the learning
-            rate drops (Crossbow: "Copy base model to replicas because of learning rate drop").
+            rate drops.
     """
 
     needs_snapshot: bool
@@ -139,19 +140,14 @@ def _check_mean_inputs(tensors: Sequence[Tensor], weights: Sequence[float]) -> N
         raise ValueError(f"Got {len(tensors)} tensors but {len(weights)} weights; pass one weight per tensor.")
     if any(tensor.shape != tensors[0].shape for tensor in tensors):
         raise ValueError("All tensors must have the same shape; flatten every replica the same way.")
-    if not all(math.isfinite(weight) and weight >= 0.0 for weight in weights):
-        raise ValueError(f"Weights must be finite and non-negative, got {list(weights)}.")
-    if math.fsum(weights) <= 0.0:
-        raise ValueError("At least one weight must be positive; a mean of nothing is undefined.")
+    checked_weights(weights)
 
 
 def extrapolate_(mean: Tensor, history: dict[str, Tensor], momentum: float) -> Tensor:
     """Polyak (heavy-ball) momentum on the merged model, computed into the merge history, which it shifts.
 
     ``z_t = mean + μ·(z_{t−1} − z_{t−2})``; afterwards ``history["previous"]`` holds ``z_t`` (the returned
-    tensor) and ``history["before_previous"]`` holds ``z_{t−1}``; ``mean`` is only read. This is Adaptive SGD's
-    ``mu_weight(m, z_{t−1}, z_{t−2})`` (Ma et al., arXiv 2110.07029; the kernel is missing from the authors'
-    code, YMA33/HeteroGPU), read as outer momentum with an outer learning rate of 1.
+    tensor) and ``history["before_previous"]`` holds ``z_{t−1}``; ``mean`` is only read.
 
     Args:
         mean: The merged model ``Σ_i p_i x_i``.
@@ -174,8 +170,7 @@ def extrapolate_(mean: Tensor, history: dict[str, Tensor], momentum: float) -> T
 def elastic_pull_(x: Tensor, target: Tensor, alpha: float) -> None:
     """Pull ``x`` towards ``target`` in place: ``x ← x − α·(x − target)``.
 
-    The elastic write-back of EASGD and of Adaptive SGD's merge. ``α = 1`` is a hard reset (``x`` becomes
-    exactly ``target``), ``α = 0`` leaves ``x`` untouched.
+    ``α = 1`` is a hard reset (``x`` becomes exactly ``target``), ``α = 0`` leaves ``x`` untouched.
 
     Args:
         x: The tensor to update in place.
@@ -210,23 +205,20 @@ def _check_num_replicas(num_replicas: int) -> None:
 class ElasticAverage:
     """Average, extrapolate with outer momentum, then pull each replica towards the result.
 
-    Adaptive SGD's merge (Ma, Rusu, Wu, Sim, arXiv 2110.07029) as its authors' code does it
-    (YMA33/HeteroGPU, ``Scheduler/source/GPUGDScheduler.cu``), generalised to n replicas; and local SGD
-    when ``momentum = 0`` and ``alpha = 1``. At a merge ``t``, with ``mean = Σ_i p_i x_i`` over the models
-    after the local step:
+    Adaptive SGD's merge, and local SGD's when ``momentum = 0`` and ``alpha = 1`` (method cards
+    ``docs/methods/adaptive_sgd.md``, ``docs/methods/local_sgd.md``). At a merge ``t``, with
+    ``mean = Σ_i p_i x_i`` over the models after the local step:
 
     ::
 
         z_t = mean + μ·(z_{t−1} − z_{t−2})
         x_i ← x_i − α·(x_i − z_t)
 
-    with ``z_{−1} = z_{−2} = x_0``. The authors' code resets every replica hard (``α = 1``); the paper's
-    "elastic" title motivates exposing ``α < 1``. Between merges the global model is the plain mean of the
-    replicas.
+    with ``z_{−1} = z_{−2} = x_0``. Between merges the global model is the plain mean of the replicas.
 
     Args:
         alpha: Elastic coefficient ``α`` in [0, 1]; 1 resets the replicas to ``z_t``.
-        momentum: Outer momentum ``μ`` in [0, 1); its value in the paper is unknown, 0.9 is a usual choice.
+        momentum: Outer momentum ``μ`` in [0, 1); 0 gives ``z_t = mean``.
     """
 
     def __init__(self, alpha: float = 1.0, momentum: float = 0.0) -> None:
@@ -264,10 +256,8 @@ class ElasticAverage:
 class CentralElastic:
     """A stored central model ``z`` moved by the replicas' elastic corrections, with central momentum.
 
-    The family of Crossbow's SMA (Koliousis et al., VLDB 2019; official code lsds/Crossbow,
-    ``clib-multigpu/synch/sma.c``) and synchronous EASGD (Zhang, Choromanska, LeCun, NIPS 2015). At a
-    merge, with ``x̂_i`` the replica's contribution (its pre-step snapshot when ``needs_snapshot``) and
-    ``mean = Σ_i p_i x̂_i``:
+    The family of :class:`SMA` and :class:`EASGD`. At a merge, with ``x̂_i`` the replica's contribution (its
+    pre-step snapshot when ``needs_snapshot``) and ``mean = Σ_i p_i x̂_i``:
 
     ::
 
@@ -283,8 +273,7 @@ class CentralElastic:
     Args:
         alpha: Elastic coefficient ``α`` in [0, 1].
         central_momentum: Polyak momentum ``μ_c`` in [0, 1) on the central model.
-        needs_snapshot: Whether corrections use the model from before the local step (the simultaneous form
-            of both papers) rather than after it.
+        needs_snapshot: Whether corrections use the model from before the local step rather than after it.
         resets_on_lr_drop: Whether replicas are reset to ``z`` when the learning rate drops.
     """
 
@@ -346,11 +335,10 @@ class CentralElastic:
 
 
 class SMA(CentralElastic):
-    """Crossbow's synchronous model averaging (Koliousis et al., PVLDB 12(11), 2019; arXiv 1901.02244).
+    """Crossbow's synchronous model averaging (method card: ``docs/methods/sma.md``).
 
-    :class:`CentralElastic` with the defaults of Crossbow's benchmark scripts and code: ``α = 0.1`` (also
-    KungFu's choice "according to Alex"), central momentum 0.9 (hard-coded in ``sma.c``), corrections from
-    the pre-step model, and replicas reset to the central model whenever the learning rate drops.
+    :class:`CentralElastic` with ``α = 0.1``, central momentum ``μ_c = 0.9``, corrections from the pre-step
+    model, and replicas reset to the central model whenever the learning rate drops.
 
     Args:
         alpha: Elastic coefficient ``α`` in [0, 1].
@@ -370,21 +358,20 @@ class SMA(CentralElastic):
 
 
 class EASGD(CentralElastic):
-    """Synchronous elastic averaging SGD (Zhang, Choromanska, LeCun, NIPS 2015; arXiv 1412.6651).
+    """Synchronous elastic averaging SGD (method card: ``docs/methods/easgd.md``).
 
     ::
 
         x_i ← x_i − α·(x_i − x̃)
         x̃   ← x̃ + α·Σ_i (x_i − x̃),      α = β / n
 
-    both from the time-``t`` models. The paper fixes the total coupling ``β = nα`` (0.9, also TensorFlow's
-    reference default), so ``α`` follows the number of replicas at merge time; see :meth:`alpha_for`. The
-    stored ``alpha`` attribute is ``β``, the coupling of a lone replica. TensorFlow's *asynchronous*
-    optimizer additionally divides by the period τ; this synchronous form does not. No central momentum.
+    both from the time-``t`` models (the pre-step snapshots, by default). The total coupling ``β = nα`` is
+    fixed, so ``α`` follows the number of replicas at merge time (:meth:`alpha_for`); the stored ``alpha``
+    attribute is ``β``, the coupling of a lone replica. No central momentum.
 
     Args:
         beta: Total coupling ``β`` in (0, 1].
-        needs_snapshot: Whether corrections use the model from before the local step (the paper's form).
+        needs_snapshot: Whether corrections use the model from before the local step.
     """
 
     def __init__(self, beta: float = 0.9, needs_snapshot: bool = True) -> None:
@@ -412,6 +399,11 @@ _MERGE_RULES: dict[str, Callable[..., MergeRule]] = {
 def available_merge_rules() -> list[str]:
     """The names :func:`get_merge_rule` accepts, sorted."""
     return sorted(_MERGE_RULES)
+
+
+def as_merge_rule(rule: MergeRule | str) -> MergeRule:
+    """A merge rule object as it is, or the rule registered under a name with its defaults."""
+    return get_merge_rule(rule) if isinstance(rule, str) else rule
 
 
 def get_merge_rule(name: str, **kwargs: float | bool) -> MergeRule:

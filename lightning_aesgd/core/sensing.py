@@ -21,6 +21,7 @@ then moves part of the way (:func:`damped_plan`):
 within ``[max(min_batch, ⌈φ·M/n⌉), max_batch]`` (:func:`batch_floor`), so that noise does not make plans
 oscillate and no replica is starved to a useless batch. A replica that keeps arriving late has a larger ``aᵢ``
 per sample, so its share falls until arrivals even out: the loop closes on the waiting the others see.
+Method card: ``docs/methods/adaptive_sgd.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lightning_aesgd.core.planning import apportion
+from lightning_aesgd.core.apportion import apportion
 from lightning_aesgd.core.speed import SpeedEstimator, StepTime, StepTimeEstimator
 
 __all__ = ["ArrivalModel", "PeriodReport", "batch_floor", "check_plan_damping", "damped_plan"]
@@ -52,6 +53,7 @@ class PeriodReport:
         busy: seconds inside the optimizer step (forward, backward, update), for telemetry.
         wait_fraction: share of the previous period's wall time spent inside the merge.
         stop: 1 when the replica was asked to stop (SIGTERM): every replica stops after this merge.
+        finite: 0 when the replica's model was not finite at this merge: it is left out and restored.
     """
 
     merge_weight: float
@@ -63,6 +65,7 @@ class PeriodReport:
     busy: float = 0.0
     wait_fraction: float = 0.0
     stop: float = 0.0
+    finite: float = 1.0
 
     @classmethod
     def size(cls) -> int:

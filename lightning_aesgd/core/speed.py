@@ -1,28 +1,23 @@
-"""Speed of one replica: busy time per step and a smoothed rate of work (samples or cost units) per second.
+"""Speed of one replica: a smoothed rate of work (samples or cost units) per second, and step-time models.
 
-Adaptive SGD (Ma, Rusu, Wu, Sim, arXiv:2110.07029) routes work in proportion to replica speed. Each replica
-times its own busy region (forward, backward, optimizer step; not the wait at collectives) with
-:class:`BusyTimer` and smooths the measurements with :class:`SpeedEstimator`.
+:class:`SpeedEstimator` smooths work per second; :class:`StepTimeEstimator` fits ``t(b) = c·(k + b)`` to
+``(batch size, seconds)`` pairs. Method card: ``docs/methods/adaptive_sgd.md``.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-__all__ = ["BusyTimer", "SpeedEstimator"]
+__all__ = ["SpeedEstimator", "StepTime", "StepTimeEstimator"]
 
 
 class SpeedEstimator:
     """Smoothed speed ``rate = mean_work / mean_seconds`` from bias-corrected exponential moving averages.
 
-    Work and busy seconds are averaged separately, like Adam's moments (Kingma & Ba, arXiv:1412.6980):
+    Work and busy seconds are averaged separately:
     ``m_t = β·m_{t−1} + (1 − β)·x_t`` with ``m_0 = 0``, reported as ``m̂_t = m_t / (1 − β^t)``, where
     ``β = smoothing``. The corrected averages are kept directly through the equivalent recurrence
     ``m̂_t = (1 − g_t)·m̂_{t−1} + g_t·x_t`` with gain ``g_t = (1 − β) / (1 − β^t)``. Since ``g_1 = 1`` the first
@@ -67,11 +62,6 @@ class SpeedEstimator:
         """Bias-corrected average busy seconds per step, or ``None`` before the first update."""
         # Unlike in `rate`, the bias correction matters here: without it early averages are too small.
         return self._mean_seconds if self._num_updates else None
-
-    @property
-    def mean_work(self) -> float | None:
-        """Bias-corrected average work per step, or ``None`` before the first update."""
-        return self._mean_work if self._num_updates else None
 
     def update(self, work: float, seconds: float) -> None:
         """Add one step's measurement.
@@ -124,92 +114,6 @@ class SpeedEstimator:
         self._num_updates, self._mean_work, self._mean_seconds = num_updates, float(mean_work), float(mean_seconds)
 
 
-class BusyTimer:
-    """Busy seconds of a code region, one measurement per ``start()``/``stop()`` pair.
-
-    On CPU the region is timed with ``time.perf_counter`` and completes at ``stop()``. On CUDA, kernels run
-    asynchronously, so each region records a pair of ``torch.cuda.Event(enable_timing=True)`` on the current
-    stream and :meth:`pop_completed` only reads pairs whose end event has already happened (``query()``):
-    the speed estimate lags a step or two instead of forcing a device synchronisation every step.
-
-    Args:
-        device: The device doing the work; CUDA devices are timed with events.
-
-    Example:
-        >>> timer = BusyTimer(torch.device("cpu"))
-        >>> timer.start()
-        >>> timer.stop()
-        >>> len(timer.pop_completed())
-        1
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"cannot time {device}: CUDA is not available")
-        self.device = device
-        self._uses_events = device.type == "cuda"
-        self._start_time: float | None = None
-        self._start_event: torch.cuda.Event | None = None
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
-        self._completed: list[float] = []
-
-    @property
-    def is_running(self) -> bool:
-        """Whether a region has started and not yet stopped."""
-        return self._start_time is not None or self._start_event is not None
-
-    @property
-    def num_pending(self) -> int:
-        """Regions stopped on CUDA whose end event has not been seen to complete yet."""
-        return len(self._pending)
-
-    def start(self) -> None:
-        """Mark the beginning of a busy region.
-
-        Raises:
-            RuntimeError: If a region is already running.
-        """
-        if self.is_running:
-            raise RuntimeError("BusyTimer.start() called twice: call stop() to end the running region first")
-        if self._uses_events:
-            self._start_event = self._record_event()
-        else:
-            self._start_time = time.perf_counter()
-
-    def stop(self) -> None:
-        """Mark the end of the running busy region.
-
-        Raises:
-            RuntimeError: If no region is running.
-        """
-        if self._start_event is not None:
-            self._pending.append((self._start_event, self._record_event()))
-            self._start_event = None
-        elif self._start_time is not None:
-            self._completed.append(time.perf_counter() - self._start_time)
-            self._start_time = None
-        else:
-            raise RuntimeError("BusyTimer.stop() called without start(): call start() before the region")
-
-    def pop_completed(self) -> list[float]:
-        """Return the seconds of regions finished since the last call, oldest first; never synchronises.
-
-        A region can measure ``0.0`` at the clock's resolution (a CUDA region that launched no kernel), which
-        :meth:`SpeedEstimator.update` rejects: callers drop such a measurement together with its work.
-        """
-        # torch leaves Event.query and Event.__new__ unannotated, hence the ignores.
-        while self._pending and all(event.query() for event in self._pending[0]):  # type: ignore[no-untyped-call]
-            start, end = self._pending.popleft()
-            self._completed.append(start.elapsed_time(end) / 1000.0)  # elapsed_time is in milliseconds
-        completed, self._completed = self._completed, []
-        return completed
-
-    def _record_event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-
 @dataclass(frozen=True)
 class StepTime:
     """A replica's busy time per step as a function of its batch size: ``t(b) = overhead + per_sample·b``.
@@ -233,11 +137,6 @@ class StepTime:
     def speed_at(self, size: float) -> float:
         """Samples per second at batch ``size``: ``b / t(b)``."""
         return size / self.seconds(size)
-
-    @classmethod
-    def from_speed(cls, speed: float) -> StepTime:
-        """A replica without fixed cost at ``speed`` samples per second."""
-        return cls(0.0, 1.0 / speed)
 
 
 class StepTimeEstimator:

@@ -1,10 +1,9 @@
 """Merge weights: how much each replica's model counts in the weighted mean of a merge.
 
-Adaptive SGD's "normalized model merging" (Ma, Rusu, Wu, Sim, arXiv 2110.07029) weights replica ``i`` by its
-share ``p_i = n_i / Σ_j n_j`` of the batches (model updates) processed since the last merge, and, while the
-L2 norm of the merged model keeps its initial trend, nudges the fastest replica's share up and the slowest
-one's down by 10 % ("adaptive normalization", authors' code YMA33/HeteroGPU,
-``Scheduler/source/GPUGDScheduler.cu``). This module holds those rules as pure functions of plain numbers.
+A replica weighs by the samples or the updates it processed since the last merge, or uniformly; Adaptive SGD's
+adaptive normalization then nudges the largest weight up and the smallest down while the merged model's L2
+norm keeps its initial trend. Pure functions of plain numbers, and the small state objects behind the nudge.
+Method card: ``docs/methods/adaptive_sgd.md``.
 """
 
 from __future__ import annotations
@@ -14,32 +13,63 @@ from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
 
 __all__ = [
-    "WEIGHT_POLICIES",
+    "MERGE_WEIGHTS",
+    "AdaptiveNormalization",
     "L2Trend",
-    "WeightPolicy",
+    "MergeWeights",
+    "check_merge_weights",
+    "checked_weights",
+    "linear_lr_scale",
     "normalize",
     "nudge_extremes",
     "nudge_factor",
     "replica_weight",
 ]
 
-WeightPolicy = Literal["samples", "updates", "uniform"]
+MergeWeights = Literal["samples", "updates", "uniform"]
 """What a replica's merge weight counts: samples or updates since the last merge, or nothing (uniform)."""
 
-WEIGHT_POLICIES: tuple[WeightPolicy, ...] = get_args(WeightPolicy)
+MERGE_WEIGHTS: tuple[MergeWeights, ...] = get_args(MergeWeights)
 
 
-def replica_weight(policy: WeightPolicy, num_samples: float, num_updates: int) -> float:
+def check_merge_weights(name: str) -> None:
+    """Raise, naming the choices, unless ``name`` is one of :data:`MERGE_WEIGHTS`."""
+    if name not in MERGE_WEIGHTS:
+        raise ValueError(f"Unknown merge weights {name!r}; choose one of {list(MERGE_WEIGHTS)}.")
+
+
+def checked_weights(values: Sequence[float], *, positive_sum: bool = True) -> list[float]:
+    """The weights (or shares) as floats, checked: at least one, all finite and non-negative, not all zero.
+
+    The one check behind merge weights, plan shares and weighted means.
+
+    Raises:
+        ValueError: naming what is wrong (``positive_sum=False`` accepts weights that are all zero).
+    """
+    checked = [float(value) for value in values]
+    if not checked:
+        raise ValueError("Got no weights (an empty list): pass one weight per replica.")
+    if not all(math.isfinite(value) and value >= 0.0 for value in checked):
+        raise ValueError(f"Weights must be finite and non-negative, got {checked}.")
+    if positive_sum and math.fsum(checked) <= 0.0:
+        raise ValueError(
+            f"Weights are all zero ({checked}): no replica did any work since the last merge. "
+            "HINT: merge only after at least one local step, or use merge_weights='uniform'."
+        )
+    return checked
+
+
+def replica_weight(weights: MergeWeights, num_samples: float, num_updates: int) -> float:
     """The un-normalised merge weight of one replica.
 
     * ``"samples"``: the number of samples processed since the last merge, so that the merged model weighs
-      every sample equally (the default of this project).
-    * ``"updates"``: the number of local updates (batches) since the last merge; normalised, this is the
-      paper's ``p_i = n_i / Σ_j n_j``.
-    * ``"uniform"``: 1, plain model averaging (local SGD, EASGD, SMA).
+      every sample equally.
+    * ``"updates"``: the number of local updates (batches) since the last merge; normalised,
+      ``p_i = n_i / Σ_j n_j``.
+    * ``"uniform"``: 1, plain model averaging.
 
     Args:
-        policy: One of :data:`WEIGHT_POLICIES`.
+        weights: One of :data:`MERGE_WEIGHTS`.
         num_samples: Samples (or cost units) processed since the last merge; non-negative.
         num_updates: Local updates since the last merge; non-negative.
 
@@ -47,19 +77,18 @@ def replica_weight(policy: WeightPolicy, num_samples: float, num_updates: int) -
         The weight, before normalisation.
 
     Raises:
-        ValueError: If ``policy`` is unknown or a count is negative.
+        ValueError: If ``weights`` is unknown or a count is negative.
     """
     if not (math.isfinite(num_samples) and num_samples >= 0):
         raise ValueError(f"`num_samples` must be finite and >= 0, got {num_samples}.")
     if num_updates < 0:
         raise ValueError(f"`num_updates` must be >= 0, got {num_updates}.")
-    if policy == "samples":
+    check_merge_weights(weights)
+    if weights == "samples":
         return float(num_samples)
-    if policy == "updates":
+    if weights == "updates":
         return float(num_updates)
-    if policy == "uniform":
-        return 1.0
-    raise ValueError(f"Unknown weight policy {policy!r}; choose one of {list(WEIGHT_POLICIES)}.")
+    return 1.0
 
 
 def normalize(weights: Sequence[float]) -> list[float]:
@@ -74,17 +103,9 @@ def normalize(weights: Sequence[float]) -> list[float]:
     Raises:
         ValueError: If ``weights`` is empty, has a negative or non-finite entry, or sums to zero.
     """
-    if not weights:
-        raise ValueError("`normalize` needs at least one weight.")
-    if not all(math.isfinite(weight) and weight >= 0.0 for weight in weights):
-        raise ValueError(f"Weights must be finite and non-negative, got {list(weights)}.")
-    total = math.fsum(weights)
-    if total <= 0.0:
-        raise ValueError(
-            f"Weights sum to zero ({list(weights)}): no replica did any work since the last merge. "
-            "Merge only after at least one local step, or use the 'uniform' weight policy."
-        )
-    return [weight / total for weight in weights]
+    checked = checked_weights(weights)
+    total = math.fsum(checked)
+    return [weight / total for weight in checked]
 
 
 def nudge_extremes(shares: Sequence[float], boost: float = 0.1, renormalize: bool = True) -> list[float]:
@@ -94,18 +115,14 @@ def nudge_extremes(shares: Sequence[float], boost: float = 0.1, renormalize: boo
 
         p_max ← (1 + boost)·p_max,    p_min ← (1 − boost)·p_min
 
-    as in the authors' code (``boost = 0.1``). Ties go to the first index holding the largest (smallest)
-    share. When all shares are equal (a single replica included) there is no fastest or slowest replica,
-    and nothing is nudged.
-
-    Departure from the authors' code: the code does not renormalise, so its weights sum to
-    ``1 + boost·(p_max − p_min) ≥ 1`` and the merged model is scaled up slightly. We renormalise by
-    default, so that the merge stays a weighted *mean*; ``renormalize=False`` reproduces the code.
+    Ties go to the first index holding the largest (smallest) share. When all shares are equal (a single
+    replica included) there is no fastest or slowest replica, and nothing is nudged.
 
     Args:
         shares: Non-negative merge shares summing to 1, usually from :func:`normalize`.
         boost: Relative nudge in [0, 1).
-        renormalize: Whether to rescale the result to sum to 1.
+        renormalize: Whether to rescale the result to sum to 1; without it the shares sum to
+            ``1 + boost·(p_max − p_min)``.
 
     Returns:
         The nudged shares, as a new list.
@@ -116,7 +133,7 @@ def nudge_extremes(shares: Sequence[float], boost: float = 0.1, renormalize: boo
     """
     if not 0.0 <= boost < 1.0:
         raise ValueError(f"`boost` must be in [0, 1), got {boost}; the authors' code uses 0.1.")
-    nudged = _checked_copy(shares)
+    nudged = checked_weights(shares, positive_sum=False)
     largest, smallest = _first_argmax(nudged), _first_argmin(nudged)
     if nudged[largest] != nudged[smallest]:
         nudged[largest] *= 1.0 + boost
@@ -139,14 +156,6 @@ def nudge_factor(weights: Sequence[float], rank: int, boost: float = 0.1) -> flo
     return nudged[rank] / weights[rank] if weights[rank] > 0 else 1.0
 
 
-def _checked_copy(shares: Sequence[float]) -> list[float]:
-    if not shares:
-        raise ValueError("`nudge_extremes` needs at least one share.")
-    if not all(math.isfinite(share) and share >= 0.0 for share in shares):
-        raise ValueError(f"Shares must be finite and non-negative, got {list(shares)}.")
-    return list(shares)
-
-
 def _first_argmax(values: Sequence[float]) -> int:
     # max() returns the first of equal maxima, which makes ties deterministic.
     return max(range(len(values)), key=values.__getitem__)
@@ -159,11 +168,7 @@ def _first_argmin(values: Sequence[float]) -> int:
 class L2Trend:
     """Whether the L2 norm of the merged model still follows its initial, non-decreasing trend.
 
-    Adaptive SGD applies :func:`nudge_extremes` only while a flag ``l2_flag = +1``; the flag flips to −1 the
-    first time the norm's trend reverses and stays there for the rest of training (authors' code,
-    ``Algos/source/GPUGD.cu``: ``if (t_flag == -1 && l2_flag == 1) l2_flag = -1;``). The kernel computing the
-    trend is missing from the code; here the trend is "non-decreasing", and the first merge whose norm is
-    smaller than the previous one deactivates the nudge for good.
+    Active until the first merge whose norm is smaller than the previous merge's, then inactive for good.
 
     Example:
         >>> trend = L2Trend()
@@ -210,3 +215,63 @@ class L2Trend:
         previous_norm = state_dict["previous_norm"]
         self.previous_norm = None if previous_norm is None else float(previous_norm)
         self.active = bool(state_dict["active"])
+
+
+class AdaptiveNormalization:
+    """Adaptive SGD's adaptive normalization of merge weights (method card: ``docs/methods/adaptive_sgd.md``).
+
+    After the warm-up, while the merged model's L2 norm keeps its initial non-decreasing trend
+    (:class:`L2Trend`), the replica with the largest weight at the previous merge multiplies its weight by
+    ``1 + boost`` and the one with the smallest by ``1 − boost`` (:func:`nudge_factor`); the weighted mean then
+    renormalises. Every replica decides from the previous merge's weights, which all hold: no extra collective.
+
+    Args:
+        enabled: apply the nudge at all (off: weights pass through unchanged).
+        warmup_steps: local steps before the nudge may start.
+
+    Example:
+        >>> normalization = AdaptiveNormalization(enabled=True)
+        >>> normalization.weight(2.0, rank=0, previous=[3.0, 1.0], local_steps=5)
+        2.2
+    """
+
+    def __init__(self, enabled: bool = False, warmup_steps: int = 0) -> None:
+        self.enabled = enabled
+        self.warmup_steps = warmup_steps
+        self.trend = L2Trend()
+
+    def weight(self, own: float, rank: int, previous: Sequence[float], local_steps: int) -> float:
+        """Replica ``rank``'s merge weight ``own``, nudged when the rule is on, past warm-up and trending."""
+        if not (self.enabled and self.trend.active and local_steps > self.warmup_steps and previous):
+            return own
+        return own * nudge_factor(previous, rank)
+
+    def observe(self, merged_norm: float) -> None:
+        """Record the merged model's L2 norm after a merge (only the trend's first reversal matters)."""
+        if self.enabled:
+            self.trend.update(merged_norm)
+
+    def state_dict(self) -> dict[str, float | bool | None]:
+        """The trend's state (plain values)."""
+        return self.trend.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, float | bool | None]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.trend.load_state_dict(state)
+
+
+def linear_lr_scale(batch_size: float, nominal_batch_size: float) -> float:
+    """Per-replica linear learning-rate factor ``b_i / B_ref``, so that ``lr_i = η·b_i/B_ref``.
+
+    A replica taking a larger batch takes a proportionally larger step.
+
+    Raises:
+        ValueError: If either size is not positive.
+
+    Example:
+        >>> linear_lr_scale(512, 256)
+        2.0
+    """
+    if batch_size <= 0 or nominal_batch_size <= 0:
+        raise ValueError(f"batch sizes must be > 0, got batch_size={batch_size}, nominal={nominal_batch_size}")
+    return batch_size / nominal_batch_size

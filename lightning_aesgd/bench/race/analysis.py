@@ -1,0 +1,139 @@
+"""From raw run records to the benchmark's figures: throughput, efficiency, time to target, ratios to DDP.
+
+All times are training-clock seconds (see :mod:`lightning_aesgd.bench.race.recorder`) of emulated devices, so only
+ratios measured in one benchmark run mean anything.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_aesgd.bench.race.recorder import RunRecord, Validation
+from lightning_aesgd.bench.race.suites import Target
+from lightning_aesgd.core.slowdown import SlowdownProfile
+
+BASELINE = "ddp"
+"""The algorithm every other one is compared with under the same profile."""
+
+
+@dataclass
+class RunFigures:
+    """The figures of one run (``None`` where a figure does not exist, e.g. a target never reached)."""
+
+    profile: str
+    algorithm: str
+    repeat: int
+    seconds: float = math.nan
+    samples: int = 0
+    throughput: float = math.nan
+    ideal_throughput: float = math.nan
+    efficiency: float = math.nan
+    time_to_target: float | None = None
+    final_metric: float | None = None
+    record: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class AggregateFigures:
+    """Medians over the repeats of one (profile, algorithm), and their ratios to DDP's medians."""
+
+    profile: str
+    algorithm: str
+    repeats: int
+    throughput: float
+    efficiency: float
+    time_to_target: float | None
+    final_metric: float | None
+    throughput_vs_ddp: float | None = None
+    time_to_target_vs_ddp: float | None = None
+
+
+def ideal_throughput(solo: float, profile: SlowdownProfile | None, num_replicas: int, samples: Sequence[int]) -> float:
+    """The throughput of replicas that never wait: the sum of their solo speeds, over the run's steps.
+
+    With solo speed v (one replica, no emulation) and replica i at factor b·fᵢ(s) in step s, the replicas
+    together process R(s) = Σᵢ v / (b·fᵢ(s)) samples per second. Over steps of Mₛ samples the ideal is
+
+        ideal = Σₛ Mₛ / Σₛ (Mₛ / R(s))
+
+    which is simply R when the factors never change. Without a profile, R = n·v.
+    """
+    if profile is None:
+        return num_replicas * solo
+    rates = [sum(solo / profile.factor(i, step) for i in range(num_replicas)) for step in range(len(samples))]
+    seconds = sum(m / rate for m, rate in zip(samples, rates, strict=True))
+    return sum(samples) / seconds if seconds > 0 else math.nan
+
+
+def time_to_target(validations: Sequence[Validation], target: Target) -> float | None:
+    """Training-clock time of the first validation that meets ``target``; ``None`` if none does."""
+    for validation in validations:
+        value = validation.metrics.get(target.metric)
+        if value is not None and target.reached(value):
+            return validation.clock
+    return None
+
+
+def final_metric(validations: Sequence[Validation], metric: str) -> float | None:
+    """``metric`` at the last validation that logged it."""
+    values = [v.metrics[metric] for v in validations if metric in v.metrics]
+    return values[-1] if values else None
+
+
+def run_figures(
+    record: RunRecord, figures: RunFigures, solo: float, profile: SlowdownProfile | None, target: Target
+) -> RunFigures:
+    """Fill ``figures`` from ``record``: throughput = samples / training-clock seconds, efficiency = it / ideal."""
+    figures.seconds = record.seconds
+    figures.samples = record.total_samples
+    figures.throughput = record.total_samples / record.seconds if record.seconds > 0 else math.nan
+    figures.ideal_throughput = ideal_throughput(solo, profile, record.world_size, record.samples)
+    figures.efficiency = figures.throughput / figures.ideal_throughput
+    figures.time_to_target = time_to_target(record.validations, target)
+    figures.final_metric = final_metric(record.validations, target.metric)
+    return figures
+
+
+def aggregate(runs: Sequence[RunFigures]) -> list[AggregateFigures]:
+    """Medians over repeats per (profile, algorithm), in first-seen order, with ratios to DDP's medians.
+
+    A target missed in a repeat counts as an infinite time, so the median time exists only when most repeats
+    reached the target. Failed runs are left out.
+    """
+    groups: dict[tuple[str, str], list[RunFigures]] = {}
+    for run in runs:
+        if run.error is None:
+            groups.setdefault((run.profile, run.algorithm), []).append(run)
+    result = [_medians(profile, algorithm, group) for (profile, algorithm), group in groups.items()]
+    baselines = {row.profile: row for row in result if row.algorithm == BASELINE}
+    for row in result:
+        baseline = baselines.get(row.profile)
+        if baseline is not None:
+            row.throughput_vs_ddp = _ratio(row.throughput, baseline.throughput)
+            row.time_to_target_vs_ddp = _ratio(row.time_to_target, baseline.time_to_target)
+    return result
+
+
+def _medians(profile: str, algorithm: str, group: Sequence[RunFigures]) -> AggregateFigures:
+    times = [math.inf if run.time_to_target is None else run.time_to_target for run in group]
+    finals = [run.final_metric for run in group if run.final_metric is not None]
+    median_time = statistics.median(times)
+    return AggregateFigures(
+        profile=profile,
+        algorithm=algorithm,
+        repeats=len(group),
+        throughput=statistics.median(run.throughput for run in group),
+        efficiency=statistics.median(run.efficiency for run in group),
+        time_to_target=median_time if math.isfinite(median_time) else None,
+        final_metric=statistics.median(finals) if finals else None,
+    )
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    if value is None or reference is None or not reference > 0 or not math.isfinite(value / reference):
+        return None
+    return value / reference

@@ -1,0 +1,155 @@
+"""The benchmark: every algorithm under every device profile, repeated, interleaved, reported as ratios.
+
+Runs are interleaved (for each repeat, for each profile, for each algorithm) so that drift of a shared
+machine hits every algorithm alike. One single-replica run without emulation first measures the solo speed
+behind the efficiency figures.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_aesgd.bench.race.analysis import AggregateFigures, RunFigures, aggregate, run_figures
+from lightning_aesgd.bench.race.recorder import RunKey, RunRecord
+from lightning_aesgd.bench.race.report import race_table, write_results
+from lightning_aesgd.bench.race.runner import compose_config, run_once, shrink_replicas, threads_per_replica
+from lightning_aesgd.bench.race.suites import Target, get_workload
+from lightning_aesgd.core.slowdown import as_profile
+
+ADAPTIVE = "adaptive_sgd"
+"""The algorithm whose per-replica batch sizes are plotted."""
+TINY_REPLICAS = 2
+
+
+@dataclass
+class BenchSettings:
+    """What to run; see ``python -m lightning_aesgd.bench --help``."""
+
+    workload: str
+    profiles: list[str]
+    algorithms: list[str]
+    epochs: int
+    repeats: int
+    target: Target
+    out: Path
+    overrides: list[str] = field(default_factory=list)
+    tiny: bool = False
+
+
+@dataclass
+class BenchResult:
+    """What a benchmark produced."""
+
+    solo_speed: float
+    runs: list[RunFigures]
+    rows: list[AggregateFigures]
+    table: str
+    files: list[Path]
+
+
+def run_benchmark(settings: BenchSettings) -> BenchResult:
+    """Measure the solo speed, run the interleaved matrix, then write the table, the JSON and the plots."""
+    base = get_workload(settings.workload).overrides(settings.tiny)
+    configs = {profile: _profile_config(settings, base, profile) for profile in settings.profiles}
+    solo = _solo_speed(settings, base, configs)
+    print(f"solo speed (one replica, no emulation): {solo:.1f} samples/s")
+    runs: list[RunFigures] = []
+    records: dict[RunKey, RunRecord] = {}
+    total = settings.repeats * len(settings.profiles) * len(settings.algorithms)
+    for repeat in range(settings.repeats):
+        for profile in settings.profiles:
+            for algorithm in settings.algorithms:
+                key = (profile, algorithm, repeat)
+                figures, record = _run(settings, base, key, solo)
+                runs.append(figures)
+                if record is not None:
+                    records[key] = record
+                print(f"[{len(runs)}/{total}] {_progress(figures)}")
+    rows = aggregate(runs)
+    table = race_table(rows, settings.target)
+    files = write_results(settings.out, _settings_dict(settings, solo, configs), runs, rows, table)
+    files += _plots(settings, records, configs)
+    return BenchResult(solo, runs, rows, table, files)
+
+
+def _profile_config(settings: BenchSettings, base: list[str], profile: str, algorithm: str = "ddp") -> DictConfig:
+    overrides = [*base, f"algorithm={algorithm}", f"devices={profile}", f"trainer.max_epochs={settings.epochs}"]
+    cfg = compose_config([*overrides, *settings.overrides])
+    if settings.tiny:
+        shrink_replicas(cfg, TINY_REPLICAS)
+    return cfg
+
+
+def _solo_speed(settings: BenchSettings, base: list[str], configs: dict[str, DictConfig]) -> float:
+    """Samples per training second of one replica alone, no emulation, same per-replica batch.
+
+    It runs with the torch threads each replica of the profiles gets, so that it measures one of their devices.
+    """
+    replicas = [cfg.devices.num_replicas for cfg in configs.values()]
+    threads = threads_per_replica(max(replicas)) if all(isinstance(n, int) for n in replicas) else None
+    solo = ["algorithm=ddp", "devices.num_replicas=1", "devices.slowdown=null", "trainer.max_epochs=1"]
+    cfg = compose_config([*base, *settings.overrides, *solo, "++trainer.limit_val_batches=0"])
+    record = run_once(cfg, settings.out / "runs" / "solo", threads=threads)
+    if record.seconds <= 0:
+        raise RuntimeError("The solo run recorded no training time.")
+    return record.total_samples / record.seconds
+
+
+def _run(settings: BenchSettings, base: list[str], key: RunKey, solo: float) -> tuple[RunFigures, RunRecord | None]:
+    profile, algorithm, repeat = key
+    run_dir = settings.out / "runs" / profile / algorithm / f"repeat_{repeat}"
+    figures = RunFigures(profile, algorithm, repeat, record=str(run_dir.relative_to(settings.out) / "record.json"))
+    try:
+        cfg = _profile_config(settings, base, profile, algorithm)
+        record = run_once(cfg, run_dir)
+    except Exception as error:  # one failed run must not lose the others
+        traceback.print_exc()
+        figures.error = f"{type(error).__name__}: {error}"
+        return figures, None
+    return run_figures(record, figures, solo, as_profile(cfg.devices.slowdown), settings.target), record
+
+
+def _plots(settings: BenchSettings, records: dict[RunKey, RunRecord], configs: dict[str, DictConfig]) -> list[Path]:
+    try:  # plots are optional: the tables and the JSON file carry every figure
+        from lightning_aesgd.bench.race.plots import plot_batch_sizes, plot_metric_curves
+    except ModuleNotFoundError as error:
+        print(f"No plots: {error}. HINT: pip install '.[bench]' (matplotlib).")
+        return []
+    files = [plot_metric_curves(records, profile, settings.target, settings.out) for profile in settings.profiles]
+    for profile in settings.profiles:
+        record = records.get((profile, ADAPTIVE, 0))
+        profile_factors = as_profile(configs[profile].devices.slowdown)
+        factors = profile_factors.factors if profile_factors is not None else None
+        path = plot_batch_sizes(record, profile, ADAPTIVE, settings.out, factors) if record is not None else None
+        if path is not None:
+            files.append(path)
+    return files
+
+
+def _settings_dict(settings: BenchSettings, solo: float, configs: dict[str, DictConfig]) -> dict[str, Any]:
+    devices = {profile: OmegaConf.to_container(cfg.devices, resolve=True) for profile, cfg in configs.items()}
+    return {
+        "workload": settings.workload,
+        "profiles": settings.profiles,
+        "algorithms": settings.algorithms,
+        "epochs": settings.epochs,
+        "repeats": settings.repeats,
+        "target": str(settings.target),
+        "overrides": settings.overrides,
+        "tiny": settings.tiny,
+        "solo_samples_per_second": solo,
+        "devices": devices,
+    }
+
+
+def _progress(figures: RunFigures) -> str:
+    name = f"{figures.profile} / {figures.algorithm} / repeat {figures.repeat}"
+    if figures.error is not None:
+        return f"{name}: FAILED ({figures.error})"
+    reached = "not reached" if figures.time_to_target is None else f"{figures.time_to_target:.1f} s"
+    return f"{name}: {figures.throughput:.1f} samples/s, efficiency {figures.efficiency:.0%}, target {reached}"

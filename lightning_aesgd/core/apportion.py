@@ -1,0 +1,226 @@
+"""Plans: how one step's global batch of ``M`` samples is split among replicas of unequal speed.
+
+Replicas run in lockstep (one local update per step each) and ``M`` is constant, so a plan is a list of integer
+batch sizes ``b_1..b_n`` with ``Σ b_i = M``. Everything here is deterministic: every rank computes the same plan
+from the same all-gathered speeds. Method card: ``docs/methods/adaptive_sgd.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from lightning_aesgd.core.weights import checked_weights
+
+__all__ = ["apportion", "ideal_shares", "share_error", "split_by_cost"]
+
+
+def apportion(total: int, shares: Sequence[float], min_size: int = 1, max_size: int | None = None) -> list[int]:
+    """Split ``total`` into integer sizes proportional to ``shares`` (largest-remainder / Hamilton method).
+
+    Each replica's quota is ``q_i = λ·s_i`` clamped to ``[min_size, max_size]``, with the scale ``λ`` chosen so
+    that ``Σ q_i = total`` (water-filling: replicas whose quota crosses a bound are clamped and the remainder is
+    redistributed among the others, until stable). Sizes are ``⌊q_i⌋`` plus one for the ``total − Σ⌊q_i⌋``
+    largest fractional parts, lower index first on ties. Without binding bounds ``|size_i − total·s_i/Σs| < 1``.
+    Zero shares receive ``min_size``, and take leftovers only once every positive share sits at ``max_size``.
+
+    Arithmetic is exact (``fractions.Fraction``) so that the sum is exactly ``total`` and ties are real ties.
+
+    Args:
+        total: The number to split, e.g. the global step batch ``M``.
+        shares: Non-negative relative weights (speeds, fractions, ...), not all zero.
+        min_size: Smallest size any replica may receive.
+        max_size: Largest size any replica may receive; ``None`` for no limit.
+
+    Returns:
+        One size per share, summing exactly to ``total``.
+
+    Raises:
+        ValueError: If the shares are invalid or the bounds cannot be met by any split of ``total``.
+
+    Example:
+        >>> apportion(10, [2.0, 1.0, 1.0])
+        [5, 3, 2]
+        >>> apportion(100, [10.0, 1.0, 1.0], min_size=20)
+        [60, 20, 20]
+    """
+    weights = [Fraction(share) for share in checked_weights(shares)]
+    _check_feasible(total, len(weights), min_size, max_size)
+    return _largest_remainder(_bounded_quotas(total, weights, min_size, max_size))
+
+
+def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float], min_size: int = 1) -> list[int]:
+    """Cut one step's ordered items into consecutive slices whose costs follow ``shares``.
+
+    With per-item costs ``c_k`` (e.g. non-zeros of sparse rows) and prefix sums ``C_k = Σ_{j<k} c_j``, the
+    ``i``-th cut targets ``B_i = C_N · Σ_{j≤i} s_j / Σ s`` and lands on the item boundary ``k`` with
+    ``C_k`` nearest to ``B_i`` (the lower one on ties). Each slice's cost is then within one item's cost of
+    its share ``C_N · s_i / Σ s``, so replicas finish the step at the same time when time follows cost
+    (a sparse row costs what its non-zeros cost). Cuts are then pushed, first forward
+    and then backward, so that every slice holds at least ``min(min_size, N // n)`` items: a short final step
+    lowers the minimum instead of failing. With zero total cost the counts fall back to :func:`apportion`.
+
+    Args:
+        costs: Non-negative, finite cost of each item, in the order the items are consumed.
+        shares: Non-negative relative weights of the replicas, not all zero.
+        min_size: Smallest number of items per slice when there are at least ``n·min_size`` items.
+
+    Returns:
+        Counts ``c_1..c_n`` with ``Σ c_i = len(costs)``; replica ``i`` takes the next ``c_i`` items.
+
+    Raises:
+        ValueError: If costs or shares are invalid or ``min_size`` is negative.
+
+    Example:
+        >>> split_by_cost([1.0, 1.0, 1.0, 1.0, 4.0], [1.0, 1.0])
+        [4, 1]
+    """
+    if min_size < 0:
+        raise ValueError(f"`min_size` must be >= 0, got {min_size}")
+    weights = checked_weights(shares)
+    prefix = _cost_prefix_sums(costs)
+    num_items = prefix.numel() - 1
+    smallest = min(min_size, num_items // len(weights))
+    if prefix[-1].item() == 0.0:
+        return apportion(num_items, weights, min_size=smallest)
+    cuts = _spread_cuts(_nearest_cuts(prefix, weights), num_items, smallest)
+    return [end - begin for begin, end in zip([0, *cuts], [*cuts, num_items], strict=True)]
+
+
+def ideal_shares(speeds: Sequence[float]) -> list[float]:
+    """Speed-proportional shares ``speed_i / Σ speed``: the split that balances step times.
+
+    Example:
+        >>> ideal_shares([3.0, 1.0])
+        [0.75, 0.25]
+    """
+    checked = checked_weights(speeds)
+    total_speed = math.fsum(checked)
+    return [speed / total_speed for speed in checked]
+
+
+def share_error(sizes: Sequence[int], speeds: Sequence[float]) -> float:
+    """Largest relative deviation of a plan from the ideal: ``max_i |b_i/Σb − ideal_i| / ideal_i``.
+
+    Raises:
+        ValueError: If lengths differ, a speed is not positive (relative error undefined) or ``Σ sizes = 0``.
+
+    Example:
+        >>> share_error([75, 25], [1.0, 1.0])
+        0.5
+    """
+    _check_same_length(sizes, speeds)
+    ideal = ideal_shares(speeds)
+    if min(ideal) <= 0.0:
+        raise ValueError(f"`speeds` must all be > 0 for a relative error, got {list(speeds)}")
+    total = sum(sizes)
+    if total <= 0 or min(sizes) < 0:
+        raise ValueError(f"`sizes` must be >= 0 with a positive sum, got {list(sizes)}")
+    return max(abs(size / total - share) / share for size, share in zip(sizes, ideal, strict=True))
+
+
+def _check_feasible(total: int, num_replicas: int, min_size: int, max_size: int | None) -> None:
+    if total < 0:
+        raise ValueError(f"`total` must be >= 0, got {total}")
+    if min_size < 0 or (max_size is not None and max_size < min_size):
+        raise ValueError(f"need 0 <= min_size <= max_size, got min_size={min_size}, max_size={max_size}")
+    if num_replicas * min_size > total:
+        raise ValueError(
+            f"{num_replicas} replicas × minimum size {min_size} exceeds the total {total}: "
+            "lower the minimum batch size or raise the global batch size"
+        )
+    if max_size is not None and num_replicas * max_size < total:
+        raise ValueError(
+            f"{num_replicas} replicas × maximum size {max_size} is less than the total {total}: "
+            "raise the maximum batch size or lower the global batch size"
+        )
+
+
+def _bounded_quotas(total: int, weights: list[Fraction], low: int, high: int | None) -> list[Fraction]:
+    """Water-fill: quotas ``clamp(λ·w_i, low, high)`` summing to ``total``, found by fixing clamped replicas."""
+    fixed: dict[int, Fraction] = {}
+    while len(fixed) < len(weights):
+        free_weights = {i: weight for i, weight in enumerate(weights) if i not in fixed}
+        if sum(free_weights.values()) == 0:
+            # Only zero shares are left and every positive share is at `high`: they split the rest evenly.
+            free_weights = dict.fromkeys(free_weights, Fraction(1))
+        remaining = total - sum(fixed.values(), Fraction(0))
+        scale = remaining / sum(free_weights.values())
+        tentative = {i: scale * weight for i, weight in free_weights.items()}
+        clamped = {i: _clamp(quota, low, high) for i, quota in tentative.items()}
+        surplus = sum(clamped.values()) - remaining
+        newly_fixed = {i: quota for i, quota in clamped.items() if _stays_clamped(quota, tentative[i], surplus)}
+        if not newly_fixed:
+            fixed.update(tentative)
+        fixed.update(newly_fixed)
+    return [fixed[i] for i in range(len(weights))]
+
+
+def _stays_clamped(clamped: Fraction, tentative: Fraction, surplus: Fraction) -> bool:
+    """Whether a clamped quota keeps its bound at the true scale ``λ*``.
+
+    Raising quotas to ``low`` overshoots (``surplus > 0``): ``λ*`` is below the trial scale, so replicas under
+    ``low`` stay there while those over ``high`` may come back within bounds; a deficit is the mirror image;
+    with no surplus the trial scale is ``λ*`` and every clamp holds. Each round fixes at least one replica.
+    """
+    if clamped == tentative:
+        return False
+    raised = clamped > tentative
+    return surplus == 0 or (surplus > 0) == raised
+
+
+def _clamp(quota: Fraction, low: int, high: int | None) -> Fraction:
+    if quota < low:
+        return Fraction(low)
+    if high is not None and quota > high:
+        return Fraction(high)
+    return quota
+
+
+def _largest_remainder(quotas: list[Fraction]) -> list[int]:
+    sizes = [math.floor(quota) for quota in quotas]
+    leftover = int(sum(quotas, Fraction(0))) - sum(sizes)
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (sizes[i] - quotas[i], i))
+    for i in by_remainder[:leftover]:
+        sizes[i] += 1
+    return sizes
+
+
+def _cost_prefix_sums(costs: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """``C_0 = 0, C_k = Σ_{j<k} c_j`` in float64 on the CPU, after checking that costs are usable."""
+    cost = torch.as_tensor(costs).detach().to(device="cpu", dtype=torch.float64)
+    if cost.dim() != 1:
+        raise ValueError(f"`costs` must be one-dimensional, got shape {tuple(cost.shape)}")
+    if not bool(torch.isfinite(cost).all()) or bool((cost < 0).any()):
+        raise ValueError("`costs` must be finite and non-negative")
+    return torch.cat([cost.new_zeros(1), torch.cumsum(cost, dim=0)])
+
+
+def _nearest_cuts(prefix: torch.Tensor, weights: list[float]) -> list[int]:
+    """Item boundaries whose prefix cost is nearest the cumulative share targets ``B_1..B_{n−1}``."""
+    cumulative_share = torch.cumsum(torch.tensor(weights, dtype=torch.float64), dim=0)
+    targets = prefix[-1] * cumulative_share[:-1] / cumulative_share[-1]
+    above = torch.searchsorted(prefix, targets).clamp(max=prefix.numel() - 1)
+    below = (above - 1).clamp(min=0)
+    prefer_below = targets - prefix[below] <= prefix[above] - targets
+    cuts: list[int] = torch.where(prefer_below, below, above).tolist()
+    return cuts
+
+
+def _spread_cuts(cuts: list[int], num_items: int, min_size: int) -> list[int]:
+    """Push cuts so every slice has ``min_size`` items; needs ``num_items >= (len(cuts) + 1) * min_size``."""
+    spread = list(cuts)
+    for i in range(len(spread)):
+        spread[i] = max(spread[i], (spread[i - 1] if i else 0) + min_size)
+    for i in reversed(range(len(spread))):
+        spread[i] = min(spread[i], (spread[i + 1] if i + 1 < len(spread) else num_items) - min_size)
+    return spread
+
+
+def _check_same_length(first: Sequence[Any], second: Sequence[Any]) -> None:
+    if len(first) != len(second):
+        raise ValueError(f"need one entry per replica in both sequences, got lengths {len(first)} and {len(second)}")

@@ -1,0 +1,230 @@
+"""Planners: how the next plan follows the replicas' measured step times.
+
+Every rank calls the same planner with the same all-gathered :class:`~lightning_aesgd.core.speed.StepTime`
+models and gets the same plan. A plan is a list of integer batch sizes, one per replica, summing exactly to the
+global step batch ``M``. Method card: ``docs/methods/adaptive_sgd.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from lightning_aesgd.core.apportion import _check_feasible, _check_same_length, apportion
+from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.core.weights import checked_weights
+
+__all__ = [
+    "PLANNERS",
+    "AdditivePlanner",
+    "BalancedPlanner",
+    "Planner",
+    "ProportionalPlanner",
+    "StaticPlanner",
+    "balance_step_times",
+    "get_planner",
+]
+
+
+class Planner(Protocol):
+    """A rule that turns the current plan and the replicas' measured step times into the next plan."""
+
+    def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
+        """Return the next batch sizes, one per replica, summing exactly to ``total``.
+
+        Args:
+            current: The batch sizes in use, one per replica.
+            step_times: Each replica's measured busy time per step as a function of its batch size.
+            total: The global step batch ``M``.
+        """
+        ...
+
+
+def speeds_at(current: Sequence[int], step_times: Sequence[StepTime]) -> list[float]:
+    """Each replica's samples per second at its current batch size."""
+    _check_same_length(current, step_times)
+    return [t.speed_at(max(size, 1)) for size, t in zip(current, step_times, strict=True)]
+
+
+def balance_step_times(
+    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None
+) -> list[int]:
+    """Batch sizes, summing to ``total``, whose predicted step times are as equal as the bounds allow.
+
+    With ``tᵢ(b) = aᵢ + cᵢ·b`` the common step time ``T`` solves ``Σᵢ clamp((T − aᵢ)/cᵢ, min, max) = total``
+    (water filling, by bisection on ``T``: the left side grows with ``T``); the real-valued sizes are then
+    rounded by :func:`apportion`. Without overheads this is the speed-proportional split; with them, a replica
+    whose fixed cost alone exceeds ``T`` gets the minimum, and the others share the rest so that they finish
+    together.
+
+    Example:
+        >>> balance_step_times(100, [StepTime(0.0, 1.0), StepTime(0.0, 3.0)])
+        [75, 25]
+        >>> balance_step_times(100, [StepTime(0.0, 1.0), StepTime(120.0, 1.0)], min_size=2)
+        [98, 2]
+    """
+    _check_feasible(total, len(step_times), min_size, max_size)
+    high = max_size if max_size is not None else total
+
+    def sizes_at(time: float) -> list[float]:
+        return [min(max((time - t.overhead) / t.per_sample, min_size), high) for t in step_times]
+
+    low_time = min(t.seconds(min_size) for t in step_times)
+    high_time = max(t.seconds(high) for t in step_times)
+    for _ in range(100):
+        middle = (low_time + high_time) / 2
+        low_time, high_time = (middle, high_time) if sum(sizes_at(middle)) < total else (low_time, middle)
+    return apportion(total, sizes_at(high_time), min_size, max_size)
+
+
+@dataclass(frozen=True)
+class ProportionalPlanner:
+    """Batch size proportional to measured speed at the current size: ``b_i = apportion(M, speed_i)``.
+
+    If a replica's per-sample time does not depend on its batch size, ``b_i ∝ speed_i`` makes every replica's
+    step last ``b_i / speed_i = M / Σ speed``: balance in one plan. With fixed per-step costs its fixed point is
+    still equal step times, reached over several plans; :class:`BalancedPlanner` solves for it directly.
+
+    Args:
+        min_batch: Smallest batch per replica (each replica makes one update per step, so at least 1).
+        max_batch: Largest batch per replica, e.g. the device's memory limit; ``None`` for no limit.
+    """
+
+    min_batch: int = 1
+    max_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_batch_bounds(self.min_batch, self.max_batch)
+
+    def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
+        """Return ``apportion(total, speeds, min_batch, max_batch)`` with the speeds at the current sizes."""
+        return apportion(total, speeds_at(current, step_times), self.min_batch, self.max_batch)
+
+
+@dataclass(frozen=True)
+class BalancedPlanner:
+    """Sizes whose predicted step times are equal: :func:`balance_step_times`.
+
+    Every replica finishes its step together, so all make the same number of updates per unit of time; computed
+    in one plan from the fitted ``a + c·b`` step-time models, fixed per-step costs included. Without fixed costs
+    it is :class:`ProportionalPlanner`.
+
+    Args:
+        min_batch: Smallest batch per replica.
+        max_batch: Largest batch per replica; ``None`` for no limit.
+    """
+
+    min_batch: int = 1
+    max_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_batch_bounds(self.min_batch, self.max_batch)
+
+    def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
+        """Return the balanced split of ``total``; ``current`` only fixes the replica count."""
+        _check_same_length(current, step_times)
+        return balance_step_times(total, step_times, self.min_batch, self.max_batch)
+
+
+@dataclass(frozen=True)
+class AdditivePlanner:
+    """Adaptive SGD's additive batch-size rule, on the update shares replicas would have running freely.
+
+    With ``u_i = speed_i / b_i`` (updates per second) and ``p_i = u_i / Σ u``::
+
+        b_i ← clamp(b_i + step·sign(p_i − 1/n), min_batch, max_batch),   then  apportion(M, b, min_batch, max_batch)
+
+    The fixed point is ``p_i = 1/n``: every replica takes the same time per step.
+
+    Args:
+        step: Additive change per plan.
+        min_batch: Smallest batch per replica.
+        max_batch: Largest batch per replica; ``None`` for no limit.
+    """
+
+    step: int = 32
+    min_batch: int = 32
+    max_batch: int | None = 1024
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ValueError(f"`step` must be >= 1, got {self.step}")
+        _check_batch_bounds(self.min_batch, self.max_batch)
+
+    def adjust(self, current: Sequence[int], step_times: Sequence[StepTime]) -> list[int]:
+        """Apply ``b_i ± step`` by the sign of ``p_i − 1/n``, clamped to the bounds, before renormalisation."""
+        if any(size < 1 for size in current):
+            raise ValueError(f"`current` batch sizes must be >= 1, got {list(current)}")
+        speeds = checked_weights(speeds_at(current, step_times))
+        update_rates = [speed / size for speed, size in zip(speeds, current, strict=True)]
+        mean_rate = math.fsum(update_rates) / len(update_rates)
+        upper = self.max_batch if self.max_batch is not None else math.inf
+        return [
+            int(min(max(size + self.step * _direction(rate, mean_rate), self.min_batch), upper))
+            for size, rate in zip(current, update_rates, strict=True)
+        ]
+
+    def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
+        """Return :meth:`adjust` renormalised to sum exactly to ``total``."""
+        return apportion(total, self.adjust(current, step_times), self.min_batch, self.max_batch)
+
+
+@dataclass(frozen=True)
+class StaticPlanner:
+    """Fixed shares regardless of speed: ``b_i = apportion(M, shares)``; equal shares mean what DDP means.
+
+    Args:
+        shares: Positive relative share per replica; ``None`` for equal shares.
+    """
+
+    shares: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shares is not None:
+            checked = tuple(checked_weights(self.shares))
+            if min(checked) <= 0.0:
+                raise ValueError(f"static `shares` must all be > 0, got {list(checked)}")
+            object.__setattr__(self, "shares", checked)
+
+    def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
+        """Return ``apportion(total, shares)``; the measurements are ignored."""
+        _check_same_length(current, step_times)
+        shares = self.shares if self.shares is not None else [1.0] * len(current)
+        _check_same_length(current, shares)
+        return apportion(total, shares)
+
+
+PLANNERS: dict[str, Callable[..., Planner]] = {
+    "additive": AdditivePlanner,
+    "balanced": BalancedPlanner,
+    "proportional": ProportionalPlanner,
+    "static": StaticPlanner,
+}
+
+
+def get_planner(name: str, **kwargs: Any) -> Planner:
+    """Build the planner registered as ``name`` (balanced, proportional, additive, static) with ``kwargs``.
+
+    Raises:
+        ValueError: If ``name`` is not registered.
+    """
+    if name not in PLANNERS:
+        raise ValueError(f"Unknown planner {name!r}; valid names: {', '.join(sorted(PLANNERS))}")
+    return PLANNERS[name](**kwargs)
+
+
+def _check_batch_bounds(min_batch: int, max_batch: int | None) -> None:
+    if min_batch < 1:
+        raise ValueError(f"`min_batch` must be >= 1 (every replica makes one update per step), got {min_batch}")
+    if max_batch is not None and max_batch < min_batch:
+        raise ValueError(f"`max_batch` must be >= `min_batch` ({min_batch}) or None, got {max_batch}")
+
+
+def _direction(rate: float, mean_rate: float) -> int:
+    """+1 if a replica would make more than its ``1/n`` share of updates, −1 if fewer, 0 if balanced."""
+    # Rates equal up to rounding (e.g. speeds exactly proportional to sizes) count as balanced.
+    if math.isclose(rate, mean_rate, rel_tol=1e-9, abs_tol=0.0):
+        return 0
+    return 1 if rate > mean_rate else -1

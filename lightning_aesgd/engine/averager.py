@@ -1,0 +1,245 @@
+"""Everything one replica does at merge points, independent of Lightning.
+
+:class:`ElasticAverager` owns a replica's merge state: the schedule position, the merge rule's buffers
+(previous merged models, central model, velocity) and the counters behind merge weights. It composes the pure
+rules of :mod:`lightning_aesgd.core` with the communication layer; the strategy only tells it when a local
+step happened.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_aesgd.core.merge import MergeRule
+from lightning_aesgd.core.schedule import merge_due, validate_schedule
+from lightning_aesgd.core.weights import MergeWeights, check_merge_weights, replica_weight
+from lightning_aesgd.engine.comm import Communicator, WeightedAllReduce
+from lightning_aesgd.engine.flat import FlatView, floating_buffers, optimizer_state_tensors, trainable_parameters
+
+OptimizerStateMode = Literal["keep", "reset", "average"]
+OPTIMIZER_STATE_MODES = ("keep", "reset", "average")
+
+
+@dataclass(frozen=True)
+class MergeSettings:
+    """How and when replicas merge; checked once, when built.
+
+    Args:
+        rule: how the merged model and the write-back are computed.
+        period: local steps between merges after warm-up.
+        warmup_steps: steps at the start during which every step merges.
+        weights: how a replica's merge weight is measured (samples, updates or uniform).
+        merge_buffers: average floating buffers (BatchNorm statistics) with the same weights; otherwise they stay
+            local. Buffers are plainly averaged: momentum and elastic pulls apply to parameters only.
+        optimizer_state: what happens to the local optimizer's state at a merge: ``keep`` it, ``reset`` it, or
+            ``average`` its moments with the same weights.
+    """
+
+    rule: MergeRule
+    period: int = 1
+    warmup_steps: int = 0
+    weights: MergeWeights = "samples"
+    merge_buffers: bool = True
+    optimizer_state: OptimizerStateMode = "keep"
+
+    def __post_init__(self) -> None:
+        validate_schedule(self.period, self.warmup_steps)
+        check_merge_weights(self.weights)
+        if getattr(self.rule, "alpha", None) == 0 or getattr(self.rule, "beta", None) == 0:
+            warnings.warn(
+                f"{self.rule!r} never pulls the replicas together: each trains alone, and only the merged model "
+                "that validation and checkpoints see moves. HINT: use a coefficient in (0, 1] (1: replicas take "
+                "the merged model).",
+                stacklevel=3,
+            )
+        if self.optimizer_state not in OPTIMIZER_STATE_MODES:
+            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATE_MODES}, got {self.optimizer_state!r}.")
+
+
+class ElasticAverager:
+    """Merges one replica's model with its peers every ``period`` local steps.
+
+    Args:
+        module: the replica's model; its trainable parameters (and floating buffers) are merged.
+        comm: the collectives.
+        settings: the rule, schedule, weights and what else is merged.
+    """
+
+    def __init__(self, module: nn.Module, comm: Communicator, settings: MergeSettings) -> None:
+        self.rule = settings.rule
+        self.comm = comm
+        self.period = settings.period
+        self.warmup_steps = settings.warmup_steps
+        self.weights = settings.weights
+        self.optimizer_state = settings.optimizer_state
+        # Parameters become views of one flat buffer: merges then work on the model in place.
+        self.params = FlatView(trainable_parameters(module), bind=True)
+        self.buffers = FlatView(floating_buffers(module) if settings.merge_buffers else [])
+        self._mean = WeightedAllReduce(comm)
+        self.rule_state = self.rule.init_state(self.params.read())
+        self.local_steps = 0
+        self.merges = 0
+        self.samples_since_merge = 0.0
+        self.updates_since_merge = 0
+        self.last_weight = 1.0
+        self._snapshot: Tensor | None = None
+        self._snapshot_buffer: Tensor | None = None
+        self._stash: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def merge_due_after_this_step(self) -> bool:
+        """Whether the local step about to run is followed by a merge."""
+        return merge_due(self.local_steps, self.period, self.warmup_steps)
+
+    def before_local_step(self) -> None:
+        """Keep the pre-step model when the coming merge averages pre-step models (SMA, EASGD)."""
+        if self.rule.needs_snapshot and self.merge_due_after_this_step:
+            if self._snapshot_buffer is None:
+                self._snapshot_buffer = self.params.read()
+            self._snapshot = self.params.read_into(self._snapshot_buffer)
+
+    def after_local_step(self, num_samples: float) -> bool:
+        """Count a finished local step; returns whether a merge is due now."""
+        due = self.merge_due_after_this_step
+        self.local_steps += 1
+        self.samples_since_merge += num_samples
+        self.updates_since_merge += 1
+        return due
+
+    def own_weight(self) -> float:
+        """This replica's merge weight for the work done since the last merge."""
+        if self.updates_since_merge == 0:
+            return self.last_weight
+        return replica_weight(self.weights, self.samples_since_merge, self.updates_since_merge)
+
+    @torch.no_grad()
+    def merge(
+        self, weight: float, optimizer: torch.optim.Optimizer | None = None, report: Sequence[float] = ()
+    ) -> tuple[Tensor, list[list[float]]]:
+        """Merge with all replicas (a collective) using this replica's ``weight``.
+
+        ``report`` (a short row of numbers) travels in the same collective; returns the new global model and
+        every replica's report, in rank order.
+        """
+        local = self.params.current()
+        contributed = local if self._snapshot is None else self._snapshot
+        flats = [contributed, self.buffers.read()]
+        moments = optimizer_state_tensors(optimizer) if optimizer and self.optimizer_state == "average" else []
+        moment_view = FlatView(moments)
+        if moment_view:
+            flats.append(moment_view.read())
+        means, reports = self._mean(flats, weight, report)
+        center = self.rule.merge_(local, contributed, means[0], self.comm.world_size, self.rule_state)
+        self.params.write_(local)  # a no-op when the parameters are views of `local`
+        self.buffers.write_(means[1])
+        if moment_view:
+            moment_view.write_(means[2])
+        if optimizer is not None and self.optimizer_state == "reset":
+            optimizer.state.clear()
+        self._snapshot = None
+        self.merges += 1
+        self.last_weight = weight
+        self.samples_since_merge, self.updates_since_merge = 0.0, 0
+        return center, reports
+
+    @torch.no_grad()
+    def global_model(self) -> tuple[Tensor, Tensor]:
+        """The model to evaluate or save now (a collective): the rule's center of the current replicas.
+
+        Nothing changes: training continues from the replicas as they were.
+        """
+        means, _ = self._mean([self.params.current(), self.buffers.read()], self.own_weight())
+        return self.rule.center(means[0], self.rule_state), means[1].clone()
+
+    def swap_in_global_model(self) -> None:
+        """Load the global model into the module (a collective); :meth:`swap_out` restores the replica."""
+        if self._stash is not None:
+            return
+        params, buffers = self.global_model()
+        self._stash = (self.params.read(), self.buffers.read())
+        self.params.write_(params)
+        self.buffers.write_(buffers)
+
+    def swap_out(self) -> None:
+        """Restore the replica's own model after :meth:`swap_in_global_model`."""
+        if self._stash is None:
+            return
+        params, buffers = self._stash
+        self.params.write_(params)
+        self.buffers.write_(buffers)
+        self._stash = None
+
+    @property
+    def swapped_in(self) -> bool:
+        """Whether the module holds the global model rather than the replica's own."""
+        return self._stash is not None
+
+    def local_model(self) -> tuple[Tensor, Tensor]:
+        """The replica's own flat parameters and buffers, even while the global model is swapped in."""
+        if self._stash is not None:
+            return self._stash
+        return self.params.read(), self.buffers.read()
+
+    def load_local_model(self, params: Tensor, buffers: Tensor) -> None:
+        """Overwrite the replica's own model (used when resuming)."""
+        self.params.write_(params)
+        self.buffers.write_(buffers)
+
+    def is_finite(self) -> bool:
+        """Whether the replica's own parameters and buffers are all finite (one pass over the model)."""
+        for flat in (self.params.current(), self.buffers.read()):
+            # A sum is one read without a temporary; only when it is not finite is the elementwise check needed.
+            if flat.numel() and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
+                return False
+        return True
+
+    def restore_from(self, center: Tensor, optimizer: torch.optim.Optimizer | None) -> None:
+        """Replace the replica's parameters by ``center`` (buffers were merged already) and reset its optimizer."""
+        self.params.write_(center)
+        if optimizer is not None:
+            optimizer.state.clear()
+
+    def reset_to_center(self) -> None:
+        """Reset the replica to the rule's stored central model (Crossbow does this when the learning rate drops)."""
+        center = self.rule.center(self.params.read(), self.rule_state)
+        self.params.write_(center)
+
+    def adopt_global_model(self) -> None:
+        """Make the global model the replica's own (a collective); used when training ends."""
+        params, buffers = self.global_model() if self._stash is None else (self.params.read(), self.buffers.read())
+        self._stash = None
+        self.params.write_(params)
+        self.buffers.write_(buffers)
+
+    def shared_state(self) -> dict[str, Any]:
+        """State that is identical on every replica: the schedule position and the rule's buffers."""
+        return {
+            "local_steps": self.local_steps,
+            "merges": self.merges,
+            "rule_state": {name: tensor.cpu() for name, tensor in self.rule_state.items()},
+        }
+
+    def local_state(self) -> dict[str, Any]:
+        """State of this replica alone: the work behind its next merge weight."""
+        return {
+            "samples_since_merge": self.samples_since_merge,
+            "updates_since_merge": self.updates_since_merge,
+            "last_weight": self.last_weight,
+        }
+
+    def load_shared_state(self, state: dict[str, Any]) -> None:  # noqa: D102
+        self.local_steps = state["local_steps"]
+        self.merges = state["merges"]
+        device = self.params.tensors[0].device if self.params else torch.device("cpu")
+        self.rule_state = {name: tensor.to(device) for name, tensor in state["rule_state"].items()}
+
+    def load_local_state(self, state: dict[str, Any]) -> None:  # noqa: D102
+        self.samples_since_merge = state["samples_since_merge"]
+        self.updates_since_merge = state["updates_since_merge"]
+        self.last_weight = state["last_weight"]

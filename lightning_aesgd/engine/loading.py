@@ -1,0 +1,270 @@
+"""Rebuild the user's training DataLoader around an :class:`~lightning_aesgd.engine.sampler.ElasticBatchSampler`.
+
+Users keep writing ``DataLoader(dataset, batch_size=..., shuffle=True, num_workers=...)``; the strategy turns it
+into an :class:`ElasticDataLoader` that keeps every option of the original loader and only replaces how indices
+are batched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from lightning_aesgd.engine.sampler import ElasticBatchSampler, PlanBook, StepIndices
+
+LOADER_CLOCK_SLOTS = 1024  # steps remembered; far more than any loader prefetches
+
+# DataLoader options carried over unchanged; `prefetch_factor` only exists when workers do.
+_KEPT_OPTIONS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+class LoaderClock:
+    """Seconds the loader spent producing each step's batch, in whichever process produced it.
+
+    DataLoader workers prepare batches while the replica trains, so a slow data pipeline shows in the replica's
+    arrival times only by what the workers failed to hide. The workers write each batch's production time
+    (fetching and collating) into a small shared-memory ring, keyed by step; the replica reads it when it trains
+    that step, and plans from the larger of its arrival time and its loader's time.
+
+    Args:
+        slots: how many steps the ring remembers.
+    """
+
+    def __init__(self, slots: int = LOADER_CLOCK_SLOTS) -> None:
+        self.seconds = torch.zeros(slots, dtype=torch.float64).share_memory_()  # type: ignore[no-untyped-call]
+
+    def record(self, step: int, seconds: float) -> None:
+        """Note that producing step ``step``'s batch took ``seconds``."""
+        self.seconds[step % len(self.seconds)] = seconds
+
+    def read(self, step: int) -> float:
+        """Seconds producing step ``step``'s batch took (0 if not recorded); the slot is cleared."""
+        slot = step % len(self.seconds)
+        seconds = float(self.seconds[slot])
+        self.seconds[slot] = 0.0
+        return seconds
+
+
+class TimedLoading(Dataset[Any]):
+    """The user's dataset and collate function as one timed step: fetch every sample of a batch, then collate.
+
+    The elastic loader asks for whole batches (``__getitems__``) and its own collate function only unwraps what
+    this returns, so the time of the user's fetching and collating is measured in the process that does it.
+    Attributes of the user's dataset are reachable through this wrapper.
+
+    Args:
+        dataset: the user's map-style dataset.
+        collate: the user's collate function.
+        clock: where the times go.
+        workers: loader worker processes producing batches in parallel; each batch's time is divided by their
+            number, the rate at which the loader can keep up.
+    """
+
+    _OWN = ("dataset", "collate", "clock", "workers")
+    dataset: Dataset[Any]
+    collate: Callable[[list[Any]], Any]
+    clock: LoaderClock
+    workers: int
+
+    def __init__(
+        self, dataset: Dataset[Any], collate: Callable[[list[Any]], Any], clock: LoaderClock, workers: int = 0
+    ) -> None:
+        object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "collate", collate)
+        object.__setattr__(self, "clock", clock)
+        object.__setattr__(self, "workers", workers)
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        started = time.perf_counter()
+        fetch = getattr(self.dataset, "__getitems__", None)
+        samples = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+        batch = self.collate(samples)
+        if isinstance(indices, StepIndices):
+            self.clock.record(indices.step, (time.perf_counter() - started) / max(1, self.workers))
+        return [batch]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._OWN:  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A worker_init_fn that sets state on `get_worker_info().dataset` means the user's dataset.
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+
+def unwrap_batch(data: list[Any]) -> Any:
+    """The elastic loader's collate function: :class:`TimedLoading` already collated the batch."""
+    return data[0]
+
+
+class ElasticDataLoader(DataLoader[Any]):
+    """A DataLoader whose position in the data is saved in checkpoints, so a resumed run continues mid-epoch.
+
+    Lightning saves and restores any training loader that has ``state_dict``/``load_state_dict``.
+    """
+
+    batch_sampler: ElasticBatchSampler
+    loader_clock: LoaderClock
+
+    def state_dict(self) -> dict[str, int]:  # noqa: D102
+        return self.batch_sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:  # noqa: D102
+        self.batch_sampler.load_state_dict(state)
+
+
+@dataclass(frozen=True)
+class TrainLoaderFacts:
+    """What the elastic loader keeps of the user's training DataLoader, read (and checked) once."""
+
+    dataset_size: int
+    batch_size: int
+    shuffle: bool
+    seed: int
+
+
+def inspect_train_loader(loader: DataLoader[Any]) -> TrainLoaderFacts:
+    """Read what the elastic loader needs from ``loader``.
+
+    Raises:
+        TypeError: for loaders the strategy cannot partition (iterable datasets, datasets without length,
+            custom samplers or batch samplers, ``batch_size=None``), with the fix in the message.
+    """
+    size = _dataset_size(loader)
+    shuffle, seed = _ordering(loader)
+    return TrainLoaderFacts(size, _batch_size(loader), shuffle, seed)
+
+
+def build_elastic_loader(
+    loader: DataLoader[Any],
+    facts: TrainLoaderFacts,
+    *,
+    num_replicas: int,
+    rank: int,
+    plan_book: PlanBook,
+    step_batch_size: int,
+    costs: Tensor | None = None,
+) -> ElasticDataLoader:
+    """Return a copy of ``loader`` whose batches follow the plans in ``plan_book``.
+
+    Args:
+        loader: the training DataLoader as the user (and Lightning's sampler injection) built it.
+        facts: what :func:`inspect_train_loader` read from it.
+        num_replicas: number of replicas.
+        rank: this replica's index.
+        plan_book: the plans, shared with the strategy.
+        step_batch_size: indices per step over all replicas.
+        costs: optional per-sample costs for cost-aware splitting.
+    """
+    batch_sampler = ElasticBatchSampler(
+        facts.dataset_size,
+        step_batch_size,
+        num_replicas,
+        rank,
+        plan_book,
+        shuffle=facts.shuffle,
+        seed=facts.seed,
+        drop_last=loader.drop_last,
+        costs=costs,
+    )
+    options: dict[str, Any] = {name: getattr(loader, name) for name in _KEPT_OPTIONS if hasattr(loader, name)}
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    clock = LoaderClock()
+    options["collate_fn"] = unwrap_batch
+    timed = TimedLoading(loader.dataset, loader.collate_fn, clock, loader.num_workers)
+    elastic = ElasticDataLoader(timed, batch_sampler=batch_sampler, **options)
+    elastic.loader_clock = clock
+    return elastic
+
+
+def prefetch_depth(loader: DataLoader[Any]) -> int:
+    """How many batches a DataLoader (plus Lightning's one-batch fetcher) can draw ahead of training."""
+    workers_ahead = loader.num_workers * (loader.prefetch_factor or 0) if loader.num_workers > 0 else 0
+    return workers_ahead + 1
+
+
+def _dataset_size(loader: DataLoader[Any]) -> int:
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(
+            "adaptive_elastic splits every step's indices among replicas, which needs a map-style dataset; "
+            f"got an IterableDataset ({type(loader.dataset).__name__}). HINT: use a map-style Dataset with "
+            "__getitem__ and __len__, or train this loader with strategy='ddp'."
+        )
+    if not isinstance(loader.dataset, Sized):
+        raise TypeError(
+            f"The training dataset {type(loader.dataset).__name__} has no length. HINT: implement __len__ so that "
+            "adaptive_elastic can plan the steps of an epoch."
+        )
+    return len(loader.dataset)
+
+
+def _ordering(loader: DataLoader[Any]) -> tuple[bool, int]:
+    """Whether to shuffle, and the seed, as the loader's sampler implied."""
+    sampler = loader.sampler
+    if type(sampler) is DistributedSampler:  # injected by Lightning in place of a plain shuffle or sequence
+        return sampler.shuffle, sampler.seed
+    if isinstance(sampler, DistributedSampler):
+        # Lightning wraps a user's own sampler (weighted, class-balanced, ...) in a DistributedSampler subclass;
+        # keeping only its shuffle flag would silently train on other samples than the sampler draws.
+        inner = getattr(getattr(sampler, "dataset", None), "_sampler", sampler)
+        raise TypeError(
+            f"adaptive_elastic draws and partitions indices itself and cannot follow the sampler "
+            f"{type(inner).__name__} of the training DataLoader. HINT: build the loader with shuffle=True or "
+            "shuffle=False and no sampler (weight the loss, or resample the dataset, for weighted sampling), or "
+            "train with strategy='ddp'."
+        )
+    if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+        return True, int(os.environ.get("PL_GLOBAL_SEED", 0))
+    if isinstance(sampler, SequentialSampler):
+        return False, 0
+    raise TypeError(
+        f"adaptive_elastic draws and partitions indices itself and cannot keep the sampler "
+        f"{type(sampler).__name__}. HINT: build the training DataLoader with shuffle=True or shuffle=False and "
+        "no sampler."
+    )
+
+
+def _batch_size(loader: DataLoader[Any]) -> int:
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise TypeError(
+            "adaptive_elastic sizes every replica's batches itself and cannot keep a custom batch_sampler or "
+            "batch_size=None. HINT: pass batch_size=<per-replica batch size> to the training DataLoader."
+        )
+    return loader.batch_size

@@ -1,0 +1,386 @@
+"""One replica's training machinery, composed: what the strategy's Lightning hooks delegate to.
+
+:class:`ReplicaEngine` owns, for one replica: the merges (:class:`~lightning_aesgd.engine.averager.ElasticAverager`),
+the routing of work (:class:`~lightning_aesgd.engine.routing.Router` and the elastic loader), the algorithm rules
+that act between steps (adaptive normalization, Crossbow's reset on a learning-rate drop, per-replica learning-rate
+scaling), the ``step`` slowdown emulation, and its part of checkpoints. It imports no Lightning: the strategy
+passes it the module, the optimizer and a function that runs Lightning's own optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, TypeVar
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_aesgd.core.schedule import LearningRateDrop
+from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.core.slowdown import SlowdownProfile
+from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
+from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
+from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError
+from lightning_aesgd.engine.flat import FlatView, floating_buffers, trainable_parameters
+from lightning_aesgd.engine.loading import (
+    ElasticDataLoader,
+    LoaderClock,
+    build_elastic_loader,
+    inspect_train_loader,
+    prefetch_depth,
+)
+from lightning_aesgd.engine.routing import Router, SampleCosts, resolve_sample_costs
+from lightning_aesgd.engine.sampler import ElasticBatchSampler
+from lightning_aesgd.engine.telemetry import replica_metrics, summary_table
+from lightning_aesgd.engine.timing import ComputeClock, emulated_slowdown
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "adaptive_elastic"
+"""Where a checkpoint holds the engine's state (see :meth:`ReplicaEngine.training_state`)."""
+
+T = TypeVar("T")
+
+
+class NonFiniteReplicasError(FloatingPointError):
+    """Every replica's model became non-finite: training cannot continue from any of them."""
+
+
+class ReplicaEngine:
+    """Everything one replica does around its training loop, Lightning-free.
+
+    The strategy owns the options' defaults (its signature); the engine takes every option explicitly.
+
+    Args:
+        merging: the merge rule, schedule and weights.
+        router: measures arrivals and plans batch sizes.
+        l2_nudge: Adaptive SGD's adaptive normalization of merge weights.
+        lr_scaling: scale the replica's learning rate by its batch over the nominal one during its step.
+        slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step (other modes are applied
+            outside the strategy, by :class:`~lightning_aesgd.callbacks.SlowdownCallback`).
+        step_batch_size: indices consumed per step by all replicas; by default the loader's batch size times
+            the number of replicas, so that an equal plan means what DDP means.
+        plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
+        sample_costs: per-sample costs for cost-aware splitting (see :func:`~.routing.resolve_sample_costs`).
+        checkpoint_replicas: save every replica's own model and optimizer state in checkpoints.
+    """
+
+    def __init__(
+        self,
+        merging: MergeSettings,
+        router: Router,
+        *,
+        l2_nudge: bool,
+        lr_scaling: bool,
+        slowdown: SlowdownProfile | None,
+        step_batch_size: int | None,
+        plan_lag: int | None,
+        sample_costs: SampleCosts,
+        checkpoint_replicas: bool,
+    ) -> None:
+        for name, value in (("step_batch_size", step_batch_size), ("plan_lag", plan_lag)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"`{name}` must be a whole number >= 1 or None (the default), got {value!r}.")
+        self.merging = merging
+        self.router = router
+        self.normalization = AdaptiveNormalization(l2_nudge, merging.warmup_steps)
+        self.lr_scaling = lr_scaling
+        self.slowdown = slowdown if slowdown is not None and slowdown.mode == "step" else None
+        self.step_batch_size = step_batch_size
+        self.plan_lag = plan_lag
+        self.sample_costs = sample_costs
+        self.checkpoint_replicas = checkpoint_replicas
+        self.averager: ElasticAverager | None = None
+        self.sampler: ElasticBatchSampler | None = None
+        self.loader_clock: LoaderClock | None = None
+        self.merged_last_step = False
+        self.exclusions: list[tuple[int, int]] = []  # (global step, rank) of every replica left out of a merge
+        # Kept across fits of the same strategy: a fit that starts at a lower rate than the last one ended at is
+        # a drop too.
+        self._lr_drop = LearningRateDrop()
+        self._step_key = 0
+        self._global_step = 0
+        self._compute_clock: ComputeClock | None = None
+        self._first_step = True
+        if lr_scaling and merging.weights == "samples":
+            # Both favour large batches: together they count a sample of a large batch twice.
+            warnings.warn(
+                "lr_scaling=True with merge_weights='samples' weighs large batches twice. HINT: use "
+                "merge_weights='updates' with lr_scaling (the paper's form), or samples without lr_scaling.",
+                stacklevel=3,
+            )
+
+    @property
+    def running(self) -> bool:
+        """Whether a fit is in progress (between :meth:`start` and :meth:`stop`)."""
+        return self.averager is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether training steps go through the engine: a fit is running and its loader was built here."""
+        return self.averager is not None and self.sampler is not None
+
+    def _running_averager(self) -> ElasticAverager:
+        assert self.averager is not None, "the engine is not running: call start() first"
+        return self.averager
+
+    # --- a fit's lifecycle --------------------------------------------------------------------------------
+
+    def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
+        """Begin a fit: replicas start from rank zero's model, as DDP's do."""
+        if self.slowdown is not None:
+            self.slowdown.check_replicas(comm.world_size)
+        _broadcast_module(module, comm, self.merging.merge_buffers)
+        self.averager = ElasticAverager(module, comm, self.merging)
+        self.router.attach(comm.world_size, device)
+        self._compute_clock = ComputeClock(device)
+        self._first_step = True
+
+    def stop(self) -> None:
+        """End a fit; plans and measurements stay for a later fit of the same strategy."""
+        self.averager = self.sampler = self.loader_clock = None
+        self._compute_clock = None
+        self.router.detach()
+
+    def training_loader(self, dataloader: DataLoader[Any]) -> ElasticDataLoader:
+        """The training loader rebuilt so that every replica's batches follow the plans."""
+        comm = self._running_averager().comm
+        facts = inspect_train_loader(dataloader)
+        depth = prefetch_depth(dataloader)
+        if self.plan_lag is not None and self.plan_lag <= depth:
+            # A plan must reach every replica before any of them draws the step it applies to.
+            raise ValueError(
+                f"plan_lag={self.plan_lag} is not above the training DataLoader's prefetch depth {depth} "
+                "(num_workers × prefetch_factor + 1): replicas could split a step differently. HINT: set "
+                f"plan_lag >= {depth + 1}, or leave it unset."
+            )
+        lag = self.plan_lag if self.plan_lag is not None else depth + 1
+        costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
+        total = self.step_batch_size if self.step_batch_size is not None else facts.batch_size * comm.world_size
+        plan_book = self.router.plan_book_for(total, comm.world_size, lag, cost_aware=costs is not None)
+        loader = build_elastic_loader(
+            dataloader,
+            facts,
+            num_replicas=comm.world_size,
+            rank=comm.rank,
+            plan_book=plan_book,
+            step_batch_size=total,
+            costs=costs,
+        )
+        self.sampler, self.loader_clock = loader.batch_sampler, loader.loader_clock
+        return loader
+
+    # --- training steps -----------------------------------------------------------------------------------
+
+    def begin_step(self, epoch: int, batch_idx: int, global_step: int) -> None:
+        """A training step is about to run its batch (``batch_idx`` within the epoch, ``global_step`` overall)."""
+        if self.sampler is not None:
+            self._step_key = self.sampler.step_key(epoch, batch_idx)
+        self._global_step = global_step
+        if batch_idx == 0 or self._first_step:
+            # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch
+            # included (checkpoint restore, first fetch): not a training period.
+            self.router.interrupt()
+            self._first_step = False
+        self.router.resume()  # after whatever paused the clock (validation, a checkpoint)
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T], stop_requested: Callable[[], bool]
+    ) -> T:
+        """Run one local step (``run_step``: Lightning's optimizer step), then merge when one is due.
+
+        ``stop_requested``: whether this replica received SIGTERM, asked at the merge; the flag travels in the
+        merge to every replica.
+        """
+        averager, sampler = self._running_averager(), self.sampler
+        assert sampler is not None, "the training loader was not built by training_loader()"
+        record = sampler.pop_record(self._step_key)
+        if averager.rule.resets_on_lr_drop and self._lr_drop.observe(float(optimizer.param_groups[0]["lr"])):
+            averager.reset_to_center()
+        averager.before_local_step()
+        nominal = sampler.step_batch_size / averager.comm.world_size
+        factor = linear_lr_scale(record.num_samples, nominal) if self.lr_scaling else 1.0
+        loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
+        with _scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds), self._emulated():
+            output = run_step()
+        self.merged_last_step = averager.after_local_step(record.num_samples)
+        if self.merged_last_step:
+            self._merge(averager, optimizer, stop_requested())
+        return output
+
+    def _emulated(self) -> AbstractContextManager[None]:
+        if self.slowdown is None or self._compute_clock is None:
+            return nullcontext()
+        rank = self._running_averager().comm.rank
+        return emulated_slowdown(self._compute_clock, self.slowdown.factor(rank, self._global_step))
+
+    def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer, stop_requested: bool) -> None:
+        rank = averager.comm.rank
+        # A replica whose model is not finite (a NaN loss or gradient) is left out with weight 0 and restored from
+        # the merged model: replicas are whole models, so the others carry on. Its flag rides in its report.
+        finite = averager.is_finite()
+        weight = self.normalization.weight(averager.own_weight(), rank, self.router.merge_weights, averager.local_steps)
+        report = self.router.report(weight if finite else 0.0, stop=stop_requested, finite=finite)
+        try:
+            center, rows = averager.merge(report.merge_weight, optimizer, report.as_row())
+        except NoMergeWeightError as error:
+            lost = [r for r, row in enumerate(error.rows) if not PeriodReport.from_row(row).finite]
+            if len(lost) == averager.comm.world_size:
+                raise NonFiniteReplicasError(
+                    f"Every replica's model ({lost}) is not finite at step {self._global_step}: nothing is left to "
+                    "merge. HINT: lower the learning rate, clip gradients (gradient_clip_val) or check the loss "
+                    "for NaN; resume from the last checkpoint."
+                ) from error
+            raise
+        if not finite:
+            averager.restore_from(center, optimizer)
+        self._note_exclusions(rows)
+        if self.normalization.enabled:
+            self.normalization.observe(float(center.norm()))
+        self.router.receive(rows, self._step_key)
+
+    def _note_exclusions(self, rows: list[list[float]]) -> None:
+        lost = [rank for rank, row in enumerate(rows) if not PeriodReport.from_row(row).finite]
+        for rank in lost:
+            self.exclusions.append((self._global_step, rank))
+            if self._running_averager().comm.rank == 0:
+                log.warning(
+                    "Replica %d's model was not finite at step %d: left out of the merge and restored from the "
+                    "merged model (its optimizer state reset).",
+                    rank,
+                    self._global_step,
+                )
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a replica asked to stop in the latest merge."""
+        return self.router.stop_requested
+
+    def telemetry(self) -> dict[str, float] | None:
+        """``aesgd/...`` metrics of the latest merge (identical on every replica); ``None`` before the first."""
+        if not self.router.latest_reports or self.router.plan_book is None:
+            return None
+        return replica_metrics(self.router.stats(), self.router.plan_book.latest)
+
+    # --- evaluation and the end of fit ----------------------------------------------------------------------
+
+    def begin_evaluation(self) -> None:
+        """Swap the global model in for validation (a collective); waiting for peers is not training time."""
+        self.router.pause()
+        self._running_averager().swap_in_global_model()
+
+    def end_evaluation(self) -> None:
+        """Put the replica's own model back and resume training."""
+        self._running_averager().swap_out()
+        self.router.resume()
+
+    def finish(self) -> None:
+        """Make the global model the replica's own (a collective): what the module holds after fit."""
+        self._running_averager().adopt_global_model()
+
+    def summary(self) -> str | None:
+        """The end-of-fit table of every replica as the latest merge saw it; ``None`` before the first merge."""
+        if not self.router.latest_reports:
+            return None
+        unit = "units" if self.router.cost_aware else "samples"
+        sizes = self.router.history[-1][2]
+        return summary_table(self.router.stats(), sizes, self._running_averager().merges, unit, self.router.floor)
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+
+    def global_model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's state dict holding the global model (a collective); the replica's own model stays."""
+        averager = self._running_averager()
+        self.router.pause()  # writing a checkpoint is not training time
+        was_swapped = averager.swapped_in
+        averager.swap_in_global_model()
+        state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+        if not was_swapped:
+            averager.swap_out()
+        return state
+
+    def training_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """What a checkpoint needs to resume exactly (a collective when replicas are saved).
+
+        The state every replica shares (schedule position, the rule's buffers, plans, the L2 trend) and, with
+        ``checkpoint_replicas``, every replica's own model, optimizer state and counters, gathered to every rank.
+        """
+        averager = self._running_averager()
+        shared = {
+            "averager": averager.shared_state(),
+            "router": self.router.shared_state(),
+            "l2_trend": self.normalization.state_dict(),
+        }
+        state: dict[str, Any] = {"world_size": averager.comm.world_size, "shared": shared, "replicas": None}
+        if self.checkpoint_replicas:
+            params, buffers = averager.local_model()
+            own = {
+                "params": params.cpu(),
+                "buffers": buffers.cpu(),
+                "optimizer": _on_cpu(optimizer.state_dict()) if optimizer is not None else None,
+                "averager": averager.local_state(),
+                "router": self.router.local_state(),
+            }
+            state["replicas"] = averager.comm.all_gather_object(own)
+        return state
+
+    def load_training_state(
+        self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None, device: torch.device
+    ) -> None:
+        """Put back what :meth:`training_state` saved; this replica's own part when the world size matches."""
+        averager = self._running_averager()
+        averager.load_shared_state(state["shared"]["averager"])
+        self.router.load_shared_state(state["shared"]["router"])
+        self.normalization.load_state_dict(state["shared"]["l2_trend"])
+        replicas, world_size = state["replicas"], averager.comm.world_size
+        if replicas is None:
+            return
+        if state["world_size"] != world_size:
+            log.warning(
+                "The checkpoint holds %d replicas, this run has %d: all start from the merged model.",
+                state["world_size"],
+                world_size,
+            )
+            return
+        own = replicas[averager.comm.rank]
+        averager.load_local_model(own["params"].to(device), own["buffers"].to(device))
+        averager.load_local_state(own["averager"])
+        self.router.load_local_state(own["router"])
+        if optimizer is not None and own["optimizer"] is not None:
+            optimizer.load_state_dict(own["optimizer"])
+
+
+def _broadcast_module(module: nn.Module, comm: Communicator, with_buffers: bool) -> None:
+    for view in (FlatView(trainable_parameters(module)), FlatView(floating_buffers(module) if with_buffers else [])):
+        if view:
+            flat = view.read()
+            comm.broadcast_(flat, src=0)
+            view.write_(flat)
+
+
+@contextmanager
+def _scaled_learning_rate(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Scale every param group's learning rate for one optimizer step, then restore it.
+
+    Restoring keeps the user's schedulers in charge: they read and write the unscaled rate between steps.
+    """
+    if factor == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+
+
+def _on_cpu(state: Any) -> Any:
+    return apply_to_collection(state, torch.Tensor, lambda tensor: tensor.cpu())

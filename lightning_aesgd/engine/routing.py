@@ -1,0 +1,388 @@
+"""Routing work by measured speed: stamp each replica's arrivals at merges, plan from every replica's reports.
+
+:class:`Router` is the Lightning-free part of the strategy that makes the split of every step follow the
+replicas' speeds. It stamps when this replica is released from a merge and when it arrives at the next, so its
+report measures everything the replica did in between (data loading, hooks, compute, throttling) and none of
+the time it waited for peers (:mod:`lightning_aesgd.core.sensing`). The reports travel inside the merge's
+all-reduce; every replica computes the same next plan from the same numbers, and the plan takes effect ``lag``
+steps later (see :class:`~lightning_aesgd.engine.sampler.PlanBook`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import torch
+from torch import Tensor
+
+from lightning_aesgd.core.apportion import apportion
+from lightning_aesgd.core.planners import Planner, StaticPlanner, get_planner
+from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, check_plan_damping, damped_plan
+from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.sampler import PlanBook, StepRecord
+from lightning_aesgd.engine.timing import BusyTimer
+
+HISTORY_LENGTH = 4096
+"""Merges the router remembers (step, speeds, plan) for plots: a ring, so memory stays flat over long runs."""
+
+SampleCosts = Union[None, Literal["dataset", "auto"], Callable[[Any], "Sequence[float] | Tensor"]]  # noqa: UP007
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica as the latest merge saw it, for telemetry and the end-of-fit summary.
+
+    Attributes:
+        merge_weight: the replica's merge weight at the latest merge.
+        speed: smoothed samples (or cost units) per active second.
+        samples: samples (or cost units) processed in the latest period.
+        wait_fraction: share of its wall time the replica spent inside merges (waiting for peers included).
+        step_seconds: smoothed active seconds per step (release of a merge to arrival at the next).
+        busy_seconds: seconds per step inside the optimizer step (forward, backward, update).
+        finite: whether the replica's model was finite at the latest merge (otherwise it was left out).
+    """
+
+    merge_weight: float
+    speed: float
+    samples: float
+    wait_fraction: float
+    step_seconds: float
+    busy_seconds: float = 0.0
+    finite: bool = True
+
+
+def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
+    """Per-sample costs for cost-aware splitting, from the dataset's ``sample_costs`` or a function of it.
+
+    ``"auto"`` uses the dataset's ``sample_costs`` where it has them and counts samples otherwise.
+    """
+    if spec is None or (spec == "auto" and not hasattr(dataset, "sample_costs")):
+        return None
+    if spec == "auto":
+        spec = "dataset"
+    if spec == "dataset":
+        if not hasattr(dataset, "sample_costs"):
+            raise TypeError(
+                f"sample_costs='dataset' needs a `sample_costs` attribute on {type(dataset).__name__} (one cost "
+                "per sample, e.g. its number of non-zeros). HINT: add it, or pass a function of the dataset."
+            )
+        costs = dataset.sample_costs
+    elif callable(spec):
+        costs = spec(dataset)
+    else:
+        raise ValueError(f"sample_costs must be None, 'auto', 'dataset' or a function of the dataset, got {spec!r}.")
+    costs = torch.as_tensor(costs, dtype=torch.float64)
+    if costs.ndim != 1 or not bool(torch.isfinite(costs).all()) or bool((costs < 0).any()):
+        raise ValueError("Sample costs must be one finite, non-negative number per sample.")
+    return costs
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """How batch sizes follow the measurements; checked once, when built. The defaults are the strategy's.
+
+    Args:
+        planner: ``"proportional"`` (shares ∝ speed), ``"balanced"`` (equal predicted step times, fixed per-step
+            costs included), ``"additive"`` (the paper's ±step rule), ``"static"``, or any
+            :class:`~lightning_aesgd.core.planners.Planner`.
+        shares: fixed shares for the static planner (equal when omitted).
+        min_batch: smallest batch per replica.
+        max_batch: largest batch per replica.
+        min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``.
+        speed_smoothing: smoothing β of the moving averages.
+        plan_gain: fraction γ of the way to the planner's target that each new plan moves.
+        plan_dead_band: no plan is made while the predicted step times agree within this relative tolerance, and a
+            plan stays while every replica's relative move is below it.
+        planner_options: extra arguments of a named planner (e.g. ``step`` of the additive rule).
+    """
+
+    planner: str | Planner = "proportional"
+    shares: Sequence[float] | None = None
+    min_batch: int = 1
+    max_batch: int | None = None
+    min_share: float = 0.1
+    speed_smoothing: float = 0.8
+    plan_gain: float = 0.5
+    plan_dead_band: float = 0.03
+    planner_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_plan_damping(self.min_share, self.plan_gain, self.plan_dead_band)
+        self.build_planner(self.min_batch)  # bad planner options fail here, not at the first plan
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether plans follow the measurements (every planner but ``"static"``)."""
+        return self.planner != "static"
+
+    def build_planner(self, floor: int) -> Planner:
+        """The planner, with ``floor`` as its smallest batch (a named one; a Planner object is used as it is)."""
+        if not isinstance(self.planner, str):
+            return self.planner
+        if self.planner == "static":
+            return StaticPlanner(self.shares)
+        if self.shares is not None:
+            raise ValueError(
+                f"`shares` fix the plan of the 'static' planner; the {self.planner!r} planner measures them."
+            )
+        return get_planner(self.planner, min_batch=floor, max_batch=self.max_batch, **self.planner_options)
+
+
+class Router:
+    """Measures this replica's arrivals and turns every replica's reports into batch-size plans.
+
+    The router never communicates: at a merge it hands the strategy this replica's
+    :class:`~lightning_aesgd.core.sensing.PeriodReport` (:meth:`report`), the strategy sends it inside the merge's
+    all-reduce, and hands back every replica's report (:meth:`receive`). Every rank then updates the same
+    :class:`~lightning_aesgd.core.sensing.ArrivalModel` and schedules the same plan ``lag`` steps ahead.
+
+    Args:
+        settings: the planner and its bounds, damping and smoothing.
+        clock: wall clock in seconds (tests pass a scripted one).
+    """
+
+    def __init__(self, settings: PlanSettings | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.settings = settings if settings is not None else PlanSettings()
+        self.clock = clock
+        self.cost_aware = False
+        self.plan_book: PlanBook | None = None
+        self.planner: Planner = self.settings.build_planner(self.settings.min_batch)
+        self.model: ArrivalModel | None = None
+        self.floor = self.settings.min_batch
+        self.lag = 1
+        self.total = 0
+        self.stop_requested = False
+        self.merge_weights: list[float] = []  # every replica's weight at the latest merge
+        self.latest_reports: list[PeriodReport] = []
+        # The latest merges' step, measured speeds and plan, for the benchmark's plots.
+        self.history: deque[tuple[int, tuple[float, ...], tuple[int, ...]]] = deque(maxlen=HISTORY_LENGTH)
+        self._saved_state: dict[str, Any] | None = None
+        self._timer: BusyTimer | None = None
+        self._period = _Period()
+        self._release: float | None = None  # None while paused
+        self._active_before = 0.0  # active seconds of this period before a pause
+        self._arrival = 0.0
+        self._wait_fraction = 0.0
+        self._next_plan = 0
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def attach(self, num_replicas: int, device: torch.device) -> None:
+        """Start measuring one of ``num_replicas`` replicas, working on ``device``."""
+        if self.model is None or self.model.num_replicas != num_replicas:
+            self.model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
+        self._timer = BusyTimer(device)
+        self.stop_requested = False
+        self.interrupt()
+
+    def detach(self) -> None:
+        """Stop measuring (fit ended); plans and models are kept for a later fit on the same Trainer."""
+        self._timer = None
+
+    def plan_book_for(self, total: int, num_replicas: int, lag: int, cost_aware: bool = False) -> PlanBook:
+        """The plan book for steps of ``total`` samples, created on first use or restored from a checkpoint.
+
+        With ``cost_aware`` a replica's work is the cost of its samples (e.g. non-zeros), not their count.
+        """
+        self.lag, self.total, self.cost_aware = lag, total, cost_aware
+        settings = self.settings
+        min_share = settings.min_share if settings.adaptive else 0.0
+        self.floor = batch_floor(total, num_replicas, settings.min_batch, min_share)
+        self.planner = settings.build_planner(self.floor)
+        book = self.plan_book
+        if book is None or len(book.latest) != num_replicas or sum(book.latest) != total:
+            shares = settings.shares if settings.shares is not None else [1.0] * num_replicas
+            if len(shares) != num_replicas:
+                raise ValueError(f"Got {len(shares)} static shares for {num_replicas} replicas.")
+            book = self.plan_book = PlanBook(apportion(total, shares, self.floor, settings.max_batch))
+        self._load_saved_state()
+        return book
+
+    # --- per step -----------------------------------------------------------------------------------------
+
+    @contextmanager
+    def timing(self, record: StepRecord, loader_seconds: float = 0.0) -> Iterator[None]:
+        """Account one local step whose batch took the loader ``loader_seconds`` to produce.
+
+        Its busy time (inside the body) goes to telemetry; the arrival at the next merge measures the rest.
+        """
+        assert self._timer is not None
+        self._timer.start()
+        yield
+        self._timer.stop()
+        self._period.add(record.cost if self.cost_aware else float(record.num_samples), record.planned)
+        self._period.loader += loader_seconds
+        # On CUDA a step's busy time is known a step or two later; only complete regions are counted.
+        self._period.busy += sum(self._timer.pop_completed())
+
+    def interrupt(self) -> None:
+        """A new epoch began (loader workers started, epoch-end hooks ran): restart the period's clock.
+
+        A period that already holds steps then measures nothing; an empty one measures from now.
+        """
+        if self._period.steps:
+            self._period.measured = False
+        self._release = self.clock()
+        self._active_before = 0.0
+
+    def pause(self) -> None:
+        """Stop the period's clock while something other than training runs (validation, a checkpoint).
+
+        The time since the release, the replica's hooks after its last step included, stays in the period.
+        """
+        if self._release is not None:
+            self._active_before += self.clock() - self._release
+            self._release = None
+
+    def resume(self) -> None:
+        """Restart the period's clock after :meth:`pause`."""
+        if self._release is None:
+            self._release = self.clock()
+
+    # --- at a merge ---------------------------------------------------------------------------------------
+
+    def report(self, merge_weight: float, stop: bool = False, finite: bool = True) -> PeriodReport:
+        """This replica's report for the merge it is arriving at; stamps the arrival."""
+        self._arrival = self.clock()
+        period = self._period
+        measured = period.measured and self._release is not None
+        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
+        return PeriodReport(
+            merge_weight=merge_weight,
+            work=period.work,
+            planned=period.planned,
+            steps=float(period.steps) if measured else 0.0,
+            active=active,
+            loader=period.loader,
+            busy=period.busy,
+            wait_fraction=self._wait_fraction,
+            stop=1.0 if stop else 0.0,
+            finite=1.0 if finite else 0.0,
+        )
+
+    def receive(self, rows: Sequence[Sequence[float]], step: int) -> None:
+        """Take every replica's report (rank order) after the merge; update the models and schedule a plan.
+
+        Every rank passes the same rows, so every rank takes the same decision.
+        """
+        assert self.plan_book is not None
+        assert self.model is not None
+        released = self.clock()
+        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
+        wall = active + released - self._arrival
+        self._wait_fraction = (released - self._arrival) / wall if wall > 0 else 0.0
+        self._release = released
+        self._active_before = 0.0
+        reports = [PeriodReport.from_row(row) for row in rows]
+        self.model.update(reports)
+        self.stop_requested = any(report.stop > 0 for report in reports)
+        self.merge_weights = [report.merge_weight for report in reports]
+        models = self.model.models()
+        settings = self.settings
+        if settings.adaptive and models is not None and self._plans_now(step, models):
+            current = self.plan_book.latest
+            sizes = self.planner.plan(current, models, self.total)
+            if isinstance(settings.planner, str):  # a Planner object of the user's is obeyed as it is
+                sizes = damped_plan(
+                    current, sizes, settings.plan_gain, settings.plan_dead_band, self.floor, settings.max_batch
+                )
+            if tuple(sizes) != current:
+                self.plan_book.schedule(step + self.lag, sizes)
+        self.latest_reports = reports
+        self.history.append((step, tuple(self.model.rates()), self.plan_book.latest))
+        self._period = _Period()
+
+    def _plans_now(self, step: int, models: Sequence[StepTime]) -> bool:
+        """Whether to ask a named planner for a new plan at this merge (a Planner object is always asked).
+
+        Not before the previous plan has been applied and measured: plans piled on plans that no arrival has
+        reflected yet overshoot. Not while the latest plan's predicted step times agree within the dead band:
+        the named planners all aim at equal step times. The check costs a few float operations where planning
+        costs a few hundred microseconds.
+        """
+        if not isinstance(self.settings.planner, str):
+            return True
+        if step < self._next_plan:
+            return False
+        assert self.plan_book is not None
+        times = [model.seconds(size) for model, size in zip(models, self.plan_book.latest, strict=True)]
+        if max(times) <= (1 + self.settings.plan_dead_band) * min(times):
+            return False
+        self._next_plan = step + self.lag + 1
+        return True
+
+    def stats(self) -> list[ReplicaStats]:
+        """Every replica as the latest merge saw it (empty before the first merge)."""
+        if self.model is None or not self.latest_reports:
+            return []
+        reports = self.latest_reports
+        rates, seconds = self.model.rates(), self.model.step_seconds()
+        return [
+            ReplicaStats(
+                merge_weight=report.merge_weight,
+                speed=rate,
+                samples=report.work,
+                wait_fraction=report.wait_fraction,
+                step_seconds=step_seconds,
+                busy_seconds=report.busy / report.steps if report.steps > 0 else 0.0,
+                finite=report.finite > 0,
+            )
+            for report, rate, step_seconds in zip(reports, rates, seconds, strict=True)
+        ]
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+
+    def shared_state(self) -> dict[str, Any]:
+        """Plans and the arrival model: identical on every replica."""
+        return {
+            "plans": None if self.plan_book is None else self.plan_book.state_dict(),
+            "arrivals": None if self.model is None else self.model.state_dict(),
+            "merge_weights": list(self.merge_weights),
+        }
+
+    def local_state(self) -> dict[str, Any]:
+        """Nothing: every measurement the router keeps is shared."""
+        return {}
+
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`shared_state` returned (now, or once the plan book exists)."""
+        self._saved_state = state
+        if self.plan_book is not None:
+            self._load_saved_state()
+
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        """Accept a replica's saved local state (older checkpoints kept per-replica speeds; they are re-measured)."""
+
+    def _load_saved_state(self) -> None:
+        state, self._saved_state = self._saved_state, None
+        if state is None:
+            return
+        if state.get("plans") is not None and self.plan_book is not None:
+            self.plan_book.load_state_dict(state["plans"])
+        if state.get("arrivals") is not None and self.model is not None:
+            self.model.load_state_dict(state["arrivals"])
+        weights = state.get("merge_weights") or []
+        if self.model is not None and len(weights) == self.model.num_replicas:
+            self.merge_weights = list(weights)
+
+
+class _Period:
+    """Work, planned samples, steps and busy time since the last merge."""
+
+    def __init__(self) -> None:
+        self.work = 0.0
+        self.planned = 0.0
+        self.steps = 0
+        self.busy = 0.0
+        self.loader = 0.0
+        self.measured = True
+
+    def add(self, work: float, planned: int) -> None:
+        self.work += work
+        self.planned += planned
+        self.steps += 1

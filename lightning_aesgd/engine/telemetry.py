@@ -1,0 +1,110 @@
+"""What the strategy reports: per-replica metrics for Lightning's loggers and an end-of-fit summary table.
+
+Everything here is computed from the statistics the replicas exchange at merges
+(:class:`~lightning_aesgd.engine.routing.ReplicaStats`) and the plan in force, so every rank could log it; Lightning's
+loggers write rank zero's copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_aesgd.core.apportion import ideal_shares, share_error
+from lightning_aesgd.engine.routing import ReplicaStats
+
+
+def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict[str, float]:
+    """Metrics named ``aesgd/replica_<r>/<what>`` plus plan-wide ones, for ``LightningModule.log_dict``.
+
+    Args:
+        stats: the statistics every replica reported at the latest merge, in rank order.
+        sizes: the batch sizes of the plan in force, in rank order.
+
+    Returns:
+        samples (or cost units) per active second, batch size, share of the step batch, normalised merge weight,
+        fraction of wall time spent inside merges, active seconds per step (release of a merge to arrival at the
+        next) and busy seconds per step (inside the optimizer step), per replica; ``aesgd/share_error`` (the
+        largest relative distance of a share from the speed-proportional target) once every replica has a
+        speed; and ``aesgd/step_time_balance``.
+    """
+    total = sum(sizes)
+    total_weight = sum(s.merge_weight for s in stats) or 1.0
+    metrics: dict[str, float] = {}
+    for rank, (replica, size) in enumerate(zip(stats, sizes, strict=True)):
+        prefix = f"aesgd/replica_{rank}"
+        metrics[f"{prefix}/samples_per_sec"] = replica.speed
+        metrics[f"{prefix}/batch_size"] = float(size)
+        metrics[f"{prefix}/share"] = size / total
+        metrics[f"{prefix}/merge_weight"] = replica.merge_weight / total_weight
+        metrics[f"{prefix}/wait_fraction"] = replica.wait_fraction
+        metrics[f"{prefix}/step_seconds"] = replica.step_seconds
+        metrics[f"{prefix}/busy_seconds"] = replica.busy_seconds
+    metrics["aesgd/excluded"] = float(sum(not replica.finite for replica in stats))
+    speeds = [s.speed for s in stats]
+    if all(speed > 0 for speed in speeds):
+        metrics["aesgd/share_error"] = share_error(sizes, speeds)
+        metrics["aesgd/step_time_balance"] = step_time_balance(stats)
+    return metrics
+
+
+def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
+    """The slowest replica's active time per step over the fastest's: 1.0 when all arrive at merges together.
+
+    Lockstep replicas wait for the slowest at every step, so this is what routing exists to bring to 1.
+    """
+    times = [s.step_seconds for s in stats]
+    return max(times) / min(times) if min(times) > 0 else float("nan")
+
+
+def summary_table(
+    stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: int, unit: str = "samples", floor: int = 0
+) -> str:
+    """A plain-text table that shows whether the plan converged and what it gained.
+
+    Args:
+        stats: the statistics of the latest merge, in rank order.
+        sizes: the plan in force.
+        merges: number of merges so far.
+        unit: what speeds count: ``"samples"`` or cost ``"units"``.
+        floor: the smallest batch the planner may give; a replica held there and still late is named.
+    """
+    speeds = [s.speed for s in stats]
+    measured = all(speed > 0 for speed in speeds)
+    targets = ideal_shares(speeds) if measured else [float("nan")] * len(stats)
+    total, total_weight = sum(sizes), sum(s.merge_weight for s in stats) or 1.0
+    columns = ("replica", f"{unit}/s", "batch", "share", "target", "weight", "step ms", "busy ms", "waiting")
+    widths = (7, 12, 6, 6, 6, 6, 8, 8, 7)
+    header = "  ".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True))
+    lines = ["adaptive_elastic: replicas at the end of fit", header, "-" * len(header)]
+    for rank, (replica, size, target) in enumerate(zip(stats, sizes, targets, strict=True)):
+        lines.append(
+            f"{rank:>7}  {replica.speed:>12.1f}  {size:>6d}  {size / total:>6.3f}  {target:>6.3f}  "
+            f"{replica.merge_weight / total_weight:>6.3f}  {1000 * replica.step_seconds:>8.1f}  "
+            f"{1000 * replica.busy_seconds:>8.1f}  {replica.wait_fraction:>7.1%}"
+        )
+    lines.append(f"merges: {merges}")
+    if measured:
+        lines.append(
+            f"plan vs speed-proportional target: largest relative share error {share_error(sizes, speeds):.1%}; "
+            f"slowest/fastest step time: {step_time_balance(stats):.2f} (1.00: all arrive at merges together)"
+        )
+        lines += starved_replicas(stats, sizes, floor)
+    return "\n".join(lines)
+
+
+def starved_replicas(stats: Sequence[ReplicaStats], sizes: Sequence[int], floor: int) -> list[str]:
+    """A line for every replica held at the floor batch whose steps still take 10% longer than the others'.
+
+    Such a device only slows the others down: training without it would be faster.
+    """
+    lines = []
+    for rank, (replica, size) in enumerate(zip(stats, sizes, strict=True)):
+        others = [s.step_seconds for r, s in enumerate(stats) if r != rank and s.step_seconds > 0]
+        if size > floor or not others or replica.step_seconds <= 1.1 * max(others):
+            continue
+        lines.append(
+            f"replica {rank} sits at the smallest batch ({size}) and its steps still take "
+            f"{replica.step_seconds / max(others):.1f}× the others': it holds every step up. HINT: train without "
+            "this device, or lower the strategy's min_share."
+        )
+    return lines

@@ -1,0 +1,1 @@
+"""Sparse extreme multi-label classification (XMC): generator, statistics, batches, DataModule, model, metrics."""

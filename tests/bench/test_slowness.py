@@ -1,0 +1,113 @@
+"""The slowness program: its cases, figures from recorded runs, its tables, and one small case end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from lightning_aesgd.bench.slowness.cases import BATCH, CASES, MACHINERY, Case
+from lightning_aesgd.bench.slowness.comparison import CaseResult, run_case
+from lightning_aesgd.bench.slowness.machinery import machinery_figures
+from lightning_aesgd.bench.slowness.program import runnable_cases
+from lightning_aesgd.bench.slowness.report import machinery_table, table, write_report
+from lightning_aesgd.bench.slowness.runner import RunResult, run_result
+
+
+def test_cases_emulate_per_sample_slowness_only_where_it_lands_on_samples():
+    user = CASES["user"].profile()
+    assert user is not None
+    assert user.seconds_per_sample == pytest.approx(0.064 / BATCH)
+    assert CASES["user"].profile((1.0,)).factors == (1.0,)
+    quota = CASES["quota"].profile()
+    assert quota is not None
+    assert quota.seconds_per_sample is None
+    assert MACHINERY.profile() is None
+
+
+def test_unknown_cases_are_refused_and_the_quota_case_is_skipped_where_quotas_are_missing(monkeypatch):
+    with pytest.raises(SystemExit, match="no_such_case"):
+        runnable_cases(["user", "no_such_case"])
+    monkeypatch.setattr("lightning_aesgd.bench.slowness.program.quota_unavailable", lambda: "no cgroup")
+    assert runnable_cases(["quota", "hook"]) == ["hook"]
+    monkeypatch.setattr("lightning_aesgd.bench.slowness.program.quota_unavailable", lambda: None)
+    assert runnable_cases(["quota", "hook"]) == ["quota", "hook"]
+
+
+def test_throughput_and_plans_come_from_rank_zeros_record():
+    record = {
+        "times": [0.1 * step for step in range(40)],
+        "cpu": [0.02 * step for step in range(40)],
+        "plans": {"starts": [0, 5, 35], "sizes": [[32, 32], [48, 16], [50, 14]]},
+    }
+    result = run_result("adaptive_elastic", record, replicas=2, steps=40)
+    assert result.seconds_per_step == pytest.approx(0.1)
+    assert result.cpu_seconds_per_step == pytest.approx(0.02)
+    assert result.samples_per_second == pytest.approx(2 * BATCH / 0.1)
+    assert result.plan_at_check == [48, 16]  # the plan in force at step 30
+    assert result.smallest_batch == 14
+    assert result.final_plan == [50, 14]
+
+
+def _hook_case() -> CaseResult:
+    result = CaseResult("hook", "hook", [1.0, 3.0], 64.0, 0, ideal=400.0)
+    result.runs["ddp"] = RunResult("ddp", 200.0, 0.64, 0.01)
+    result.runs["adaptive_elastic"] = RunResult("adaptive_elastic", 360.0, 0.36, 0.01, plan_at_check=[48, 16])
+    return result
+
+
+def test_case_figures_compare_with_ddp_and_the_ideal():
+    result = _hook_case()
+    assert result.ratio() == pytest.approx(1.8)
+    assert result.efficiency("adaptive_elastic") == pytest.approx(0.9)
+    assert result.plan_error() == pytest.approx(0.0)  # 48:16 is 3:1
+    assert "| hook | hook | [1, 3] | 64 | 200 | 360 | 1.80 | 50% | 90% | 0% |" in table([result])
+
+
+def test_machinery_figures_are_medians_and_excesses_over_one_process():
+    wall = {"solo": [700.0, 800.0, 720.0], "ddp": [10_000.0] * 3, "adaptive_elastic": [9_900.0] * 3}
+    cpu = {"solo": [700.0] * 3, "ddp": [3_700.0] * 3, "adaptive_elastic": [3_800.0] * 3}
+    figures = machinery_figures(wall, cpu, repeats=3)
+    assert list(figures)[:3] == ["repeats", "solo_us_per_step", "solo_cpu_us_per_step"]
+    assert figures["solo_us_per_step"] == 720.0
+    assert figures["ddp_machinery_us"] == pytest.approx(9_280.0)
+    assert figures["adaptive_elastic_machinery_cpu_us"] == pytest.approx(3_100.0)
+    text = machinery_table(figures)
+    assert text.splitlines()[2] == "| one process, no strategy | 720 | – | 700 | – |"
+    assert "| adaptive_elastic, 4 replicas | 9900 | 9180 | 3800 | 3100 |" in text
+
+
+def test_the_report_keeps_the_published_keys(tmp_path: Path):
+    path = write_report(tmp_path, [_hook_case()], None, steps=60, repeats=3)
+    report = json.loads(path.read_text())
+    assert list(report) == ["cases", "machinery", "steps", "repeats"]
+    (case,) = report["cases"]
+    assert list(case) == ["case", "mode", "factors", "step_ms", "workers", "ideal", "runs"]
+    assert list(case["runs"]["ddp"]) == [
+        "algorithm",
+        "samples_per_second",
+        "seconds_per_step",
+        "cpu_seconds_per_step",
+        "plan_at_check",
+        "smallest_batch",
+        "final_plan",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_small_case_races_ddp_and_the_strategy_under_slow_hooks(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.rand(4000, 1, 28, 28, generator=generator), torch.randint(0, 10, (4000,)))
+    case = Case("small", "hook", (1.0, 3.0), step_ms=8.0)
+    result = run_case(case, dataset, steps=24, out=tmp_path)
+    assert set(result.runs) == {"ddp", "adaptive_elastic"}
+    assert result.ideal > 0
+    assert all(run.samples_per_second > 0 for run in result.runs.values())
+    assert result.runs["ddp"].plan_at_check is None
+    fast, slow = result.runs["adaptive_elastic"].final_plan
+    assert fast > slow, "the replica whose hooks are 3× slower must get the smaller batch"

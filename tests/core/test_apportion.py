@@ -1,0 +1,222 @@
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from lightning_aesgd.core.apportion import apportion, ideal_shares, share_error, split_by_cost
+
+share_values = st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False)
+positive_shares = st.lists(st.floats(min_value=1e-3, max_value=1e3), min_size=1, max_size=12)
+
+
+@st.composite
+def bounded_problems(draw: st.DrawFn) -> tuple[int, list[float], int, int | None]:
+    """A feasible apportion problem: (total, shares, min_size, max_size)."""
+    n = draw(st.integers(min_value=1, max_value=12))
+    shares = draw(st.lists(share_values, min_size=n, max_size=n).filter(lambda s: sum(s) > 0))
+    min_size = draw(st.integers(min_value=0, max_value=50))
+    max_size = draw(st.none() | st.integers(min_value=min_size, max_value=min_size + 300))
+    highest_total = n * max_size if max_size is not None else n * min_size + 5000
+    total = draw(st.integers(min_value=n * min_size, max_value=highest_total))
+    return total, shares, min_size, max_size
+
+
+def exact_quota(total: int, shares: list[float], i: int) -> Fraction:
+    return Fraction(total) * Fraction(shares[i]) / sum(Fraction(s) for s in shares)
+
+
+# ---------------------------------------------------------------------------------------------- apportion
+
+
+@given(bounded_problems())
+def test_apportion_sums_to_total(problem: tuple[int, list[float], int, int | None]) -> None:
+    total, shares, min_size, max_size = problem
+    assert sum(apportion(total, shares, min_size, max_size)) == total
+
+
+@given(bounded_problems())
+def test_apportion_respects_bounds(problem: tuple[int, list[float], int, int | None]) -> None:
+    total, shares, min_size, max_size = problem
+    sizes = apportion(total, shares, min_size, max_size)
+    assert len(sizes) == len(shares)
+    assert min(sizes) >= min_size
+    if max_size is not None:
+        assert max(sizes) <= max_size
+
+
+@given(bounded_problems())
+def test_apportion_larger_share_never_gets_smaller_size(problem: tuple[int, list[float], int, int | None]) -> None:
+    total, shares, min_size, max_size = problem
+    sizes = apportion(total, shares, min_size, max_size)
+    for i, share_i in enumerate(shares):
+        for j, share_j in enumerate(shares):
+            if share_i > share_j:
+                assert sizes[i] >= sizes[j], (i, j)
+
+
+@given(st.integers(min_value=0, max_value=10**6), st.lists(share_values, min_size=1, max_size=12))
+def test_apportion_within_one_of_exact_quota_without_bounds(total: int, shares: list[float]) -> None:
+    if sum(shares) == 0:
+        return
+    sizes = apportion(total, shares, min_size=0)
+    for i, size in enumerate(sizes):
+        assert abs(size - exact_quota(total, shares, i)) < 1
+
+
+@given(bounded_problems())
+def test_apportion_equal_shares_differ_by_at_most_one(problem: tuple[int, list[float], int, int | None]) -> None:
+    total, shares, min_size, max_size = problem
+    sizes = apportion(total, [1.0] * len(shares), min_size, max_size)
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(
+    ("total", "shares", "min_size", "max_size", "expected"),
+    [
+        (10, [2.0, 1.0, 1.0], 1, None, [5, 3, 2]),  # remainder tie goes to the lower index
+        (5, [1.0, 1.0], 1, None, [3, 2]),
+        (100, [10.0, 1.0, 1.0], 20, None, [60, 20, 20]),  # small shares raised to the minimum
+        (100, [10.0, 1.0, 1.0], 1, 40, [40, 30, 30]),  # large share capped, the rest redistributed
+        (100, [10.0, 5.0, 1.0], 20, 50, [50, 30, 20]),  # both bounds bind
+        # At the first trial scale the two small shares fall below 20, but once the large one is capped the
+        # true scale is higher and both are back within bounds: clamping all violators at once would be wrong.
+        (100, [10.0, 1.0, 1.9], 20, 40, [40, 21, 39]),
+        (10, [1.0, 0.0], 1, 6, [6, 4]),  # a zero share takes leftovers once positive shares are capped
+        (10, [1.0, 0.0], 1, None, [9, 1]),
+        (10, [1.0, 0.0], 0, None, [10, 0]),
+        (0, [1.0, 2.0], 0, None, [0, 0]),
+    ],
+)
+def test_apportion_known_splits(
+    total: int, shares: list[float], min_size: int, max_size: int | None, expected: list[int]
+) -> None:
+    assert apportion(total, shares, min_size, max_size) == expected
+
+
+def test_apportion_is_exact_for_huge_totals() -> None:
+    total = 10**15 + 1
+    sizes = apportion(total, [0.1, 0.2, 0.3, 0.4])
+    assert sum(sizes) == total
+    assert sizes == sorted(sizes)
+
+
+@pytest.mark.parametrize(
+    ("total", "shares", "min_size", "max_size", "match"),
+    [
+        (5, [1.0, 1.0, 1.0], 2, None, "lower the minimum batch size"),
+        (10, [1.0, 1.0], 1, 4, "raise the maximum batch size"),
+        (-1, [1.0], 0, None, "`total` must be >= 0"),
+        (10, [], 1, None, "empty"),
+        (10, [1.0, -1.0], 1, None, "finite and non-negative"),
+        (10, [1.0, math.nan], 1, None, "finite and non-negative"),
+        (10, [1.0, math.inf], 1, None, "finite and non-negative"),
+        (10, [0.0, 0.0], 1, None, "all zero"),
+        (10, [1.0], -1, None, "min_size"),
+        (10, [1.0], 5, 4, "max_size"),
+    ],
+)
+def test_apportion_rejects_invalid_input(
+    total: int, shares: list[float], min_size: int, max_size: int | None, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        apportion(total, shares, min_size, max_size)
+
+
+# ------------------------------------------------------------------------------------------ split_by_cost
+
+item_costs = arrays(np.float64, st.integers(min_value=0, max_value=300), elements=st.floats(0.0, 100.0))
+
+
+@given(item_costs, positive_shares, st.integers(min_value=0, max_value=8))
+def test_split_by_cost_counts_sum_and_meet_minimum(costs: np.ndarray, shares: list[float], min_size: int) -> None:
+    counts = split_by_cost(torch.from_numpy(costs), shares, min_size)
+    assert len(counts) == len(shares)
+    assert sum(counts) == len(costs)
+    assert min(counts) >= min(min_size, len(costs) // len(shares))
+
+
+@given(st.integers(min_value=0, max_value=2000), st.floats(0.01, 100.0), positive_shares)
+def test_split_by_cost_with_equal_costs_matches_count_apportionment(
+    num_items: int, cost: float, shares: list[float]
+) -> None:
+    counts = split_by_cost([cost] * num_items, shares, min_size=0)
+    reference = apportion(num_items, shares, min_size=0)
+    assert all(abs(a - b) <= 1 for a, b in zip(counts, reference, strict=True))
+
+
+@given(item_costs, positive_shares)
+def test_split_by_cost_slices_within_one_item_of_target_cost(costs: np.ndarray, shares: list[float]) -> None:
+    counts = split_by_cost(costs.tolist(), shares, min_size=0)
+    total_cost = float(costs.sum())
+    largest_item = float(costs.max()) if len(costs) else 0.0
+    ends = np.cumsum(counts)
+    for count, end, share in zip(counts, ends, ideal_shares(shares), strict=True):
+        slice_cost = float(costs[end - count : end].sum())
+        assert abs(slice_cost - total_cost * share) <= largest_item + 1e-9 * max(total_cost, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("costs", "shares", "min_size", "expected"),
+    [
+        ([1.0, 1.0, 1.0, 1.0, 4.0], [1.0, 1.0], 1, [4, 1]),  # the heavy item alone balances four light ones
+        ([4.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0], 1, [1, 4]),
+        ([1.0, 1.0, 1.0, 1.0, 4.0], [1.0, 1.0, 1.0], 1, [3, 1, 1]),  # cuts at costs 3 and 4 for targets 8/3, 16/3
+        ([8.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0], 0, [0, 5]),  # boundary tie goes to the lower cut
+        ([8.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0], 2, [2, 3]),  # cut pushed forward to give each slice two items
+        ([0.0, 0.0, 0.0, 0.0, 8.0], [1.0, 1.0], 0, [4, 1]),
+        ([0.0, 0.0, 0.0, 0.0, 8.0], [1.0, 1.0], 2, [3, 2]),  # cut pushed backward
+        ([0.0] * 10, [1.0, 1.0, 2.0], 1, [3, 2, 5]),  # no cost at all: count apportionment
+        ([1.0] * 5, [1.0, 1.0, 1.0], 4, [2, 1, 2]),  # short step: the minimum drops to 5 // 3
+        ([], [1.0, 2.0], 1, [0, 0]),
+    ],
+)
+def test_split_by_cost_known_splits(
+    costs: list[float], shares: list[float], min_size: int, expected: list[int]
+) -> None:
+    assert split_by_cost(costs, shares, min_size) == expected
+
+
+def test_split_by_cost_zero_total_cost_falls_back_to_apportion() -> None:
+    assert split_by_cost(torch.zeros(97), [3.0, 1.0, 1.0]) == apportion(97, [3.0, 1.0, 1.0])
+
+
+def test_split_by_cost_balances_a_large_skewed_step() -> None:
+    generator = torch.Generator().manual_seed(0)
+    costs = torch.randint(1, 200, (4096,), generator=generator).to(torch.float32)
+    shares = [4.0, 2.0, 1.0, 1.0]
+    counts = split_by_cost(costs, shares)
+    slices = torch.split(costs.double(), counts)
+    for piece, share in zip(slices, ideal_shares(shares), strict=True):
+        assert abs(piece.sum().item() - costs.double().sum().item() * share) <= costs.max().item()
+
+
+@pytest.mark.parametrize(
+    ("costs", "shares", "min_size", "match"),
+    [
+        ([1.0, -1.0], [1.0], 1, "finite and non-negative"),
+        ([1.0, math.nan], [1.0], 1, "finite and non-negative"),
+        (torch.ones(2, 2), [1.0], 1, "one-dimensional"),
+        ([1.0], [0.0, 0.0], 1, "all zero"),
+        ([1.0], [1.0], -1, "min_size"),
+    ],
+)
+def test_split_by_cost_rejects_invalid_input(
+    costs: list[float] | torch.Tensor, shares: list[float], min_size: int, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        split_by_cost(costs, shares, min_size)
+
+
+def test_ideal_shares_and_share_error() -> None:
+    assert ideal_shares([3.0, 1.0]) == [0.75, 0.25]
+    assert share_error([750, 250], [3.0, 1.0]) == 0.0
+    assert share_error([500, 500], [3.0, 1.0]) == pytest.approx(1.0)  # the slow replica got twice its share
+    with pytest.raises(ValueError, match="must all be > 0"):
+        share_error([1, 1], [1.0, 0.0])
+    with pytest.raises(ValueError, match="positive sum"):
+        share_error([0, 0], [1.0, 1.0])

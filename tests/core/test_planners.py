@@ -1,0 +1,189 @@
+import math
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_aesgd.core.apportion import ideal_shares, share_error
+from lightning_aesgd.core.planners import (
+    AdditivePlanner,
+    BalancedPlanner,
+    ProportionalPlanner,
+    StaticPlanner,
+    balance_step_times,
+    get_planner,
+)
+from lightning_aesgd.core.speed import StepTime
+
+
+def _times(speeds: list[float]) -> list[StepTime]:
+    """Replicas without fixed per-step cost at the given speeds (zero speed: never finishes)."""
+    return [StepTime(0.0, 1.0 / speed) if speed > 0 else StepTime(0.0, math.inf) for speed in speeds]
+
+
+# ----------------------------------------------------------------------------------------------- planners
+
+
+@given(st.lists(st.floats(min_value=0.1, max_value=10.0), min_size=1, max_size=8), st.integers(1000, 100_000))
+def test_proportional_planner_reaches_ideal_in_one_plan(speeds: list[float], total: int) -> None:
+    current = [total // len(speeds)] * len(speeds)
+    sizes = ProportionalPlanner().plan(current, _times(speeds), total)
+    assert sum(sizes) == total
+    for size, share in zip(sizes, ideal_shares(speeds), strict=True):
+        assert abs(size - total * share) < 1 + 1e-9
+    assert share_error(sizes, speeds) <= 1 / (total * min(ideal_shares(speeds))) + 1e-9
+
+
+def test_proportional_planner_respects_bounds() -> None:
+    sizes = ProportionalPlanner(min_batch=100, max_batch=500).plan([250] * 4, _times([10.0, 1.0, 1.0, 0.1]), 1000)
+    assert sizes == [500, 200, 200, 100]
+
+
+def test_additive_planner_moves_each_size_by_exactly_one_step() -> None:
+    planner = AdditivePlanner(step=32, min_batch=32, max_batch=1024)
+    # Update rates speed/size: 1/256, 1/256, 0.5/256, 0.25/256 against a mean of 0.6875/256.
+    assert planner.adjust([256] * 4, _times([1.0, 1.0, 0.5, 0.25])) == [288, 288, 224, 224]
+    # The moves cancel, so renormalisation leaves them intact.
+    assert planner.plan([256] * 4, _times([1.0, 1.0, 0.5, 0.25]), 1024) == [288, 288, 224, 224]
+
+
+@given(
+    st.lists(st.tuples(st.integers(64, 960), st.floats(0.01, 100.0)), min_size=2, max_size=8),
+    st.integers(1, 32),
+)
+def test_additive_planner_step_direction_follows_update_share(pairs: list[tuple[int, float]], step: int) -> None:
+    current = [size for size, _ in pairs]
+    speeds = [speed for _, speed in pairs]
+    adjusted = AdditivePlanner(step=step, min_batch=32, max_batch=1024).adjust(current, _times(speeds))
+    update_rates = [speed / size for size, speed in pairs]
+    mean_rate = sum(update_rates) / len(update_rates)
+    for before, after, rate in zip(current, adjusted, update_rates, strict=True):
+        if math.isclose(rate, mean_rate, rel_tol=1e-9):
+            assert after == before
+        else:
+            assert after - before == (step if rate > mean_rate else -step)
+
+
+def test_additive_planner_balanced_replicas_keep_their_sizes() -> None:
+    planner = AdditivePlanner(step=32, min_batch=32, max_batch=1024)
+    assert planner.plan([400, 200, 100], _times([4.0, 2.0, 1.0]), 700) == [400, 200, 100]
+
+
+def test_additive_planner_clamps_to_bounds_and_renormalises() -> None:
+    planner = AdditivePlanner(step=32, min_batch=32, max_batch=1024)
+    assert planner.adjust([1024, 40], _times([10.0, 0.1])) == [1024, 32]
+    sizes = planner.plan([700, 300, 24 + 32], _times([4.0, 1.0, 1.0]), 1056)
+    assert sum(sizes) == 1056
+    assert all(32 <= size <= 1024 for size in sizes)
+
+
+def test_additive_planner_converges_to_equal_step_times() -> None:
+    # Speeds in samples/s with a constant per-sample time, so a replica's step lasts size / speed.
+    speeds = [1.0, 1.0, 0.5, 0.25]
+    total = 4096
+    planner = AdditivePlanner(step=16, min_batch=32, max_batch=4096)
+    sizes = [total // 4] * 4
+
+    def step_time_spread(plan: list[int]) -> float:
+        times = [size / speed for size, speed in zip(plan, speeds, strict=True)]
+        return max(times) / min(times) - 1
+
+    assert step_time_spread(sizes) > 1.0
+    spreads = []
+    for _ in range(100):
+        sizes = planner.plan(sizes, _times(speeds), total)
+        assert sum(sizes) == total
+        spreads.append(step_time_spread(sizes))
+    assert max(spreads[-50:]) <= 0.10
+
+
+def test_static_planner_ignores_speeds() -> None:
+    planner = StaticPlanner()
+    assert planner.plan([1, 1, 1, 1], _times([9.0, 1.0, 1.0, 1.0]), 1024) == [256] * 4
+    assert planner.plan([1, 1, 1, 1], _times([1.0, 1.0, 1.0, 9.0]), 1024) == [256] * 4
+    weighted = StaticPlanner(shares=[3.0, 1.0])
+    assert weighted.plan([1, 1], _times([1.0, 100.0]), 1000) == [750, 250]
+
+
+def test_get_planner_builds_registered_planners() -> None:
+    assert get_planner("proportional", min_batch=4) == ProportionalPlanner(min_batch=4)
+    assert get_planner("additive", step=8) == AdditivePlanner(step=8)
+    assert get_planner("static") == StaticPlanner()
+    assert get_planner("balanced", max_batch=9) == BalancedPlanner(max_batch=9)
+    with pytest.raises(ValueError, match="valid names: additive, balanced, proportional, static"):
+        get_planner("fastest")
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: ProportionalPlanner(min_batch=0), "`min_batch` must be >= 1"),
+        (lambda: ProportionalPlanner(min_batch=8, max_batch=4), "`max_batch` must be >= `min_batch`"),
+        (lambda: AdditivePlanner(step=0), "`step` must be >= 1"),
+        (lambda: AdditivePlanner(min_batch=64, max_batch=32), "`max_batch` must be >= `min_batch`"),
+        (lambda: StaticPlanner(shares=[1.0, 0.0]), "must all be > 0"),
+        (lambda: StaticPlanner(shares=[]), "empty"),
+        (lambda: StaticPlanner(shares=[1.0, math.inf]), "finite and non-negative"),
+    ],
+)
+def test_planners_reject_invalid_arguments(build: Callable[[], object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: ProportionalPlanner().plan([1, 1], _times([1.0]), 10), "one entry per replica"),
+        (lambda: AdditivePlanner().plan([64, 64], _times([1.0, 1.0, 1.0]), 128), "one entry per replica"),
+        (lambda: AdditivePlanner().adjust([64, 0], _times([1.0, 1.0])), "`current` batch sizes must be >= 1"),
+        (lambda: StaticPlanner(shares=[1.0, 1.0]).plan([1, 1, 1], _times([1.0, 1.0, 1.0]), 9), "one entry per replica"),
+        (lambda: ProportionalPlanner().plan([1, 1], _times([0.0, 0.0]), 10), "all zero"),
+        (lambda: ProportionalPlanner(min_batch=8).plan([1, 1], _times([1.0, 1.0]), 10), "lower the minimum batch size"),
+    ],
+)
+def test_planners_reject_inconsistent_plan_inputs(call: Callable[[], object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------- balanced
+
+
+@given(
+    st.lists(st.tuples(st.floats(0.0, 0.05), st.floats(1e-5, 1e-2)), min_size=1, max_size=6),
+    st.integers(64, 4096),
+)
+def test_balanced_sizes_sum_to_total_and_equalise_predicted_step_times(
+    models: list[tuple[float, float]], total: int
+) -> None:
+    step_times = [StepTime(overhead, per_sample) for overhead, per_sample in models]
+    sizes = balance_step_times(total, step_times)
+    assert sum(sizes) == total
+    assert min(sizes) >= 1
+    times = [t.seconds(size) for t, size in zip(step_times, sizes, strict=True)]
+    # Replicas above the minimum finish within one sample's time of each other; one at the minimum only
+    # because its fixed cost alone reaches that common time.
+    unclamped = [i for i, size in enumerate(sizes) if size > 1]
+    if unclamped:
+        common = max(times[i] for i in unclamped)
+        slack = max(step_times[i].per_sample for i in range(len(sizes)))
+        assert all(times[i] >= common - 2 * slack for i in unclamped)
+        assert all(times[i] >= common - 2 * slack for i in range(len(sizes)) if sizes[i] == 1)
+
+
+def test_balanced_equals_proportional_without_fixed_costs() -> None:
+    speeds = [4.0, 2.0, 1.0, 1.0]
+    assert BalancedPlanner().plan([256] * 4, _times(speeds), 1024) == ProportionalPlanner().plan(
+        [256] * 4, _times(speeds), 1024
+    )
+
+
+def test_balanced_gives_the_rest_to_the_replicas_that_can_use_it() -> None:
+    # Replica 1's fixed cost (0.1 s) exceeds what replica 0 needs for the whole step at 10 µs per sample.
+    sizes = BalancedPlanner(min_batch=8).plan([512, 512], [StepTime(0.0, 1e-5), StepTime(0.1, 4e-5)], 1024)
+    assert sizes == [1016, 8]
+    # A smaller fixed cost leaves room: both finish together, near 0.003 + 4e-5·b₁ = 1e-5·b₀.
+    sizes = BalancedPlanner().plan([512, 512], [StepTime(0.0, 1e-5), StepTime(0.003, 4e-5)], 1024)
+    assert sizes[1] == pytest.approx((1024e-5 - 0.003) / 5e-5, abs=1)

@@ -1,0 +1,85 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, check_plan_damping, damped_plan
+
+plans = st.lists(st.integers(min_value=1, max_value=500), min_size=1, max_size=8)
+
+
+def _report(size: int, seconds: float, steps: int = 1) -> PeriodReport:
+    return PeriodReport(merge_weight=1.0, work=size * steps, planned=size * steps, steps=steps, active=seconds)
+
+
+def test_a_report_travels_as_a_row_and_back():
+    report = PeriodReport(2.0, work=8, planned=8, steps=2, active=0.5, loader=0.7, busy=0.25, stop=1.0)
+    assert PeriodReport.from_row(report.as_row()) == report
+    assert len(report.as_row()) == PeriodReport.size()
+    assert report.seconds == 0.7  # the loader was slower than the replica: its time is what the period cost
+    with pytest.raises(ValueError, match="numbers"):
+        PeriodReport.from_row([1.0])
+
+
+def test_the_arrival_model_recovers_each_replicas_speed_from_arrivals():
+    model = ArrivalModel(2, smoothing=0.5)
+    assert model.models() is None
+    for size in (32, 64, 48):
+        model.update([_report(size, 0.001 * size), _report(size, 0.004 * size)])  # replica 1 is 4× slower
+    slow, fast = model.rates()[1], model.rates()[0]
+    assert fast == pytest.approx(4 * slow)
+    times = model.models()
+    assert times is not None
+    assert times[1].seconds(40) == pytest.approx(4 * times[0].seconds(40), rel=1e-6)
+
+
+def test_unmeasured_reports_change_nothing():
+    model = ArrivalModel(1)
+    model.update([PeriodReport(1.0, work=10, planned=10, steps=0, active=1.0)])  # an interrupted period
+    assert model.rates() == [0.0]
+
+
+def test_the_arrival_model_resumes_from_its_state_and_ignores_another_replica_count():
+    model = ArrivalModel(2)
+    model.update([_report(32, 0.1), _report(32, 0.2)])
+    restored = ArrivalModel(2)
+    restored.load_state_dict(model.state_dict())
+    assert restored.rates() == model.rates()
+    other = ArrivalModel(3)
+    other.load_state_dict(model.state_dict())
+    assert other.rates() == [0.0, 0.0, 0.0]
+
+
+@given(plans, plans, st.floats(min_value=0.01, max_value=1.0))
+def test_a_damped_plan_keeps_the_total_and_moves_towards_the_target(current, target_shape, gain):
+    target_shape = (target_shape * len(current))[: len(current)]
+    total = sum(current)
+    # The target: the same total, split in the shape drawn (at least 1 each where the total allows).
+    weights = [size / sum(target_shape) for size in target_shape]
+    target = [max(1, round(total * weight)) for weight in weights]
+    target[0] += total - sum(target)
+    if target[0] < 1:
+        return
+    moved = damped_plan(current, target, gain, dead_band=0.0)
+    assert sum(moved) == total
+    for size, goal, new in zip(current, target, moved, strict=True):
+        assert min(size, goal) - 1 <= new <= max(size, goal) + 1
+
+
+def test_a_damped_plan_stays_inside_the_dead_band():
+    assert damped_plan([64, 64], [65, 63], gain=0.5, dead_band=0.03) == [64, 64]
+    assert damped_plan([64, 64], [96, 32], gain=0.5, dead_band=0.03) == [80, 48]
+
+
+def test_the_floor_is_a_share_of_the_equal_batch_and_never_below_min_batch():
+    assert batch_floor(256, 4, min_batch=1, min_share=0.1) == 7
+    assert batch_floor(256, 4, min_batch=16, min_share=0.1) == 16
+    assert batch_floor(256, 4, min_batch=1, min_share=0.0) == 1
+
+
+@pytest.mark.parametrize(
+    ("min_share", "gain", "dead_band", "match"),
+    [(1.5, 0.5, 0.03, "min_share"), (0.1, 0.0, 0.03, "plan_gain"), (0.1, 0.5, 1.0, "plan_dead_band")],
+)
+def test_damping_settings_are_checked_with_the_fix(min_share, gain, dead_band, match):
+    with pytest.raises(ValueError, match=match):
+        check_plan_damping(min_share, gain, dead_band)

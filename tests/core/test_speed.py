@@ -1,0 +1,201 @@
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_aesgd.core.speed import SpeedEstimator, StepTime, StepTimeEstimator
+
+work_values = st.floats(min_value=1e-3, max_value=1e9)
+second_values = st.floats(min_value=1e-6, max_value=1e4)
+smoothing_values = st.floats(min_value=0.0, max_value=0.999)
+
+
+def steady_estimator(smoothing: float, work: float, seconds: float, num_updates: int) -> SpeedEstimator:
+    estimator = SpeedEstimator(smoothing)
+    for _ in range(num_updates):
+        estimator.update(work, seconds)
+    return estimator
+
+
+# ------------------------------------------------------------------------------------------ SpeedEstimator
+
+
+def test_speed_estimator_has_no_estimate_before_first_update() -> None:
+    estimator = SpeedEstimator()
+    assert estimator.rate is None
+    assert estimator.mean_seconds is None
+    assert estimator.num_updates == 0
+
+
+@given(work_values, second_values, smoothing_values, st.integers(min_value=1, max_value=50))
+def test_speed_estimator_constant_input_is_exact_from_first_update(
+    work: float, seconds: float, smoothing: float, num_updates: int
+) -> None:
+    estimator = SpeedEstimator(smoothing)
+    for _ in range(num_updates):
+        estimator.update(work, seconds)
+        assert estimator.rate == work / seconds
+        assert estimator.mean_seconds == seconds
+    assert estimator.num_updates == num_updates
+
+
+@given(st.lists(st.tuples(work_values, second_values), min_size=1, max_size=50), smoothing_values)
+def test_speed_estimator_rate_is_finite_and_positive(steps: list[tuple[float, float]], smoothing: float) -> None:
+    estimator = SpeedEstimator(smoothing)
+    for work, seconds in steps:
+        estimator.update(work, seconds)
+        assert estimator.rate is not None
+        assert math.isfinite(estimator.rate)
+        assert estimator.rate > 0.0
+        lowest = min(w / s for w, s in steps)
+        highest = max(w / s for w, s in steps)
+        assert lowest * (1 - 1e-9) <= estimator.rate <= highest * (1 + 1e-9)
+
+
+def test_speed_estimator_applies_bias_correction() -> None:
+    estimator = SpeedEstimator(smoothing=0.5)
+    estimator.update(work=10.0, seconds=1.0)
+    estimator.update(work=10.0, seconds=3.0)
+    # Raw EMA: 0.5 then 0.25 + 1.5 = 1.75; corrected by 1 − 0.5² = 0.75.
+    assert estimator.mean_seconds == pytest.approx(1.75 / 0.75)
+    assert estimator.rate == pytest.approx(10.0 / (1.75 / 0.75))
+
+
+def test_speed_estimator_with_zero_smoothing_keeps_only_latest_step() -> None:
+    estimator = SpeedEstimator(smoothing=0.0)
+    estimator.update(work=10.0, seconds=1.0)
+    estimator.update(work=30.0, seconds=2.0)
+    assert estimator.rate == 15.0
+
+
+def test_speed_estimator_tracks_a_slowdown_in_predicted_steps() -> None:
+    smoothing, work, seconds, slowdown, tolerance = 0.5, 100.0, 1.0, 4.0, 0.10
+    # Long after the change's start the corrected gain is 1 − β, so mean_seconds after k slow steps is
+    # seconds·(slowdown − (slowdown − 1)·β^k) and the rate is within `tolerance` of the new one once
+    # slowdown / (slowdown − (slowdown − 1)·β^k) <= 1 + tolerance, i.e. β^k <= (slowdown − slowdown/1.1)/3.
+    bound = (slowdown - slowdown / (1 + tolerance)) / (slowdown - 1)
+    needed = math.ceil(math.log(bound) / math.log(smoothing))
+    assert needed == 4
+    estimator = steady_estimator(smoothing, work, seconds, num_updates=60)
+    new_rate = work / (seconds * slowdown)
+    for k in range(1, needed + 1):
+        estimator.update(work, seconds * slowdown)
+        assert estimator.rate is not None
+        within = abs(estimator.rate / new_rate - 1) <= tolerance
+        assert within == (k >= needed), k
+
+
+def test_speed_estimator_is_robust_to_one_unusually_short_step() -> None:
+    estimator = steady_estimator(0.9, work=100.0, seconds=1.0, num_updates=60)
+    estimator.update(work=100.0, seconds=1e-6)
+    # A ratio of averages moves by about 1/β; an average of per-step rates would jump by ~10⁷.
+    assert estimator.rate is not None
+    assert 100.0 < estimator.rate <= 100.0 / 0.9 * 1.01
+
+
+@pytest.mark.parametrize(
+    ("work", "seconds", "match"),
+    [
+        (1.0, 0.0, "seconds"),
+        (1.0, -1.0, "seconds"),
+        (1.0, math.nan, "seconds"),
+        (1.0, math.inf, "seconds"),
+        (-1.0, 1.0, "work"),
+        (math.nan, 1.0, "work"),
+        (math.inf, 1.0, "work"),
+    ],
+)
+def test_speed_estimator_rejects_invalid_measurements(work: float, seconds: float, match: str) -> None:
+    estimator = SpeedEstimator()
+    with pytest.raises(ValueError, match=match):
+        estimator.update(work, seconds)
+    assert estimator.num_updates == 0
+
+
+def test_speed_estimator_accepts_zero_work() -> None:
+    estimator = SpeedEstimator()
+    estimator.update(0.0, 1.0)
+    assert estimator.rate == 0.0
+
+
+@pytest.mark.parametrize("smoothing", [-0.1, 1.0, 1.5, math.nan])
+def test_speed_estimator_rejects_invalid_smoothing(smoothing: float) -> None:
+    with pytest.raises(ValueError, match="smoothing"):
+        SpeedEstimator(smoothing)
+
+
+def test_speed_estimator_state_dict_round_trip() -> None:
+    estimator = SpeedEstimator(smoothing=0.8)
+    for work, seconds in [(100.0, 1.0), (120.0, 0.5), (80.0, 2.0)]:
+        estimator.update(work, seconds)
+    state = estimator.state_dict()
+    assert all(type(value) in (int, float) for value in state.values())
+    restored = SpeedEstimator(smoothing=0.8)
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.state_dict() == state
+    assert restored.rate == estimator.rate
+    estimator.update(90.0, 1.5)
+    restored.update(90.0, 1.5)
+    assert restored.state_dict() == estimator.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"num_updates": 1, "mean_work": 1.0}, "lacks"),
+        ({"num_updates": -1, "mean_work": 1.0, "mean_seconds": 1.0}, "invalid"),
+        ({"num_updates": 1, "mean_work": math.nan, "mean_seconds": 1.0}, "invalid"),
+        ({"num_updates": 1, "mean_work": 1.0, "mean_seconds": 0.0}, "no busy time"),
+    ],
+)
+def test_speed_estimator_rejects_invalid_state(state: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SpeedEstimator().load_state_dict(state)
+
+
+def test_step_time_model_recovers_overhead_and_per_sample_cost() -> None:
+    estimator = StepTimeEstimator(smoothing=0.8)
+    assert estimator.model() is None
+    for size in [100, 400, 200, 800, 300, 600] * 3:
+        estimator.update(size, 0.02 + 1e-4 * size)
+    model = estimator.model()
+    assert model is not None
+    assert model.overhead == pytest.approx(0.02, rel=1e-6)
+    assert model.per_sample == pytest.approx(1e-4, rel=1e-6)
+    assert model.speed_at(800) == pytest.approx(800 / 0.1)
+
+
+def test_step_time_model_keeps_its_fixed_cost_ratio_when_the_device_slows_down() -> None:
+    estimator = StepTimeEstimator(smoothing=0.5)
+    for size in [100, 400, 200, 800]:
+        estimator.update(size, 0.02 + 1e-4 * size)
+    for _ in range(50):  # the plan has settled: one size, now a slower device
+        estimator.update(500, 2 * (0.02 + 1e-4 * 500))
+    model = estimator.model()
+    assert model is not None
+    # The fixed cost is learnt as 200 samples' worth; a device twice as slow keeps that ratio.
+    assert estimator.fixed_samples == pytest.approx(200, rel=1e-3)
+    assert model.overhead == pytest.approx(0.04, rel=1e-3)
+    assert model.per_sample == pytest.approx(2e-4, rel=1e-3)
+
+
+def test_step_time_model_without_size_variation_is_speed_proportional() -> None:
+    estimator = StepTimeEstimator()
+    for _ in range(5):
+        estimator.update(256, 0.5)
+    assert estimator.model() == StepTime(0.0, 0.5 / 256)
+
+
+def test_step_time_state_round_trip_and_invalid_input() -> None:
+    estimator = StepTimeEstimator()
+    for size in (10, 40, 20):
+        estimator.update(size, 0.01 + 0.001 * size)
+    restored = StepTimeEstimator()
+    restored.load_state_dict(estimator.state_dict())
+    assert restored.model() == estimator.model()
+    with pytest.raises(ValueError, match="positive size"):
+        estimator.update(0, 1.0)
+    with pytest.raises(ValueError, match="smoothing"):
+        StepTimeEstimator(smoothing=1.0)

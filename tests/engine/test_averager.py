@@ -1,0 +1,193 @@
+"""The merge machinery of one replica against a fake communicator with scripted peers (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FakeCommunicator
+from torch import nn
+
+from lightning_aesgd.core.merge import SMA, ElasticAverage
+from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
+from lightning_aesgd.engine.comm import LocalCommunicator, WeightedAllReduce
+
+
+def _model(value: float) -> nn.Module:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *[b for b in model.buffers() if b.is_floating_point()]]:
+            tensor.fill_(value)
+    return model
+
+
+def _peer(value: float, weight: float):
+    """Peers that together contribute one replica holding `value` everywhere with merge weight `weight`."""
+
+    def peers_sum(bucket: torch.Tensor) -> torch.Tensor:
+        other = torch.full_like(bucket, value * weight)
+        other[-1] = weight
+        return other
+
+    return FakeCommunicator(world_size=2, peers_sum=peers_sum)
+
+
+def test_weighted_mean_uses_one_all_reduce_per_dtype_and_closed_form_weights():
+    comm = _peer(value=4.0, weight=3.0)
+    means, rows = WeightedAllReduce(comm)([torch.full((3,), 1.0), torch.full((2,), 1.0)], 1.0)
+    assert comm.calls == ["all_reduce_sum_"]
+    assert rows == []
+    for mean in means:
+        torch.testing.assert_close(mean, torch.full_like(mean, (1.0 * 1 + 4.0 * 3) / 4))
+
+
+def test_report_rows_travel_in_the_same_all_reduce_as_the_model():
+    # Replica 1 of 3; the peers hold 4.0 with weight 3 in all and report rows [7, 8] and [9, 10] in slots 0 and 2.
+    def peers_sum(bucket: torch.Tensor) -> torch.Tensor:
+        other = torch.zeros_like(bucket)
+        other[:5] = 4.0 * 3.0
+        other[5] = 3.0
+        other[6:8] = torch.tensor([7.0, 8.0])
+        other[10:12] = torch.tensor([9.0, 10.0])
+        return other
+
+    comm = FakeCommunicator(world_size=3, rank=1, peers_sum=peers_sum)
+    means, rows = WeightedAllReduce(comm)([torch.full((3,), 1.0), torch.full((2,), 1.0)], 1.0, row=[5.0, 6.0])
+    assert comm.calls == ["all_reduce_sum_"]
+    assert rows == [[7.0, 8.0], [5.0, 6.0], [9.0, 10.0]]
+    for mean in means:
+        torch.testing.assert_close(mean, torch.full_like(mean, (1.0 + 4.0 * 3) / 4))
+
+
+def test_hard_average_resets_parameters_and_buffers_to_the_weighted_mean():
+    model = _model(1.0)
+    averager = ElasticAverager(
+        model, _peer(value=3.0, weight=1.0), MergeSettings(ElasticAverage(alpha=1.0), merge_buffers=True)
+    )
+    averager.merge(weight=1.0)
+    for tensor in [*model.parameters(), model[1].running_mean, model[1].running_var]:
+        torch.testing.assert_close(tensor, torch.full_like(tensor, 2.0))
+    assert model[1].num_batches_tracked.item() == 0  # integer counters stay local, out of the bucket
+    assert averager.merges == 1
+
+
+def test_local_buffers_are_left_alone_when_not_merged():
+    model = _model(1.0)
+    ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(), merge_buffers=False)).merge(weight=1.0)
+    torch.testing.assert_close(model[1].running_mean, torch.ones(2))
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))
+
+
+def test_elastic_pull_moves_a_fraction_alpha_towards_the_mean():
+    model = _model(1.0)
+    ElasticAverager(model, _peer(5.0, 1.0), MergeSettings(ElasticAverage(alpha=0.25))).merge(weight=1.0)
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 1.0 + 0.25 * (3.0 - 1.0)))
+
+
+def test_schedule_merges_every_step_in_warmup_then_every_period():
+    averager = ElasticAverager(
+        _model(0.0), LocalCommunicator(), MergeSettings(ElasticAverage(), period=3, warmup_steps=2)
+    )
+    due = [averager.after_local_step(num_samples=4) for _ in range(9)]
+    assert due == [True, True, True, False, False, True, False, False, True]
+
+
+def test_merge_weight_follows_the_merge_weights_and_resets_after_a_merge():
+    averager = ElasticAverager(
+        _model(0.0), LocalCommunicator(), MergeSettings(ElasticAverage(), weights="samples", period=5)
+    )
+    for samples in (3, 5):
+        averager.after_local_step(num_samples=samples)
+    assert averager.own_weight() == 8
+    averager.merge(averager.own_weight())
+    assert averager.samples_since_merge == 0
+    assert averager.own_weight() == 8  # no work since: the last weight stands, e.g. for evaluation
+
+
+def test_swap_in_global_model_and_back_restores_the_replica_exactly():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(alpha=0.5)))
+    before = [t.clone() for t in model.state_dict().values()]
+    averager.swap_in_global_model()
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))
+    params, _ = averager.local_model()
+    torch.testing.assert_close(params, torch.ones_like(params))
+    averager.swap_out()
+    for tensor, saved in zip(model.state_dict().values(), before, strict=True):
+        torch.testing.assert_close(tensor, saved)
+
+
+def test_sma_corrections_use_the_pre_step_snapshot():
+    model = _model(0.0)
+    rule = SMA(alpha=0.1, central_momentum=0.0)
+    averager = ElasticAverager(model, _peer(1.0, 1.0), MergeSettings(rule, weights="uniform"))
+    averager.before_local_step()  # snapshot x̂ = 0
+    with torch.no_grad():
+        model[0].weight.fill_(-1.0)  # the local step moves the replica
+    assert averager.after_local_step(num_samples=1)
+    averager.merge(weight=1.0)
+    # x ← x − α(x̂ − z) = −1 − 0.1·(0 − 0); z ← z + α·n·(mean(x̂) − z) = 0 + 0.1·2·0.5
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), -1.0))
+    torch.testing.assert_close(averager.global_model()[0][:4], torch.full((4,), 0.1))
+
+
+@pytest.mark.parametrize("mode", ["keep", "reset", "average"])
+def test_optimizer_state_modes(mode):
+    model = _model(1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    momentum = optimizer.state[model[0].weight]["momentum_buffer"].clone()
+    comm = FakeCommunicator(world_size=2, peers_sum=torch.zeros_like)  # the peer contributes 0 with weight 0
+    averager = ElasticAverager(model, comm, MergeSettings(ElasticAverage(), optimizer_state=mode))
+    averager.merge(weight=1.0, optimizer=optimizer)
+    if mode == "reset":
+        assert not optimizer.state
+    else:
+        torch.testing.assert_close(optimizer.state[model[0].weight]["momentum_buffer"], momentum)
+
+
+def test_optimizer_moments_are_averaged_with_the_merge_weights():
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    averager = ElasticAverager(
+        model, FakeCommunicator(world_size=2), MergeSettings(ElasticAverage(), optimizer_state="average")
+    )
+    buffer = optimizer.state[model.weight]["momentum_buffer"]
+    expected = buffer.clone()  # an identical peer: the average is unchanged, and it went through the bucket
+    averager.merge(weight=1.0, optimizer=optimizer)
+    torch.testing.assert_close(optimizer.state[model.weight]["momentum_buffer"], expected)
+
+
+def test_a_total_weight_of_zero_is_an_error():
+    averager = ElasticAverager(
+        _model(1.0), FakeCommunicator(world_size=2, peers_sum=torch.zeros_like), MergeSettings(ElasticAverage())
+    )
+    with pytest.raises(ValueError, match="at least one must be positive"):
+        averager.merge(weight=0.0)
+
+
+def test_shared_and_local_state_round_trip():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(momentum=0.5), period=2))
+    averager.after_local_step(num_samples=4)
+    averager.merge(weight=4.0)
+    averager.after_local_step(num_samples=2)
+    shared, local = averager.shared_state(), averager.local_state()
+    fresh = ElasticAverager(_model(0.0), _peer(3.0, 1.0), MergeSettings(ElasticAverage(momentum=0.5), period=2))
+    fresh.load_shared_state(shared)
+    fresh.load_local_state(local)
+    assert fresh.shared_state()["local_steps"] == 2
+    assert fresh.own_weight() == 2
+    for name, tensor in shared["rule_state"].items():
+        torch.testing.assert_close(fresh.rule_state[name], tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_report_rows_of_a_half_precision_model_keep_large_counts(dtype):
+    comm = FakeCommunicator(world_size=1, peers_sum=lambda bucket: torch.zeros_like(bucket))
+    means, rows = WeightedAllReduce(comm)([torch.ones(3, dtype=dtype)], 1.0, row=[70000.0, 257.0])
+    assert rows == [[70000.0, 257.0]]  # float64, not the model's half precision
+    assert comm.calls == ["all_reduce_sum_", "all_reduce_sum_"]
+    assert means[0].dtype == dtype

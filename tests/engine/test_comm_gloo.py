@@ -1,0 +1,56 @@
+"""The communication layer on 2 real gloo processes, with closed-form expected results."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_aesgd.engine.comm import TorchCommunicator, WeightedAllReduce
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+WORLD_SIZE = 2
+
+
+def _run_collectives(rank: int, world_size: int, init_file: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    try:
+        comm = TorchCommunicator(torch.device("cpu"))
+        assert (comm.rank, comm.world_size) == (rank, world_size)
+
+        # Replica r holds θ = (r + 1)·1 with weight r + 1: mean = Σ(r+1)² / Σ(r+1).
+        weight = float(rank + 1)
+        flats = [torch.full((5,), weight), torch.full((3,), -weight), torch.full((2,), weight, dtype=torch.float64)]
+        # Each replica's report row rides in the float64 bucket (the widest), in its own slot.
+        means, rows = WeightedAllReduce(comm)(flats, weight, row=[rank, 10.0 * rank + 0.125])
+        expected = sum((r + 1) ** 2 for r in range(world_size)) / sum(r + 1 for r in range(world_size))
+        assert rows == [[float(r), 10.0 * r + 0.125] for r in range(world_size)]
+        torch.testing.assert_close(means[0], torch.full((5,), expected))
+        torch.testing.assert_close(means[1], torch.full((3,), -expected))
+        assert means[2].dtype == torch.float64
+        torch.testing.assert_close(means[2], torch.full((2,), expected, dtype=torch.float64))
+
+        tensor = torch.full((4,), float(rank))
+        comm.broadcast_(tensor, src=1)
+        torch.testing.assert_close(tensor, torch.ones(4))
+
+        assert comm.all_gather_object({"rank": rank}) == [{"rank": r} for r in range(world_size)]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_on_two_gloo_processes(tmp_path):
+    mp.start_processes(
+        _run_collectives, args=(WORLD_SIZE, str(tmp_path / "pg")), nprocs=WORLD_SIZE, join=True, start_method="fork"
+    )
+
+
+def test_torch_communicator_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="process group"):
+        TorchCommunicator(torch.device("cpu"))

@@ -1,0 +1,134 @@
+"""Rebuilding the user's DataLoader: every option kept, unsupported loaders refused with the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import RegressionData
+from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
+
+from lightning_aesgd.engine.loading import (
+    ElasticDataLoader,
+    LoaderClock,
+    TimedLoading,
+    build_elastic_loader,
+    inspect_train_loader,
+    prefetch_depth,
+)
+from lightning_aesgd.engine.sampler import PlanBook, StepIndices
+
+
+def _collate(samples):
+    return torch.stack([s[0] for s in samples])
+
+
+def _init_worker(worker_id: int) -> None:
+    return None
+
+
+def _build(loader: DataLoader, **kwargs) -> ElasticDataLoader:
+    facts = inspect_train_loader(loader)
+    options = {"step_batch_size": facts.batch_size * 2, **kwargs}
+    return build_elastic_loader(loader, facts, num_replicas=2, rank=1, plan_book=PlanBook([5, 3]), **options)
+
+
+def test_options_of_the_original_loader_are_kept():
+    generator = torch.Generator()
+    loader = DataLoader(
+        RegressionData(40),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=_collate,
+        pin_memory=False,
+        timeout=30,
+        worker_init_fn=_init_worker,
+        generator=generator,
+        prefetch_factor=3,
+        persistent_workers=True,
+    )
+    rebuilt = _build(loader)
+    for name in ("num_workers", "timeout", "worker_init_fn", "generator", "prefetch_factor", "persistent_workers"):
+        assert getattr(rebuilt, name) is getattr(loader, name)
+    # The user's dataset and collate function run together, timed, in the loader's workers.
+    assert rebuilt.dataset.dataset is loader.dataset
+    assert rebuilt.dataset.collate is loader.collate_fn
+    assert rebuilt.batch_sampler.step_batch_size == 8  # batch_size × replicas by default
+    assert rebuilt.batch_sampler.sampler.shuffle
+    batches = list(rebuilt)
+    assert [len(b) for b in batches] == [3] * 5  # rank 1 takes 3 of every 8 indices
+    assert prefetch_depth(rebuilt) == 2 * 3 + 1
+    # Every batch's production time reached the main process, keyed by its step.
+    assert all(rebuilt.loader_clock.read(step) > 0 for step in range(5))
+
+
+def test_rebuilt_loader_state_round_trips():
+    rebuilt = _build(DataLoader(RegressionData(40), batch_size=4))
+    assert not rebuilt.batch_sampler.sampler.shuffle
+    rebuilt.load_state_dict({"epoch": 3, "steps_done": 2})
+    assert rebuilt.batch_sampler.epoch == 3
+    assert len(list(rebuilt)) == 3  # 5 steps per epoch, 2 already done
+
+
+def test_explicit_step_batch_size_overrides_the_default():
+    rebuilt = _build(DataLoader(RegressionData(40), batch_size=4), step_batch_size=16)
+    assert len(rebuilt) == 3
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+class _NoLength(torch.utils.data.Dataset):
+    def __getitem__(self, index):
+        return index
+
+
+@pytest.mark.parametrize(
+    ("loader", "hint"),
+    [
+        (DataLoader(_Stream(), batch_size=2), "map-style"),
+        (DataLoader(_NoLength(), batch_size=2, sampler=range(4)), "__len__"),
+        (DataLoader(RegressionData(8), batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8)), "shuffle=True"),
+        (DataLoader(RegressionData(8), batch_size=None), "batch_size"),
+    ],
+)
+def test_unsupported_loaders_are_refused_with_the_fix(loader, hint):
+    with pytest.raises(TypeError, match=hint):
+        _build(loader)
+
+
+def test_loader_time_is_divided_among_parallel_workers_and_read_once():
+    clock = LoaderClock()
+    timed = TimedLoading(list(range(8)), lambda samples: samples, clock, workers=4)
+    timed.__getitems__(StepIndices([0, 1], step=3))
+    single = LoaderClock()
+    TimedLoading(list(range(8)), lambda samples: samples, single, workers=0).__getitems__(StepIndices([0, 1], 3))
+    assert 0 < clock.read(3) <= single.read(3)
+    assert clock.read(3) == 0.0  # read once: a later step with the same slot never sees a stale time
+
+
+def test_state_set_on_the_worker_dataset_reaches_the_users_dataset():
+    class Data:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return self.handle + index
+
+    data = Data()
+    timed = TimedLoading(data, list, LoaderClock())
+    timed.handle = 10  # what a worker_init_fn does with get_worker_info().dataset
+    assert data.handle == 10
+    assert timed[1] == 11
+
+
+def test_a_users_sampler_inside_lightnings_wrapper_is_refused_not_replaced():
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import WeightedRandomSampler
+
+    weighted = WeightedRandomSampler([0.0] * 20 + [1.0] * 20, num_samples=40)
+    loader = DataLoader(RegressionData(40), batch_size=4, sampler=DistributedSamplerWrapper(weighted, 2, 0))
+    with pytest.raises(TypeError, match=r"cannot follow the sampler WeightedRandomSampler.*HINT"):
+        inspect_train_loader(loader)

@@ -1,0 +1,112 @@
+"""The engine that the strategy's hooks delegate to, driven directly in one process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import RegressionData
+from torch.utils.data import DataLoader
+
+from lightning_aesgd.core.merge import SMA, ElasticAverage
+from lightning_aesgd.core.slowdown import as_profile
+from lightning_aesgd.engine.averager import MergeSettings
+from lightning_aesgd.engine.comm import LocalCommunicator
+from lightning_aesgd.engine.replica import NonFiniteReplicasError, ReplicaEngine
+from lightning_aesgd.engine.routing import Router
+
+
+def _engine(merging: MergeSettings | None = None, **options) -> ReplicaEngine:
+    defaults = {"l2_nudge": False, "lr_scaling": False, "slowdown": None, "step_batch_size": None}
+    defaults |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
+    return ReplicaEngine(merging or MergeSettings(ElasticAverage()), Router(), **(defaults | options))
+
+
+def _started(module: torch.nn.Module, **engine_kwargs) -> tuple[ReplicaEngine, DataLoader]:
+    engine = _engine(**engine_kwargs)
+    engine.start(module, LocalCommunicator(), torch.device("cpu"))
+    loader = engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
+    return engine, loader
+
+
+def _steps(engine: ReplicaEngine, loader: DataLoader, optimizer: torch.optim.Optimizer, body=lambda: None):
+    for index, _ in enumerate(loader):
+        engine.begin_step(0, index, index)
+        engine.optimizer_step(optimizer, body, lambda: False)
+
+
+def test_the_step_emulation_counts_as_busy_time():
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module, slowdown=as_profile([3.0]))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    computes = []
+
+    def work() -> None:  # real CPU work, its compute time measured as the emulation measures it
+        started = time.process_time()
+        sum(i * i for i in range(50_000))
+        computes.append(time.process_time() - started)
+
+    _steps(engine, loader, optimizer, work)
+    compute = computes[-1]
+    # The device "took" its real time plus 2× its compute time (3× in all); sleeps never end early.
+    assert engine.router.stats()[0].busy_seconds >= 2.5 * compute
+
+
+def test_only_the_step_mode_is_emulated_by_the_engine():
+    hook = as_profile({"factors": [2.0], "mode": "hook", "seconds_per_sample": 0.001})
+    assert _engine(slowdown=hook).slowdown is None
+    assert _engine(slowdown=as_profile([2.0])).slowdown is not None
+
+
+def test_lr_scaling_scales_only_inside_the_step():
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module, lr_scaling=True, step_batch_size=8)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    seen = []
+    _steps(engine, loader, optimizer, lambda: seen.append(optimizer.param_groups[0]["lr"]))
+    # One replica takes the whole step batch of 8 where the nominal per-replica batch is 8: factor 1.
+    assert seen == [pytest.approx(0.1)] * len(loader)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_a_learning_rate_drop_resets_the_replica_to_the_center_for_sma_only():
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module, merging=MergeSettings(SMA(alpha=0.1)))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    resets = []
+    engine.averager.reset_to_center = lambda: resets.append(True)  # type: ignore[method-assign]
+    for index, _ in enumerate(loader):
+        optimizer.param_groups[0]["lr"] = 0.1 if index < 3 else 0.01
+        engine.begin_step(0, index, index)
+        engine.optimizer_step(optimizer, lambda: None, lambda: False)
+    assert resets == [True]
+
+
+def test_training_state_round_trips_through_a_new_engine():
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module, l2_nudge=True)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    _steps(engine, loader, optimizer, lambda: [p.data.add_(0.01) for p in module.parameters()])
+    state = engine.training_state(optimizer)
+    fresh_module = torch.nn.Linear(2, 1)
+    fresh, _ = _started(fresh_module, l2_nudge=True)
+    fresh.load_training_state(state, torch.optim.SGD(fresh_module.parameters(), lr=0.1), torch.device("cpu"))
+    assert fresh.averager.local_steps == engine.averager.local_steps == len(loader)
+    assert fresh.normalization.state_dict() == engine.normalization.state_dict()
+    torch.testing.assert_close(fresh.averager.local_model()[0], engine.averager.local_model()[0])
+
+
+def test_a_lone_replica_that_is_not_finite_stops_training_with_the_fix():
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+
+    def poison() -> None:
+        module.weight.data.fill_(float("nan"))
+
+    batches = iter(loader)
+    next(batches)
+    engine.begin_step(0, 0, 0)
+    with pytest.raises(NonFiniteReplicasError, match=r"Every replica's model \(\[0\]\).*HINT"):
+        engine.optimizer_step(optimizer, poison, lambda: False)

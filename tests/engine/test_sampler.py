@@ -1,0 +1,138 @@
+"""The plan-driven batch sampler: exact coverage, exact lengths, shared permutations, plan lag, resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DistributedSampler
+
+from lightning_aesgd.engine.sampler import ElasticBatchSampler, PlanBook, PlanLagError
+
+
+def _samplers(size, step_batch, sizes, *, costs=None, drop_last=False, shuffle=True):
+    n = len(sizes)
+    return [
+        ElasticBatchSampler(
+            size, step_batch, n, rank, PlanBook(sizes), shuffle=shuffle, seed=3, drop_last=drop_last, costs=costs
+        )
+        for rank in range(n)
+    ]
+
+
+def _epoch(samplers, epoch=0):
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    return [list(sampler) for sampler in samplers]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(8, 200),
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    epoch=st.integers(0, 3),
+)
+def test_every_index_of_an_epoch_is_used_exactly_once_across_replicas(size, sizes, epoch):
+    step_batch = sum(sizes)
+    if size < len(sizes):
+        return
+    batches = _epoch(_samplers(size, step_batch, sizes), epoch)
+    seen = sorted(index for rank_batches in batches for batch in rank_batches for index in batch)
+    # A tail shorter than the number of replicas is padded by wrapping around (as DistributedSampler pads).
+    tail = size % step_batch
+    padding = len(sizes) - tail if 0 < tail < len(sizes) else 0
+    assert len(seen) == size + padding
+    assert set(seen) == set(range(size))
+    for rank_batches, sampler in zip(batches, _samplers(size, step_batch, sizes), strict=True):
+        assert len(rank_batches) == len(sampler)  # every replica takes the same number of steps
+        assert all(len(batch) >= 1 for batch in rank_batches)
+
+
+def test_full_steps_follow_the_plan_and_the_tail_keeps_its_proportions():
+    batches = _epoch(_samplers(56, 12, [6, 3, 2, 1]))
+    assert [len(b) for b in batches[0]] == [6, 6, 6, 6, 4]
+    assert [len(b[0]) for b in batches] == [6, 3, 2, 1]
+    assert [len(b[-1]) for b in batches] == [4, 2, 1, 1]  # the last 8 indices, split 6:3:2:1 as closely as can be
+
+
+def test_a_tail_shorter_than_the_replica_count_wraps_around():
+    batches = _epoch(_samplers(50, 12, [6, 3, 2, 1]))
+    assert [len(b[-1]) for b in batches] == [1, 1, 1, 1]
+
+
+def test_drop_last_drops_the_incomplete_step():
+    samplers = _samplers(50, 12, [6, 6], drop_last=True)
+    assert len(samplers[0]) == 4
+    assert sum(len(batch) for batch in _epoch(samplers)[0]) == 24
+
+
+def test_permutation_equals_torch_distributed_sampler_for_the_same_seed_and_epoch():
+    (sampler,) = _samplers(40, 40, [40])
+    reference = DistributedSampler(range(40), num_replicas=1, rank=0, shuffle=True, seed=3)
+    for epoch in (0, 5):
+        sampler.set_epoch(epoch)
+        reference.set_epoch(epoch)
+        assert next(iter(sampler)) == list(reference)
+
+
+def test_epochs_draw_different_orders_and_shuffle_false_keeps_dataset_order():
+    (sampler,) = _samplers(30, 10, [10])
+    first, second = _epoch([sampler], 0)[0], _epoch([sampler], 1)[0]
+    assert first != second
+    (ordered,) = _samplers(30, 10, [10], shuffle=False)
+    assert [i for batch in _epoch([ordered])[0] for i in batch] == list(range(30))
+
+
+def test_cost_aware_split_balances_cost_not_count():
+    costs = torch.tensor([10.0 if i % 2 else 1.0 for i in range(40)])
+    batches = _epoch(_samplers(40, 20, [1, 1], costs=costs, shuffle=False))
+    for first, second in zip(batches[0], batches[1], strict=True):
+        cost_first, cost_second = costs[first].sum(), costs[second].sum()
+        assert abs(cost_first - cost_second) <= 10.0
+        assert len(first) + len(second) == 20
+
+
+def test_records_report_each_step_samples_and_cost():
+    costs = torch.arange(20, dtype=torch.float64)
+    (sampler,) = _samplers(20, 5, [5], costs=costs, shuffle=False)
+    batches = list(sampler)
+    record = sampler.pop_record(sampler.step_key(0, 2))
+    assert record.num_samples == 5
+    assert record.cost == pytest.approx(float(costs[batches[2]].sum()))
+    with pytest.raises(KeyError):
+        sampler.pop_record(sampler.step_key(0, 1))  # older records were dropped
+
+
+def test_a_plan_applies_from_its_step_and_a_late_plan_is_refused():
+    book = PlanBook([4, 4])
+    sampler = ElasticBatchSampler(64, 8, 2, 0, book, shuffle=False)
+    iterator = iter(sampler)
+    assert [len(next(iterator)) for _ in range(2)] == [4, 4]
+    book.schedule(3, [6, 2])
+    assert [len(next(iterator)) for _ in range(3)] == [4, 6, 6]
+    with pytest.raises(PlanLagError, match="plan_lag"):
+        book.schedule(4, [2, 6])
+
+
+def test_state_dict_resumes_mid_epoch_with_the_same_batches():
+    (sampler,) = _samplers(40, 4, [4])
+    sampler.set_epoch(2)
+    batches = list(sampler)
+    sampler.pop_record(sampler.step_key(2, 4))  # training ran step 4 of epoch 2
+    state = sampler.state_dict()
+    assert state == {"epoch": 2, "steps_done": 5}
+
+    (resumed,) = _samplers(40, 4, [4])
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)  # Lightning sets the epoch again when the restored epoch starts
+    assert list(resumed) == batches[5:]
+    resumed.set_epoch(3)
+    assert len(list(resumed)) == 10  # the next epoch starts from its beginning
+
+
+def test_invalid_configurations_fail_with_a_hint():
+    with pytest.raises(ValueError, match="batch_size"):
+        ElasticBatchSampler(10, 2, 4, 0, PlanBook([1, 1, 0, 0]))
+    with pytest.raises(ValueError, match="costs"):
+        ElasticBatchSampler(10, 4, 2, 0, PlanBook([2, 2]), costs=torch.ones(3))
