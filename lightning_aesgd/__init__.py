@@ -12,6 +12,7 @@ import logging
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.core.merge import EASGD, SMA, CentralElastic, ElasticAverage, MergeRule
 from lightning_aesgd.core.slowdown import SlowdownChange, SlowdownProfile
+from lightning_aesgd.engine.comm import ReplicaStalledError
 from lightning_aesgd.registration import register_all
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
 
@@ -24,6 +25,7 @@ __all__ = [
     "CentralElastic",
     "ElasticAverage",
     "MergeRule",
+    "ReplicaStalledError",
     "SlowdownCallback",
     "SlowdownChange",
     "SlowdownProfile",

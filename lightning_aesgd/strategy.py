@@ -11,7 +11,9 @@ free of namespace imports, so the same code serves ``pytorch_lightning`` (this m
 
 from __future__ import annotations
 
+import atexit
 import logging
+import signal
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,13 +24,14 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_aesgd.checks import check_fit_settings
+from lightning_aesgd.checks import check_fit_settings, check_switches, check_timeout
 from lightning_aesgd.core.merge import MergeRule, as_merge_rule
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.slowdown import as_profile
 from lightning_aesgd.core.weights import MergeWeights
+from lightning_aesgd.elastic import attempt_store, destroy_process_group, shared_store_warning
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
-from lightning_aesgd.engine.comm import default_communicator
+from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.replica import CHECKPOINT_KEY, ReplicaEngine
 from lightning_aesgd.engine.routing import PlanSettings, Router, SampleCosts
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
@@ -143,6 +146,10 @@ class AdaptiveElasticMixin(_Base):
                 f"{type(self).__name__} got unexpected arguments {unknown}. HINT: check the spelling against "
                 "the options in its docstring (period, warmup_steps, merge_rule, planner, ...)."
             )
+        check_switches(
+            l2_nudge=l2_nudge, lr_scaling=lr_scaling, checkpoint_replicas=checkpoint_replicas, telemetry=telemetry
+        )
+        check_timeout(timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -205,6 +212,38 @@ class AdaptiveElasticMixin(_Base):
         """Leave the model unwrapped: replicas are merged, not gradient-synchronised."""
 
     @override
+    def setup_distributed(self) -> None:
+        """Lightning's process group, with a store of its own per attempt under a single-node torchrun.
+
+        torchrun's agent keeps one store across restarts, and a restarted group could read the dead attempt's
+        keys (see :mod:`lightning_aesgd.elastic`). Where that applies the group is created here on a store whose
+        keys belong to this attempt; Lightning's own set-up then finds it initialised and keeps it.
+        """
+        warning = shared_store_warning()
+        if warning is not None and self.global_rank == 0:
+            log.warning(warning)
+        store = attempt_store(self._timeout)
+        if store is not None and not torch.distributed.is_initialized():
+            self._init_process_group_on(store)
+        super().setup_distributed()
+
+    def _init_process_group_on(self, store: Any) -> None:
+        """What Lightning's ``_init_dist_connection`` does, on the given store instead of ``env://``."""
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        torch.distributed.init_process_group(
+            self._get_process_group_backend(),
+            store=store,
+            rank=self.cluster_environment.global_rank(),
+            world_size=self.cluster_environment.world_size(),
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+        # A group left to the interpreter's exit may abort the process after a successful fit ("terminate called
+        # without an active exception"), which torchrun would count as a failure and restart.
+        atexit.register(destroy_process_group)
+
+    @override
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == "fit":
             check_fit_settings(trainer, self._module)
@@ -218,7 +257,7 @@ class AdaptiveElasticMixin(_Base):
     def process_dataloader(self, dataloader: Any) -> Any:
         if not self.engine.running or not self._module.trainer.training or not isinstance(dataloader, DataLoader):
             return dataloader
-        return self.engine.training_loader(dataloader)
+        return self.engine.training_loader(dataloader, _resumed_position(self._module.trainer))
 
     # --- training -----------------------------------------------------------------------------------------
 
@@ -277,6 +316,20 @@ class AdaptiveElasticMixin(_Base):
         super().on_train_end()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A stalled replica does not outlive the job: the replicas this process launched end with it.
+
+        Under the script launcher rank zero starts the other ranks; Lightning ends them when a child fails, but
+        when rank zero fails first (its merge timed out because a child stalls, or the rendezvous failed) the child
+        would live on as an orphan until it wakes. torchrun, the spawn launcher and SLURM end their processes
+        themselves.
+        """
+        super().on_exception(exception)
+        # torch's DistError covers a failed rendezvous too, where the children would wait for rank zero's store.
+        if isinstance(exception, ReplicaStalledError | torch.distributed.DistError):
+            _end_launched_replicas(self.launcher)
+
+    @override
     def teardown(self) -> None:
         if self._stop_check is not None:
             self._stop_check.restore()
@@ -300,6 +353,10 @@ class AdaptiveElasticMixin(_Base):
         # Weights-only checkpoints carry no training state, so they get no replica states either.
         if self._checkpoint_extras is not None and "optimizer_states" in checkpoint:
             checkpoint[CHECKPOINT_KEY] = self._checkpoint_extras
+        if self.engine.ready:
+            # The loop's own progress is the loader's position: leaving the loader's copy out lets DDP resume
+            # from this checkpoint (its plain loader has no state to take it).
+            checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
         self._checkpoint_extras = None
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -327,6 +384,26 @@ class AdaptiveElasticMixin(_Base):
 
 class AdaptiveElasticStrategy(AdaptiveElasticMixin, DDPStrategy):
     """Adaptive elastic training as a ``pytorch_lightning`` strategy. See :class:`AdaptiveElasticMixin`."""
+
+
+def _resumed_position(trainer: Any) -> tuple[int, int] | None:
+    """Where a restored training loop resumes: (epoch, batches of it processed), or None for a fresh fit."""
+    if not trainer.fit_loop.restarting:
+        return None
+    return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def _end_launched_replicas(launcher: Any) -> None:
+    """Kill the processes a script launcher started (Lightning's own answer to a failed child: SIGKILL)."""
+    children = getattr(launcher, "procs", None)
+    if not children:
+        return
+    # SIGTERM is not enough: a process blocked in a collective or a C extension may never handle it.
+    kill = getattr(signal, "SIGKILL", signal.SIGTERM)
+    for child in children:
+        if child.poll() is None:
+            log.error("Ending replica process %d, launched by this one, as the job cannot go on.", child.pid)
+            child.send_signal(kill)
 
 
 def _logs_this_step(trainer: Any) -> bool:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_aesgd import SMA, AdaptiveElasticStrategy, ElasticAverage
 from lightning_aesgd.checks import UnsupportedSettingError
+from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.engine.averager import ElasticAverager
 
 pytestmark = pytest.mark.slow
@@ -131,8 +132,9 @@ def test_unsupported_settings_fail_before_training(model, trainer_kwargs, match)
     ],
 )
 def test_invalid_arguments_fail_at_construction_with_a_hint(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as raised:
         AdaptiveElasticStrategy(**kwargs)
+    assert "HINT:" in str(raised.value)
 
 
 def test_a_misspelt_option_is_an_error_not_a_silent_ddp_argument():
@@ -215,3 +217,28 @@ def test_a_plan_lag_within_the_prefetch_depth_fails_before_training():
 def test_a_rule_that_never_pulls_the_replicas_together_is_named():
     with pytest.warns(UserWarning, match="never pulls the replicas together"):
         AdaptiveElasticStrategy(merge_rule=ElasticAverage(alpha=0.0))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr_scaling": "no"}, "`lr_scaling` is a switch"),
+        ({"telemetry": None}, "`telemetry` is a switch"),
+        ({"timeout": 60}, "`timeout` is the time collectives may wait"),
+        ({"merge_rule": None}, "`merge_rule` must be a MergeRule object"),
+        ({"min_batch": "2"}, "`min_batch` is a batch size"),
+    ],
+)
+def test_options_of_the_wrong_type_fail_at_construction_with_a_hint(kwargs, match):
+    # Found by tests/test_fuzz.py: a truthy string switched lr_scaling on, the others failed only once fit began.
+    with pytest.raises(TypeError, match=rf"{match}.*HINT"):
+        AdaptiveElasticStrategy(**kwargs)
+
+
+def test_a_planner_object_that_cannot_plan_for_the_replicas_fails_before_training():
+    # Found by tests/test_fuzz.py: the first plan, after a training step, raised an error without a hint.
+    model = RegressionModel()
+    strategy = AdaptiveElasticStrategy(planner=StaticPlanner((1.0, 2.0)))
+    with pytest.raises(ValueError, match=r"failed a trial plan.*HINT"):
+        _trainer(strategy, max_steps=2).fit(model)
+    assert model.seen == []

@@ -245,3 +245,29 @@ def test_a_replica_that_turns_nan_is_left_out_and_restored(tmp_path):
     states = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert all(state["finite"] for state in states), states
     assert all(state["excluded"] == [[5, 1]] for state in states), states  # one exclusion, seen by every rank
+
+
+class _CosineModel(RegressionModel):
+    """Plain SGD under a cosine schedule stepped at every step: a per-step decay, never a step drop."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=200)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
+
+
+def _dataset_loss(model) -> float:
+    data = RegressionData(64)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(data.x), data.y))
+
+
+def test_sma_trains_under_a_per_step_cosine_schedule():
+    """Crossbow resets replicas at a step schedule's drops; a per-step decay must not reset them every step."""
+    pl.seed_everything(7)
+    model = _CosineModel()
+    before, loss_before = flat_parameters(model), _dataset_loss(model)
+    strategy = AdaptiveElasticStrategy(merge_rule="sma", planner="static", start_method="fork", timeout=TIMEOUT)
+    _trainer(strategy, max_steps=200).fit(model)
+    assert not torch.allclose(flat_parameters(model), before, atol=1e-3), "the central model must move"
+    assert _dataset_loss(model) <= 0.5 * loss_before

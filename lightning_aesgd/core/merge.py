@@ -186,14 +186,14 @@ def elastic_pull_(x: Tensor, target: Tensor, alpha: float) -> None:
 
 def _check_coefficient(name: str, value: float, hint: str) -> None:
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"`{name}` must be in [0, 1], got {value}; {hint}")
+        raise ValueError(f"`{name}` must be in [0, 1], got {value}. HINT: {hint}")
 
 
 def _check_momentum(name: str, value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise ValueError(
-            f"`{name}` must be in [0, 1), got {value}; use 0 to disable momentum or a value such as 0.9. "
-            "At 1 or above, past moves never decay."
+            f"`{name}` must be in [0, 1), got {value}: at 1 or above, past moves never decay. HINT: use 0 to "
+            "disable momentum or a value such as 0.9."
         )
 
 
@@ -301,6 +301,21 @@ class CentralElastic:
         """The elastic coefficient to use at a merge of ``num_replicas`` replicas: ``alpha`` itself."""
         return self.alpha
 
+    def overshoot_warning(self, num_replicas: int) -> str | None:
+        """Why these settings misbehave on ``num_replicas`` replicas, or None.
+
+        With ``α·n > 1`` the central model moves past the replicas' mean at every merge (``Δ = α·n·(mean − z)``),
+        so it oscillates around them instead of following them.
+        """
+        pull = self.alpha_for(num_replicas) * num_replicas
+        if pull <= 1.0:
+            return None
+        return (
+            f"{type(self).__name__} with alpha={self.alpha_for(num_replicas)} on {num_replicas} replicas moves the "
+            f"central model {pull:g}× the distance to the replicas' mean at every merge (α·n > 1): it overshoots. "
+            f"HINT: use alpha <= {1 / num_replicas:g} (1 / replicas)."
+        )
+
     def init_state(self, initial: Tensor) -> dict[str, Tensor]:
         """Start the central model at the initial model, at rest."""
         state = {"center": initial.clone()}
@@ -376,7 +391,7 @@ class EASGD(CentralElastic):
 
     def __init__(self, beta: float = 0.9, needs_snapshot: bool = True) -> None:
         if not 0.0 < beta <= 1.0:
-            raise ValueError(f"`beta` must be in (0, 1], got {beta}; the EASGD paper recommends 0.9.")
+            raise ValueError(f"`beta` must be in (0, 1], got {beta}. HINT: the EASGD paper recommends 0.9.")
         super().__init__(alpha=beta, central_momentum=0.0, needs_snapshot=needs_snapshot)
         self.beta = beta
 
@@ -424,5 +439,8 @@ def get_merge_rule(name: str, **kwargs: float | bool) -> MergeRule:
         EASGD(beta=0.9, needs_snapshot=True)
     """
     if name not in _MERGE_RULES:
-        raise ValueError(f"Unknown merge rule {name!r}; choose one of {available_merge_rules()}.")
+        raise ValueError(
+            f"Unknown merge rule {name!r}; choose one of {available_merge_rules()}. HINT: pass one of these names "
+            "or a MergeRule object such as ElasticAverage(alpha=1.0)."
+        )
     return _MERGE_RULES[name](**kwargs)

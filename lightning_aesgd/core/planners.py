@@ -150,7 +150,7 @@ class AdditivePlanner:
 
     def __post_init__(self) -> None:
         if self.step < 1:
-            raise ValueError(f"`step` must be >= 1, got {self.step}")
+            raise ValueError(f"`step` must be >= 1, got {self.step}. HINT: the additive rule's step is a batch size.")
         _check_batch_bounds(self.min_batch, self.max_batch)
 
     def adjust(self, current: Sequence[int], step_times: Sequence[StepTime]) -> list[int]:
@@ -185,7 +185,9 @@ class StaticPlanner:
         if self.shares is not None:
             checked = tuple(checked_weights(self.shares))
             if min(checked) <= 0.0:
-                raise ValueError(f"static `shares` must all be > 0, got {list(checked)}")
+                raise ValueError(
+                    f"static `shares` must all be > 0, got {list(checked)}. HINT: give every replica a positive share."
+                )
             object.__setattr__(self, "shares", checked)
 
     def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
@@ -211,15 +213,24 @@ def get_planner(name: str, **kwargs: Any) -> Planner:
         ValueError: If ``name`` is not registered.
     """
     if name not in PLANNERS:
-        raise ValueError(f"Unknown planner {name!r}; valid names: {', '.join(sorted(PLANNERS))}")
+        raise ValueError(
+            f"Unknown planner {name!r}; valid names: {', '.join(sorted(PLANNERS))}. HINT: pass one of these names "
+            "or a Planner object."
+        )
     return PLANNERS[name](**kwargs)
 
 
 def _check_batch_bounds(min_batch: int, max_batch: int | None) -> None:
     if min_batch < 1:
-        raise ValueError(f"`min_batch` must be >= 1 (every replica makes one update per step), got {min_batch}")
+        raise ValueError(
+            f"`min_batch` must be >= 1 (every replica makes one update per step), got {min_batch}. HINT: use "
+            "min_batch=1 for no lower bound."
+        )
     if max_batch is not None and max_batch < min_batch:
-        raise ValueError(f"`max_batch` must be >= `min_batch` ({min_batch}) or None, got {max_batch}")
+        raise ValueError(
+            f"`max_batch` must be >= `min_batch` ({min_batch}) or None, got {max_batch}. HINT: raise max_batch, or "
+            "set it to None for no upper bound."
+        )
 
 
 def _direction(rate: float, mean_rate: float) -> int:

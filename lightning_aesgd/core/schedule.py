@@ -21,13 +21,15 @@ def validate_schedule(period: int, warmup_steps: int = 0) -> None:
     """
     if not _is_count(period) or not _is_count(warmup_steps):
         raise ValueError(
-            f"`period` and `warmup_steps` count steps: pass whole numbers, got period={period!r}, "
-            f"warmup_steps={warmup_steps!r}."
+            f"`period` and `warmup_steps` count steps, got period={period!r}, warmup_steps={warmup_steps!r}. "
+            "HINT: pass whole numbers (period=4, not 4.0 or '4')."
         )
     if period < 1:
-        raise ValueError(f"`period` must be >= 1, got {period}; use 1 to merge after every local update.")
+        raise ValueError(f"`period` must be >= 1, got {period}. HINT: use 1 to merge after every local update.")
     if warmup_steps < 0:
-        raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}; use 0 to start periodic merging at once.")
+        raise ValueError(
+            f"`warmup_steps` must be >= 0, got {warmup_steps}. HINT: use 0 to start periodic merging at once."
+        )
 
 
 def _is_count(value: object) -> bool:
@@ -60,19 +62,31 @@ def merge_due(step: int, period: int, warmup_steps: int = 0) -> bool:
 
 
 class LearningRateDrop:
-    """Notices when the learning rate falls between two steps (SMA then resets every replica to the center).
+    """Notices a step drop of the learning rate (SMA then resets every replica to the center).
+
+    Crossbow resets the learners at the drops of a step schedule (its MultiStep policy), not whenever the rate
+    decreases. A drop is therefore a fall to ``ratio`` × the previous step's rate or below within one step: a
+    MultiStep drop (γ = 0.1 or 0.5) is one, while a per-step cosine or linear decay, whose rate changes little
+    from one step to the next, is not (it may count once at its very last steps, where the rate reaches zero).
+    Resetting on every decrease would reset at every step of such a schedule, leaving the center unmoved.
+
+    Args:
+        ratio: the largest fraction of the previous rate that counts as a drop, in (0, 1).
 
     Example:
         >>> drop = LearningRateDrop()
-        >>> [drop.observe(lr) for lr in (0.1, 0.1, 0.01, 0.01)]
-        [False, False, True, False]
+        >>> [drop.observe(lr) for lr in (0.1, 0.1, 0.01, 0.01, 0.0099)]
+        [False, False, True, False, False]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ratio: float = 0.5) -> None:
+        if not 0.0 < ratio < 1.0:
+            raise ValueError(f"A learning-rate drop ratio must lie in (0, 1), got {ratio}. HINT: e.g. 0.5.")
+        self.ratio = ratio
         self.last: float | None = None
 
     def observe(self, lr: float) -> bool:
-        """Record this step's learning rate; returns whether it is lower than the previous step's."""
-        dropped = self.last is not None and lr < self.last
+        """Record this step's learning rate; returns whether it fell to ``ratio`` × the previous step's or below."""
+        dropped = self.last is not None and lr <= self.ratio * self.last
         self.last = lr
         return dropped

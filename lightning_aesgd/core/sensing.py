@@ -54,6 +54,8 @@ class PeriodReport:
         wait_fraction: share of the previous period's wall time spent inside the merge.
         stop: 1 when the replica was asked to stop (SIGTERM): every replica stops after this merge.
         finite: 0 when the replica's model was not finite at this merge: it is left out and restored.
+        center_norm: the L2 norm of the merged model after the previous merge, as this replica computed it, for
+            adaptive normalization (every replica reads rank zero's, so all decide alike); −1 when not tracked.
     """
 
     merge_weight: float
@@ -66,6 +68,7 @@ class PeriodReport:
     wait_fraction: float = 0.0
     stop: float = 0.0
     finite: float = 1.0
+    center_norm: float = -1.0
 
     @classmethod
     def size(cls) -> int:
@@ -166,11 +169,20 @@ class ArrivalModel:
 def check_plan_damping(min_share: float, gain: float, dead_band: float) -> None:
     """Raise, naming the fix, unless ``0 ≤ min_share ≤ 1``, ``0 < gain ≤ 1`` and ``0 ≤ dead_band < 1``."""
     if not 0.0 <= min_share <= 1.0:
-        raise ValueError(f"`min_share` is a fraction of the equal share M/n: pass a value in [0, 1], got {min_share}.")
+        raise ValueError(
+            f"`min_share` is a fraction of the equal share M/n, got {min_share}. HINT: pass a value in [0, 1] "
+            "(0.1 by default)."
+        )
     if not 0.0 < gain <= 1.0:
-        raise ValueError(f"`plan_gain` is the fraction of the way each plan moves: pass a value in (0, 1], got {gain}.")
+        raise ValueError(
+            f"`plan_gain` is the fraction of the way each plan moves, got {gain}. HINT: pass a value in (0, 1] "
+            "(0.5 by default; 1 jumps to the planner's target)."
+        )
     if not 0.0 <= dead_band < 1.0:
-        raise ValueError(f"`plan_dead_band` is a relative tolerance: pass a value in [0, 1), got {dead_band}.")
+        raise ValueError(
+            f"`plan_dead_band` is a relative tolerance, got {dead_band}. HINT: pass a value in [0, 1) (0.03 by "
+            "default)."
+        )
 
 
 def batch_floor(total: int, num_replicas: int, min_batch: int = 1, min_share: float = 0.0) -> int:

@@ -25,6 +25,7 @@ ratios measured in one run, never absolute times.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -80,18 +81,26 @@ class SlowdownProfile:
         object.__setattr__(self, "base", float(self.base))
         object.__setattr__(self, "changes", tuple(sorted(changes, key=lambda c: c.step)))
         if not factors:
-            raise ValueError("A slowdown profile needs one factor per replica.")
+            raise ValueError(
+                "A slowdown profile needs one factor per replica. HINT: e.g. factors=[1, 2] for 2 replicas."
+            )
         for value in (*factors, *(c.factor for c in changes), self.base):
-            if not value >= 1:
-                raise ValueError(f"Slowdown factors must be >= 1 (1 = real speed), got {value}.")
+            if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(
+                    f"Slowdown factors must be numbers >= 1 (1 = real speed), got {value!r}. HINT: give the slowest "
+                    "device the largest factor, e.g. [1, 1, 2, 4]."
+                )
         for change in changes:
             if not 0 <= change.replica < len(factors):
-                raise ValueError(f"A change names replica {change.replica}, but there are {len(factors)}.")
+                raise ValueError(
+                    f"A change names replica {change.replica}, but there are {len(factors)}. HINT: number replicas "
+                    "from 0 (rank order)."
+                )
         self._check_mode(changes)
 
     def _check_mode(self, changes: tuple[SlowdownChange, ...]) -> None:
         if self.mode not in SLOWDOWN_MODES:
-            raise ValueError(f"Unknown slowdown mode {self.mode!r}; choose one of {', '.join(SLOWDOWN_MODES)}.")
+            raise ValueError(f"Unknown slowdown mode {self.mode!r}. HINT: choose one of {', '.join(SLOWDOWN_MODES)}.")
         per_sample = self.seconds_per_sample
         if self.mode in _PER_SAMPLE_MODES and not (per_sample is not None and per_sample > 0):
             raise ValueError(
@@ -132,9 +141,23 @@ class SlowdownProfile:
 
 
 def as_profile(spec: SlowdownProfile | Sequence[float] | Mapping[str, Any] | None) -> SlowdownProfile | None:
-    """Accept a profile, a list of factors, or a mapping with ``factors`` and ``changes`` (Hydra configs)."""
+    """Accept a profile, a list of factors, or a mapping with ``factors`` and ``changes`` (Hydra configs).
+
+    Raises:
+        TypeError: for anything else, or a mapping without ``factors``.
+        ValueError: for invalid factors, modes or changes.
+    """
     if spec is None or isinstance(spec, SlowdownProfile):
         return spec
+    if isinstance(spec, Mapping) and "factors" not in spec:
+        raise TypeError(
+            f"A slowdown mapping needs `factors`, got keys {sorted(spec)}. HINT: e.g. {{'factors': [1, 2]}}."
+        )
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, (Mapping, Sequence)):
+        raise TypeError(
+            f"`slowdown` must be a SlowdownProfile, a list of factors or a mapping with `factors`, got {spec!r}. "
+            "HINT: e.g. slowdown=[1, 2] for two replicas, the second twice as slow."
+        )
     if isinstance(spec, Mapping):
         per_sample = spec.get("seconds_per_sample")
         return SlowdownProfile(

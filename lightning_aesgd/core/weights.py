@@ -35,7 +35,7 @@ MERGE_WEIGHTS: tuple[MergeWeights, ...] = get_args(MergeWeights)
 def check_merge_weights(name: str) -> None:
     """Raise, naming the choices, unless ``name`` is one of :data:`MERGE_WEIGHTS`."""
     if name not in MERGE_WEIGHTS:
-        raise ValueError(f"Unknown merge weights {name!r}; choose one of {list(MERGE_WEIGHTS)}.")
+        raise ValueError(f"Unknown merge weights {name!r}. HINT: set merge_weights to one of {list(MERGE_WEIGHTS)}.")
 
 
 def checked_weights(values: Sequence[float], *, positive_sum: bool = True) -> list[float]:
@@ -48,9 +48,12 @@ def checked_weights(values: Sequence[float], *, positive_sum: bool = True) -> li
     """
     checked = [float(value) for value in values]
     if not checked:
-        raise ValueError("Got no weights (an empty list): pass one weight per replica.")
+        raise ValueError("Got no weights (an empty list). HINT: pass one weight (or share) per replica.")
     if not all(math.isfinite(value) and value >= 0.0 for value in checked):
-        raise ValueError(f"Weights must be finite and non-negative, got {checked}.")
+        raise ValueError(
+            f"Weights must be finite and non-negative, got {checked}. HINT: pass one such number (weight or share) "
+            "per replica."
+        )
     if positive_sum and math.fsum(checked) <= 0.0:
         raise ValueError(
             f"Weights are all zero ({checked}): no replica did any work since the last merge. "
@@ -166,14 +169,20 @@ def _first_argmin(values: Sequence[float]) -> int:
 
 
 class L2Trend:
-    """Whether the L2 norm of the merged model still follows its initial, non-decreasing trend.
+    """Whether the L2 norm of the merged model kept its non-decreasing trend over the current window.
 
-    Active until the first merge whose norm is smaller than the previous merge's, then inactive for good.
+    Active at the start of every window, inactive from the first merge of the window whose norm is smaller than
+    the previous merge's. The authors' scheduler sets the flag again before every evaluation pass and their
+    kernel latches it off within the pass (``GPUGDScheduler.cu``, ``GPUGD.cu``), so the nudge switches on and
+    off with the norm's trend, window by window.
 
     Example:
         >>> trend = L2Trend()
         >>> [trend.update(norm) for norm in (1.0, 2.0, 2.0, 1.5, 3.0)]
         [True, True, True, False, False]
+        >>> trend.new_window()
+        >>> [trend.update(norm) for norm in (3.5, 4.0)]
+        [True, True]
     """
 
     def __init__(self) -> None:
@@ -199,6 +208,10 @@ class L2Trend:
         self.previous_norm = norm
         return self.active
 
+    def new_window(self) -> None:
+        """Start a window (the authors' evaluation pass): the trend is judged afresh from here."""
+        self.active = True
+
     def state_dict(self) -> dict[str, float | bool | None]:
         """The tracker's state as plain Python values."""
         return {"previous_norm": self.previous_norm, "active": self.active}
@@ -220,10 +233,11 @@ class L2Trend:
 class AdaptiveNormalization:
     """Adaptive SGD's adaptive normalization of merge weights (method card: ``docs/methods/adaptive_sgd.md``).
 
-    After the warm-up, while the merged model's L2 norm keeps its initial non-decreasing trend
-    (:class:`L2Trend`), the replica with the largest weight at the previous merge multiplies its weight by
-    ``1 + boost`` and the one with the smallest by ``1 − boost`` (:func:`nudge_factor`); the weighted mean then
-    renormalises. Every replica decides from the previous merge's weights, which all hold: no extra collective.
+    After the warm-up, while the merged model's L2 norm keeps its non-decreasing trend within the current
+    window (:class:`L2Trend`; a window ends at every evaluation pass), the replica with the largest weight at
+    the previous merge multiplies its weight by ``1 + boost`` and the one with the smallest by ``1 − boost``
+    (:func:`nudge_factor`); the weighted mean then renormalises. Every replica decides from the previous
+    merge's weights and rank zero's norm, which all hold: no extra collective.
 
     Args:
         enabled: apply the nudge at all (off: weights pass through unchanged).
@@ -247,9 +261,13 @@ class AdaptiveNormalization:
         return own * nudge_factor(previous, rank)
 
     def observe(self, merged_norm: float) -> None:
-        """Record the merged model's L2 norm after a merge (only the trend's first reversal matters)."""
-        if self.enabled:
+        """Record the merged model's L2 norm after a merge; a negative norm means none was measured."""
+        if self.enabled and merged_norm >= 0.0:
             self.trend.update(merged_norm)
+
+    def new_window(self) -> None:
+        """An evaluation pass begins: judge the trend afresh."""
+        self.trend.new_window()
 
     def state_dict(self) -> dict[str, float | bool | None]:
         """The trend's state (plain values)."""

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_aesgd.core.merge import MergeRule
+from lightning_aesgd.core.merge import CentralElastic, MergeRule
 from lightning_aesgd.core.schedule import merge_due, validate_schedule
 from lightning_aesgd.core.weights import MergeWeights, check_merge_weights, replica_weight
 from lightning_aesgd.engine.comm import Communicator, WeightedAllReduce
@@ -49,6 +49,7 @@ class MergeSettings:
     optimizer_state: OptimizerStateMode = "keep"
 
     def __post_init__(self) -> None:
+        check_merge_rule(self.rule)
         validate_schedule(self.period, self.warmup_steps)
         check_merge_weights(self.weights)
         if getattr(self.rule, "alpha", None) == 0 or getattr(self.rule, "beta", None) == 0:
@@ -58,8 +59,30 @@ class MergeSettings:
                 "the merged model).",
                 stacklevel=3,
             )
+        if not isinstance(self.merge_buffers, bool):
+            raise TypeError(f"`merge_buffers` is a switch, got {self.merge_buffers!r}. HINT: pass True or False.")
         if self.optimizer_state not in OPTIMIZER_STATE_MODES:
-            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATE_MODES}, got {self.optimizer_state!r}.")
+            raise ValueError(
+                f"Unknown optimizer_state {self.optimizer_state!r}. HINT: set optimizer_state to one of "
+                f"{OPTIMIZER_STATE_MODES}."
+            )
+
+
+def check_merge_rule(rule: Any) -> None:
+    """Raise, naming the fix, unless ``rule`` is a merge rule object (names are resolved before this).
+
+    Raises:
+        TypeError: for anything without the :class:`~lightning_aesgd.core.merge.MergeRule` methods (``None``, a
+            number, a rule's class instead of an instance), which would otherwise fail only when a fit starts.
+    """
+    if isinstance(rule, type) or not all(callable(getattr(rule, name, None)) for name in _RULE_METHODS):
+        raise TypeError(
+            f"`merge_rule` must be a MergeRule object or a rule's name, got {rule!r}. HINT: pass 'elastic_average', "
+            "'sma', 'easgd' or an instance such as ElasticAverage(alpha=1.0) (not the class)."
+        )
+
+
+_RULE_METHODS = ("init_state", "merge_", "center")
 
 
 class ElasticAverager:
@@ -74,6 +97,9 @@ class ElasticAverager:
     def __init__(self, module: nn.Module, comm: Communicator, settings: MergeSettings) -> None:
         self.rule = settings.rule
         self.comm = comm
+        overshoot = self.rule.overshoot_warning(comm.world_size) if isinstance(self.rule, CentralElastic) else None
+        if overshoot is not None and comm.rank == 0:
+            warnings.warn(overshoot, stacklevel=2)
         self.period = settings.period
         self.warmup_steps = settings.warmup_steps
         self.weights = settings.weights
@@ -132,6 +158,8 @@ class ElasticAverager:
         flats = [contributed, self.buffers.read()]
         moments = optimizer_state_tensors(optimizer) if optimizer and self.optimizer_state == "average" else []
         moment_view = FlatView(moments)
+        if self.optimizer_state == "average":
+            _check_same_moment_count(self.comm, moment_view.numel)
         if moment_view:
             flats.append(moment_view.read())
         means, reports = self._mean(flats, weight, report)
@@ -243,3 +271,26 @@ class ElasticAverager:
         self.samples_since_merge = state["samples_since_merge"]
         self.updates_since_merge = state["updates_since_merge"]
         self.last_weight = state["last_weight"]
+
+
+class MomentLayoutError(ValueError):
+    """Replicas hold optimizer state for different parameters, so their moments cannot be averaged."""
+
+
+def _check_same_moment_count(comm: Communicator, count: int) -> None:
+    """Raise on every replica alike unless all hold the same number of optimizer moment elements.
+
+    One small all-reduce of ``(c, c²)``: the counts are all equal exactly when ``n·Σc² = (Σc)²`` (equality in
+    Cauchy–Schwarz), a test every replica evaluates on the same sums, so all raise or none does, before the
+    merge's collective, whose buckets would otherwise differ in size (a hang or a crash).
+    """
+    sums = torch.tensor([count, count * count], dtype=torch.int64)  # exact: no rounding can fake equality
+    comm.all_reduce_sum_(sums)
+    total, squares = int(sums[0]), int(sums[1])
+    if comm.world_size * squares != total * total:
+        raise MomentLayoutError(
+            f"optimizer_state='average' needs optimizer state for the same parameters on every replica; this one "
+            f"holds {count} moment values, the replicas {total} together. A parameter that got no gradient on "
+            "some replica has no state there. HINT: use optimizer_state='keep' (the default) or 'reset', or make "
+            "every parameter take part in every replica's loss."
+        )

@@ -171,6 +171,34 @@ def inspect_train_loader(loader: DataLoader[Any]) -> TrainLoaderFacts:
     return TrainLoaderFacts(size, _batch_size(loader), shuffle, seed)
 
 
+def check_step_options(step_batch_size: Any, plan_lag: Any) -> None:
+    """Check the strategy's loader options when it is built, before any DataLoader is known.
+
+    Raises:
+        ValueError: unless each is a whole number >= 1 or None, naming the option and the fix.
+    """
+    for name, value in (("step_batch_size", step_batch_size), ("plan_lag", plan_lag)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(
+                f"`{name}` must be a whole number >= 1 or None (the default), got {value!r}. HINT: leave {name} "
+                "unset for the default, or pass e.g. 4."
+            )
+
+
+def check_step_fits(dataset_size: int, step_batch_size: int, drop_last: bool) -> None:
+    """Check that an epoch of ``dataset_size`` samples yields at least one step of ``step_batch_size``.
+
+    Raises:
+        ValueError: with ``drop_last``, when the only step would be dropped (every epoch would train nothing).
+    """
+    if drop_last and dataset_size < step_batch_size:
+        raise ValueError(
+            f"With drop_last=True, the {dataset_size} samples of the training dataset do not fill one step of "
+            f"{step_batch_size}: every epoch would train nothing. HINT: set drop_last=False on the training "
+            "DataLoader, or lower its batch_size (or the strategy's step_batch_size)."
+        )
+
+
 def build_elastic_loader(
     loader: DataLoader[Any],
     facts: TrainLoaderFacts,
@@ -192,6 +220,7 @@ def build_elastic_loader(
         step_batch_size: indices per step over all replicas.
         costs: optional per-sample costs for cost-aware splitting.
     """
+    check_step_fits(facts.dataset_size, step_batch_size, loader.drop_last)
     batch_sampler = ElasticBatchSampler(
         facts.dataset_size,
         step_batch_size,

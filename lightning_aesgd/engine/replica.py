@@ -25,16 +25,17 @@ from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.slowdown import SlowdownProfile
 from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
-from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError
-from lightning_aesgd.engine.flat import FlatView, floating_buffers, trainable_parameters
+from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
+from lightning_aesgd.engine.flat import FlatView, floating_buffers
 from lightning_aesgd.engine.loading import (
     ElasticDataLoader,
     LoaderClock,
     build_elastic_loader,
+    check_step_options,
     inspect_train_loader,
     prefetch_depth,
 )
-from lightning_aesgd.engine.routing import Router, SampleCosts, resolve_sample_costs
+from lightning_aesgd.engine.routing import Router, SampleCosts, check_sample_costs, resolve_sample_costs
 from lightning_aesgd.engine.sampler import ElasticBatchSampler
 from lightning_aesgd.engine.telemetry import replica_metrics, summary_table
 from lightning_aesgd.engine.timing import ComputeClock, emulated_slowdown
@@ -83,9 +84,8 @@ class ReplicaEngine:
         sample_costs: SampleCosts,
         checkpoint_replicas: bool,
     ) -> None:
-        for name, value in (("step_batch_size", step_batch_size), ("plan_lag", plan_lag)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"`{name}` must be a whole number >= 1 or None (the default), got {value!r}.")
+        check_step_options(step_batch_size, plan_lag)
+        check_sample_costs(sample_costs)
         self.merging = merging
         self.router = router
         self.normalization = AdaptiveNormalization(l2_nudge, merging.warmup_steps)
@@ -107,6 +107,8 @@ class ReplicaEngine:
         self._global_step = 0
         self._compute_clock: ComputeClock | None = None
         self._first_step = True
+        self._saved_step_batch_size: int | None = None  # the checkpoint's, when resuming
+        self._center_norm = -1.0  # the merged model's norm after the latest merge, for adaptive normalization
         if lr_scaling and merging.weights == "samples":
             # Both favour large batches: together they count a sample of a large batch twice.
             warnings.warn(
@@ -140,6 +142,8 @@ class ReplicaEngine:
         self.router.attach(comm.world_size, device)
         self._compute_clock = ComputeClock(device)
         self._first_step = True
+        self._saved_step_batch_size = None
+        self._center_norm = -1.0
 
     def stop(self) -> None:
         """End a fit; plans and measurements stay for a later fit of the same strategy."""
@@ -147,8 +151,16 @@ class ReplicaEngine:
         self._compute_clock = None
         self.router.detach()
 
-    def training_loader(self, dataloader: DataLoader[Any]) -> ElasticDataLoader:
-        """The training loader rebuilt so that every replica's batches follow the plans."""
+    def training_loader(
+        self, dataloader: DataLoader[Any], position: tuple[int, int] | None = None
+    ) -> ElasticDataLoader:
+        """The training loader rebuilt so that every replica's batches follow the plans.
+
+        Args:
+            dataloader: the user's training loader.
+            position: where the training loop resumes, as (epoch, steps of it done); the loader continues there
+                (any checkpoint, DDP's included, records the loop's position; none records the loader's).
+        """
         comm = self._running_averager().comm
         facts = inspect_train_loader(dataloader)
         depth = prefetch_depth(dataloader)
@@ -161,7 +173,7 @@ class ReplicaEngine:
             )
         lag = self.plan_lag if self.plan_lag is not None else depth + 1
         costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
-        total = self.step_batch_size if self.step_batch_size is not None else facts.batch_size * comm.world_size
+        total = self._step_total(facts.batch_size * comm.world_size, position)
         plan_book = self.router.plan_book_for(total, comm.world_size, lag, cost_aware=costs is not None)
         loader = build_elastic_loader(
             dataloader,
@@ -173,7 +185,31 @@ class ReplicaEngine:
             costs=costs,
         )
         self.sampler, self.loader_clock = loader.batch_sampler, loader.loader_clock
+        if position is not None:
+            epoch, steps_done = position
+            saved = self._saved_step_batch_size or total  # DDP checkpoints: steps of the same size
+            self.sampler.load_state_dict({"epoch": epoch, "steps_done": steps_done, "step_batch_size": saved})
         return loader
+
+    def _step_total(self, default: int, position: tuple[int, int] | None) -> int:
+        """Samples per step: the option, else the checkpoint's while its epoch is under way, else ``default``."""
+        if self.step_batch_size is not None:
+            return self.step_batch_size
+        saved = self._saved_step_batch_size
+        if saved is None or saved == default or position is None or position[1] == 0:
+            return default
+        # Another number of replicas or another loader batch size: steps of the checkpoint's size finish the
+        # epoch exactly (every sample once), as elastic training keeps the global batch.
+        log.info(
+            "Resuming %d steps into epoch %d whose steps had %d samples: this fit keeps %d per step (the loader's "
+            "batch size × replicas would give %d). Set the strategy's step_batch_size to choose.",
+            position[1],
+            position[0],
+            saved,
+            saved,
+            default,
+        )
+        return saved
 
     # --- training steps -----------------------------------------------------------------------------------
 
@@ -225,7 +261,9 @@ class ReplicaEngine:
         # the merged model: replicas are whole models, so the others carry on. Its flag rides in its report.
         finite = averager.is_finite()
         weight = self.normalization.weight(averager.own_weight(), rank, self.router.merge_weights, averager.local_steps)
-        report = self.router.report(weight if finite else 0.0, stop=stop_requested, finite=finite)
+        report = self.router.report(
+            weight if finite else 0.0, stop=stop_requested, finite=finite, center_norm=self._center_norm
+        )
         try:
             center, rows = averager.merge(report.merge_weight, optimizer, report.as_row())
         except NoMergeWeightError as error:
@@ -237,11 +275,17 @@ class ReplicaEngine:
                     "for NaN; resume from the last checkpoint."
                 ) from error
             raise
+        except ReplicaStalledError as error:
+            raise error.during(f"the merge after global step {self._global_step}") from error
         if not finite:
             averager.restore_from(center, optimizer)
         self._note_exclusions(rows)
         if self.normalization.enabled:
-            self.normalization.observe(float(center.norm()))
+            # Rank zero's norm, carried in its report, decides for every replica: norms computed on different
+            # devices may differ in the last bit, and replicas that judged the trend differently would mix
+            # nudged and plain weights in one merge.
+            self.normalization.observe(PeriodReport.from_row(rows[0]).center_norm)
+            self._center_norm = float(center.norm())
         self.router.receive(rows, self._step_key)
 
     def _note_exclusions(self, rows: list[list[float]]) -> None:
@@ -272,6 +316,7 @@ class ReplicaEngine:
     def begin_evaluation(self) -> None:
         """Swap the global model in for validation (a collective); waiting for peers is not training time."""
         self.router.pause()
+        self.normalization.new_window()  # the authors re-judge the L2 trend before every evaluation pass
         self._running_averager().swap_in_global_model()
 
     def end_evaluation(self) -> None:
@@ -311,11 +356,13 @@ class ReplicaEngine:
         ``checkpoint_replicas``, every replica's own model, optimizer state and counters, gathered to every rank.
         """
         averager = self._running_averager()
-        shared = {
+        shared: dict[str, Any] = {
             "averager": averager.shared_state(),
             "router": self.router.shared_state(),
             "l2_trend": self.normalization.state_dict(),
         }
+        if self.sampler is not None:
+            shared["step_batch_size"] = self.sampler.step_batch_size
         state: dict[str, Any] = {"world_size": averager.comm.world_size, "shared": shared, "replicas": None}
         if self.checkpoint_replicas:
             params, buffers = averager.local_model()
@@ -337,6 +384,7 @@ class ReplicaEngine:
         averager.load_shared_state(state["shared"]["averager"])
         self.router.load_shared_state(state["shared"]["router"])
         self.normalization.load_state_dict(state["shared"]["l2_trend"])
+        self._saved_step_batch_size = state["shared"].get("step_batch_size")
         replicas, world_size = state["replicas"], averager.comm.world_size
         if replicas is None:
             return
@@ -356,7 +404,9 @@ class ReplicaEngine:
 
 
 def _broadcast_module(module: nn.Module, comm: Communicator, with_buffers: bool) -> None:
-    for view in (FlatView(trainable_parameters(module)), FlatView(floating_buffers(module) if with_buffers else [])):
+    # Every parameter, frozen ones too (as DDP does): an unseeded frozen layer would otherwise differ per replica,
+    # and merges, which skip frozen parameters, would never make them agree.
+    for view in (FlatView(module.parameters()), FlatView(floating_buffers(module) if with_buffers else [])):
         if view:
             flat = view.read()
             comm.broadcast_(flat, src=0)

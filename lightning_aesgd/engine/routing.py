@@ -10,9 +10,12 @@ steps later (see :class:`~lightning_aesgd.engine.sampler.PlanBook`).
 
 from __future__ import annotations
 
+import logging
+import math
+import numbers
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
@@ -26,6 +29,8 @@ from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor
 from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.engine.sampler import PlanBook, StepRecord
 from lightning_aesgd.engine.timing import BusyTimer
+
+log = logging.getLogger(__name__)
 
 HISTORY_LENGTH = 4096
 """Merges the router remembers (step, speeds, plan) for plots: a ring, so memory stays flat over long runs."""
@@ -72,14 +77,32 @@ def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
                 "per sample, e.g. its number of non-zeros). HINT: add it, or pass a function of the dataset."
             )
         costs = dataset.sample_costs
-    elif callable(spec):
-        costs = spec(dataset)
     else:
-        raise ValueError(f"sample_costs must be None, 'auto', 'dataset' or a function of the dataset, got {spec!r}.")
+        check_sample_costs(spec)
+        costs = spec(dataset)
     costs = torch.as_tensor(costs, dtype=torch.float64)
-    if costs.ndim != 1 or not bool(torch.isfinite(costs).all()) or bool((costs < 0).any()):
-        raise ValueError("Sample costs must be one finite, non-negative number per sample.")
+    size = len(dataset) if isinstance(dataset, Sized) else None
+    if costs.ndim != 1 or (size is not None and len(costs) != size):
+        raise ValueError(
+            f"Got sample costs of shape {tuple(costs.shape)} for a dataset of {size} samples. HINT: sample_costs "
+            "must give one number per sample of the training dataset."
+        )
+    if not bool(torch.isfinite(costs).all()) or bool((costs < 0).any()):
+        raise ValueError(
+            "Sample costs must be finite and non-negative. HINT: fix the dataset's `sample_costs` (or the function "
+            "passed as sample_costs), e.g. the number of non-zeros of each sample."
+        )
     return costs
+
+
+def check_sample_costs(spec: SampleCosts) -> None:
+    """Raise, with the choices, unless ``spec`` is a valid ``sample_costs`` option (checked at construction)."""
+    if spec is None or callable(spec) or (isinstance(spec, str) and spec in ("dataset", "auto")):
+        return
+    raise ValueError(
+        f"Unknown sample_costs {spec!r}. HINT: pass None (count samples), 'auto', 'dataset' or a function of the "
+        "dataset that returns one cost per sample."
+    )
 
 
 @dataclass(frozen=True)
@@ -112,8 +135,67 @@ class PlanSettings:
     planner_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Types first: a string from a config file would otherwise fail deep inside a comparison, or (a planner
+        # that is neither a name nor a Planner) only at the first plan.
+        for name in ("min_batch", "max_batch"):
+            value = getattr(self, name)
+            if not (_is_whole(value) or (name == "max_batch" and value is None)):
+                raise TypeError(f"`{name}` is a batch size, got {value!r}. HINT: pass a whole number such as 4.")
+        for name in ("min_share", "speed_smoothing", "plan_gain", "plan_dead_band"):
+            if not _is_real(getattr(self, name)):
+                raise TypeError(f"`{name}` must be a number, got {getattr(self, name)!r}. HINT: pass a float.")
+        if not 0.0 <= self.speed_smoothing < 1.0:
+            raise ValueError(
+                f"`speed_smoothing` is the weight β of the past in the speed averages, got {self.speed_smoothing}. "
+                "HINT: pass a value in [0, 1) (0.8 by default; 0 keeps only the latest period)."
+            )
+        if not isinstance(self.planner, str) and not callable(getattr(self.planner, "plan", None)):
+            raise TypeError(
+                f"`planner` must be a name or a Planner (an object with a `plan` method), got {self.planner!r}. "
+                "HINT: pass 'proportional', 'balanced', 'additive' or 'static'."
+            )
+        if self.shares is not None:
+            if isinstance(self.shares, (str, bytes)) or not isinstance(self.shares, Sequence):
+                raise TypeError(f"`shares` must be a list of numbers, got {self.shares!r}. HINT: e.g. [2, 1, 1].")
+            if not all(_is_real(share) for share in self.shares):
+                raise TypeError(f"`shares` must all be numbers, got {list(self.shares)}. HINT: e.g. [2, 1, 1].")
+            if not self.shares or not all(0.0 < share < math.inf for share in self.shares):
+                raise ValueError(
+                    f"`shares` must be one finite share > 0 per replica, got {list(self.shares)}. HINT: e.g. "
+                    "[2, 1, 1] gives the first of three replicas half of every step."
+                )
         check_plan_damping(self.min_share, self.plan_gain, self.plan_dead_band)
         self.build_planner(self.min_batch)  # bad planner options fail here, not at the first plan
+
+    def check_step(self, total: int, num_replicas: int) -> None:
+        """Raise, naming the options to change, unless steps of ``total`` samples can be split by these settings.
+
+        Known once the training DataLoader is (``total`` is its batch size × replicas by default).
+        """
+        if self.shares is not None and len(self.shares) != num_replicas:
+            raise ValueError(
+                f"Got {len(self.shares)} static shares for {num_replicas} replicas. HINT: pass one share per "
+                "replica (Trainer devices × num_nodes) in `shares`."
+            )
+        if total < num_replicas:
+            raise ValueError(
+                f"Steps of {total} samples cannot give each of the {num_replicas} replicas one. HINT: raise the "
+                f"strategy's step_batch_size (or the DataLoader's batch_size) to at least {num_replicas}."
+            )
+        if self.min_batch * num_replicas > total:
+            raise ValueError(
+                f"min_batch={self.min_batch} for each of {num_replicas} replicas exceeds the {total} samples of a "
+                "step. HINT: lower the strategy's min_batch, or raise step_batch_size (or the DataLoader's "
+                "batch_size)."
+            )
+        if self.max_batch is not None and self.max_batch * num_replicas < total:
+            raise ValueError(
+                f"max_batch={self.max_batch} for each of {num_replicas} replicas cannot hold the {total} samples of "
+                "a step. HINT: raise the strategy's max_batch (or set it to None), or lower step_batch_size (or the "
+                "DataLoader's batch_size)."
+            )
+        if not isinstance(self.planner, str):
+            _trial_plan(self.planner, total, num_replicas)
 
     @property
     def adaptive(self) -> bool:
@@ -128,7 +210,8 @@ class PlanSettings:
             return StaticPlanner(self.shares)
         if self.shares is not None:
             raise ValueError(
-                f"`shares` fix the plan of the 'static' planner; the {self.planner!r} planner measures them."
+                f"`shares` fix the plan of the 'static' planner; the {self.planner!r} planner measures them. "
+                "HINT: pass planner='static' with shares, or leave shares unset."
             )
         return get_planner(self.planner, min_batch=floor, max_batch=self.max_batch, **self.planner_options)
 
@@ -191,6 +274,7 @@ class Router:
         """
         self.lag, self.total, self.cost_aware = lag, total, cost_aware
         settings = self.settings
+        settings.check_step(total, num_replicas)
         min_share = settings.min_share if settings.adaptive else 0.0
         self.floor = batch_floor(total, num_replicas, settings.min_batch, min_share)
         self.planner = settings.build_planner(self.floor)
@@ -246,7 +330,9 @@ class Router:
 
     # --- at a merge ---------------------------------------------------------------------------------------
 
-    def report(self, merge_weight: float, stop: bool = False, finite: bool = True) -> PeriodReport:
+    def report(
+        self, merge_weight: float, stop: bool = False, finite: bool = True, center_norm: float = -1.0
+    ) -> PeriodReport:
         """This replica's report for the merge it is arriving at; stamps the arrival."""
         self._arrival = self.clock()
         period = self._period
@@ -263,6 +349,7 @@ class Router:
             wait_fraction=self._wait_fraction,
             stop=1.0 if stop else 0.0,
             finite=1.0 if finite else 0.0,
+            center_norm=center_norm,
         )
 
     def receive(self, rows: Sequence[Sequence[float]], step: int) -> None:
@@ -363,12 +450,48 @@ class Router:
         if state is None:
             return
         if state.get("plans") is not None and self.plan_book is not None:
-            self.plan_book.load_state_dict(state["plans"])
+            if _plans_fit(state["plans"], len(self.plan_book.latest), self.total):
+                self.plan_book.load_state_dict(state["plans"])
+            else:
+                # Another number of replicas or another step size (a resume across shapes): plan afresh.
+                log.info("The checkpoint's plans are for another number of replicas or step size: planning afresh.")
         if state.get("arrivals") is not None and self.model is not None:
             self.model.load_state_dict(state["arrivals"])
         weights = state.get("merge_weights") or []
         if self.model is not None and len(weights) == self.model.num_replicas:
             self.merge_weights = list(weights)
+
+
+def _plans_fit(plans: dict[str, Any], num_replicas: int, total: int | None) -> bool:
+    """Whether saved plans (:meth:`PlanBook.state_dict`) split steps of ``total`` among ``num_replicas``."""
+    return all(len(sizes) == num_replicas and sum(sizes) == total for sizes in plans["sizes"])
+
+
+def _trial_plan(planner: Planner, total: int, num_replicas: int) -> None:
+    """Ask a user's Planner object for one plan of equal replicas, so that it fails now rather than mid-training.
+
+    Raises:
+        ValueError: if it raises, or returns anything but one whole batch size >= 1 per replica summing to ``total``.
+    """
+    equal = apportion(total, [1.0] * num_replicas)
+    hint = (
+        f"HINT: the planner must return {num_replicas} whole batch sizes >= 1 summing to {total} (one per replica: "
+        "Trainer devices × num_nodes), or pass a planner by name."
+    )
+    try:
+        sizes = list(planner.plan(equal, [StepTime(0.0, 1.0)] * num_replicas, total))
+    except Exception as error:  # any failure of user code: named with the fix, the original chained
+        raise ValueError(f"The planner {planner!r} failed a trial plan of {equal}: {error}. {hint}") from error
+    if len(sizes) != num_replicas or sum(sizes) != total or not all(_is_whole(s) and s >= 1 for s in sizes):
+        raise ValueError(f"The planner {planner!r} returned {sizes} for a trial plan of {equal}. {hint}")
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class _Period:

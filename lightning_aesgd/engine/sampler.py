@@ -228,6 +228,13 @@ class ElasticBatchSampler(Sampler[list[int]]):
         ``limit_train_batches``). Training consumes steps in order, so the step counts as done for
         :meth:`state_dict` from here on: checkpoints are written after a step ends.
         """
+        if key not in self._records:
+            raise RuntimeError(
+                f"Training reached step {key}, which the elastic sampler did not produce (it produced "
+                f"{sorted(self._records)}): the loader's position and the training loop's disagree. HINT: resume "
+                "with fit(ckpt_path=...) from a checkpoint of this run, and do not iterate the training loader "
+                "outside the Trainer."
+            )
         record = self._records.pop(key)
         for stale in [k for k in self._records if k < key]:
             del self._records[stale]
@@ -235,11 +242,24 @@ class ElasticBatchSampler(Sampler[list[int]]):
         return record
 
     def state_dict(self) -> dict[str, int]:
-        """Position in the data: the epoch and how many of its steps training has completed."""
-        return {"epoch": self.epoch, "steps_done": self.steps_done}
+        """Position in the data: the epoch, how many of its steps training has completed, and their size."""
+        return {"epoch": self.epoch, "steps_done": self.steps_done, "step_batch_size": self.step_batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume the given epoch after its completed steps."""
+        """Resume the given epoch after its completed steps.
+
+        Raises:
+            ValueError: if the epoch is under way and its steps had another size: the samples they used would no
+                longer be the first ``steps_done`` steps of this sampler, so some would be used twice or never.
+        """
+        saved_size = state.get("step_batch_size", self.step_batch_size)
+        if state["steps_done"] > 0 and saved_size != self.step_batch_size:
+            raise ValueError(
+                f"The checkpoint stopped {state['steps_done']} steps into epoch {state['epoch']} with steps of "
+                f"{saved_size} samples; this run's steps have {self.step_batch_size}. HINT: set the strategy's "
+                f"step_batch_size={saved_size} (or leave it unset) to finish that epoch exactly, or resume from a "
+                "checkpoint written at the end of an epoch."
+            )
         self.set_epoch(state["epoch"])
         self._resume = (state["epoch"], state["steps_done"])
 

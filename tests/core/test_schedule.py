@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_aesgd.core.schedule import merge_due, validate_schedule
+from lightning_aesgd.core.schedule import LearningRateDrop, merge_due, validate_schedule
 
 PERIODS = [1, 2, 4]
 WARMUPS = [0, 3, 4]
@@ -82,3 +82,41 @@ def test_merge_due_rejects_a_negative_step() -> None:
 
 def test_validate_schedule_accepts_the_smallest_valid_settings() -> None:
     validate_schedule(1, 0)
+
+
+def _drops(scheduler_factory, steps: int) -> list[int]:
+    """The steps at which LearningRateDrop fires under a real torch scheduler stepped once per step."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = scheduler_factory(optimizer)
+    drop, fired = LearningRateDrop(), []
+    for step in range(steps):
+        if drop.observe(optimizer.param_groups[0]["lr"]):
+            fired.append(step)
+        optimizer.step()
+        scheduler.step()
+    return fired
+
+
+def test_a_multistep_schedule_drops_exactly_at_its_milestones() -> None:
+    fired = _drops(lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[50, 120], gamma=0.1), 200)
+    assert fired == [50, 120]
+
+
+def test_a_per_step_cosine_schedule_is_no_drop_before_its_last_steps() -> None:
+    fired = _drops(lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200), 200)
+    assert all(step >= 195 for step in fired), fired
+
+
+def test_linear_warmup_then_decay_is_no_drop_before_its_last_steps() -> None:
+    def warmup_then_decay(opt):
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, total_iters=20)
+        decay = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=180)
+        return torch.optim.lr_scheduler.SequentialLR(opt, [warmup, decay], milestones=[20])
+
+    fired = _drops(warmup_then_decay, 200)
+    assert all(step >= 195 for step in fired), fired
+
+
+def test_a_drop_ratio_outside_zero_one_is_refused_with_a_hint() -> None:
+    with pytest.raises(ValueError, match="HINT"):
+        LearningRateDrop(ratio=1.0)

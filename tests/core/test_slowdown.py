@@ -22,3 +22,18 @@ def test_per_sample_modes_need_seconds_per_sample_and_fixed_modes_no_changes():
         SlowdownProfile((1, 2), (SlowdownChange(5, 0, 2.0),), mode="quota")
     with pytest.raises(ValueError, match="Unknown slowdown mode"):
         SlowdownProfile((1, 2), mode="network")
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [("fast", "`slowdown` must be"), (2.0, "`slowdown` must be"), ({"mode": "step"}, "needs `factors`")],
+)
+def test_what_is_not_a_slowdown_spec_is_a_type_error_with_a_hint(spec, match):
+    # Found by tests/test_fuzz.py: these failed with a raw TypeError or KeyError (or iterated a string).
+    with pytest.raises(TypeError, match=rf"{match}.*HINT"):
+        as_profile(spec)
+
+
+def test_factors_must_be_numbers():
+    with pytest.raises(ValueError, match=r"numbers >= 1.*HINT"):
+        SlowdownProfile(("2",))

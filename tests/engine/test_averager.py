@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import FakeCommunicator
 from torch import nn
 
 from lightning_aesgd.core.merge import SMA, ElasticAverage
-from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
+from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings, MomentLayoutError
 from lightning_aesgd.engine.comm import LocalCommunicator, WeightedAllReduce
 
 
@@ -137,7 +139,8 @@ def test_optimizer_state_modes(mode):
     model(torch.ones(4, 2)).sum().backward()
     optimizer.step()
     momentum = optimizer.state[model[0].weight]["momentum_buffer"].clone()
-    comm = FakeCommunicator(world_size=2, peers_sum=torch.zeros_like)  # the peer contributes 0 with weight 0
+    # The peer contributes 0 with weight 0; it holds as many moments as this replica (the int64 count check).
+    comm = FakeCommunicator(world_size=2, peers_sum=lambda t: t.clone() if t.dtype == torch.int64 else 0 * t)
     averager = ElasticAverager(model, comm, MergeSettings(ElasticAverage(), optimizer_state=mode))
     averager.merge(weight=1.0, optimizer=optimizer)
     if mode == "reset":
@@ -191,3 +194,36 @@ def test_report_rows_of_a_half_precision_model_keep_large_counts(dtype):
     assert rows == [[70000.0, 257.0]]  # float64, not the model's half precision
     assert comm.calls == ["all_reduce_sum_", "all_reduce_sum_"]
     assert means[0].dtype == dtype
+
+
+@pytest.mark.parametrize("rule", [None, 1, object(), ElasticAverage], ids=["None", "int", "object", "class"])
+def test_something_that_is_not_a_merge_rule_fails_when_the_settings_are_built(rule):
+    # Found by tests/test_fuzz.py: these used to pass construction and fail with AttributeError when fit started.
+    with pytest.raises(TypeError, match=r"`merge_rule` must be a MergeRule object.*HINT"):
+        MergeSettings(rule)
+
+
+def test_merge_buffers_must_be_a_switch():
+    with pytest.raises(TypeError, match=r"`merge_buffers` is a switch.*HINT"):
+        MergeSettings(ElasticAverage(), merge_buffers=None)
+
+
+def test_sma_whose_pull_overshoots_the_mean_is_named_in_a_warning():
+    with pytest.warns(UserWarning, match=r"α·n > 1.*alpha <= 0.25"):
+        ElasticAverager(nn.Linear(2, 1), FakeCommunicator(world_size=4), MergeSettings(SMA(alpha=0.3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ElasticAverager(nn.Linear(2, 1), FakeCommunicator(world_size=4), MergeSettings(SMA(alpha=0.25)))
+
+
+def test_averaging_moments_that_replicas_hold_for_different_parameters_fails_alike_on_every_rank():
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # momentum for weight (2) and bias (1): 3 values here
+    settings = MergeSettings(ElasticAverage(), optimizer_state="average")
+    # The peer holds momentum for the weight only (its bias got no gradient): it adds (2, 2²) to the sums.
+    peer = FakeCommunicator(world_size=2, peers_sum=lambda t: torch.tensor([2, 4]) if t.dtype == torch.int64 else t)
+    with pytest.raises(MomentLayoutError, match="HINT: use optimizer_state='keep'"):
+        ElasticAverager(model, peer, settings).merge(weight=1.0, optimizer=optimizer)
+    ElasticAverager(model, FakeCommunicator(world_size=2), settings).merge(weight=1.0, optimizer=optimizer)

@@ -12,6 +12,8 @@ from lightning_aesgd.engine.loading import (
     LoaderClock,
     TimedLoading,
     build_elastic_loader,
+    check_step_fits,
+    check_step_options,
     inspect_train_loader,
     prefetch_depth,
 )
@@ -132,3 +134,21 @@ def test_a_users_sampler_inside_lightnings_wrapper_is_refused_not_replaced():
     loader = DataLoader(RegressionData(40), batch_size=4, sampler=DistributedSamplerWrapper(weighted, 2, 0))
     with pytest.raises(TypeError, match=r"cannot follow the sampler WeightedRandomSampler.*HINT"):
         inspect_train_loader(loader)
+
+
+@pytest.mark.parametrize(("name", "value"), [("step_batch_size", 0), ("step_batch_size", 2.0), ("plan_lag", True)])
+def test_step_options_must_be_whole_numbers(name, value):
+    options = {"step_batch_size": None, "plan_lag": None, name: value}
+    with pytest.raises(ValueError, match=rf"`{name}` must be a whole number.*HINT"):
+        check_step_options(**options)
+
+
+def test_a_drop_last_loader_too_small_for_one_step_names_the_options_to_change():
+    # Found by tests/test_fuzz.py: the sampler's error named neither drop_last nor the batch sizes.
+    check_step_fits(8, 8, drop_last=True)
+    check_step_fits(3, 8, drop_last=False)
+    with pytest.raises(ValueError, match=r"drop_last=True.*3 samples.*one step of 8.*HINT: set drop_last=False"):
+        check_step_fits(3, 8, drop_last=True)
+    loader = DataLoader(RegressionData(3), batch_size=4, drop_last=True)
+    with pytest.raises(ValueError, match="HINT"):
+        _build(loader)

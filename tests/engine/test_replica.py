@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 
 import pytest
 import torch
-from helpers import RegressionData
+from helpers import FakeCommunicator, RegressionData
 from torch.utils.data import DataLoader
 
 from lightning_aesgd.core.merge import SMA, ElasticAverage
+from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.slowdown import as_profile
 from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import LocalCommunicator
@@ -110,3 +112,45 @@ def test_a_lone_replica_that_is_not_finite_stops_training_with_the_fix():
     engine.begin_step(0, 0, 0)
     with pytest.raises(NonFiniteReplicasError, match=r"Every replica's model \(\[0\]\).*HINT"):
         engine.optimizer_step(optimizer, poison, lambda: False)
+
+
+class _RankZeroSends(FakeCommunicator):
+    """Peers whose broadcasts deliver rank zero's tensor, here: every element 7."""
+
+    def broadcast_(self, tensor, src=0):
+        super().broadcast_(tensor, src)
+        tensor.fill_(7.0)
+
+
+def test_a_fit_starts_every_replica_from_rank_zeros_parameters_frozen_ones_included():
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    module[0].requires_grad_(False)  # an unseeded frozen layer would differ between replicas
+    _engine().start(module, _RankZeroSends(world_size=2, rank=1), torch.device("cpu"))
+    assert all(bool((parameter == 7.0).all()) for parameter in module.parameters())
+
+
+def test_the_l2_gate_follows_rank_zeros_gathered_norm_and_is_judged_afresh_each_evaluation():
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module, l2_nudge=True)  # 8 steps, a merge after each
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    center_norm = [f.name for f in fields(PeriodReport)].index("center_norm")
+    # Rank zero's norms as the merge gathers them: rising, a dip, then (a new window) rising again.
+    gathered = iter([1.0, 2.0, 1.5, 1.7, 2.0, 3.0, 4.0, 5.0])
+    merge = engine.averager.merge
+
+    def scripted_merge(weight, optimizer, row):
+        center, rows = merge(weight, optimizer, row)
+        rows[0][center_norm] = next(gathered)
+        return center, rows
+
+    engine.averager.merge = scripted_merge  # type: ignore[method-assign]
+    active = []
+    for index, _ in enumerate(loader):
+        if index == 4:  # an evaluation pass between steps 3 and 4
+            engine.begin_evaluation()
+            engine.end_evaluation()
+        engine.begin_step(0, index, index)
+        engine.optimizer_step(optimizer, lambda: None, lambda: False)
+        active.append(engine.normalization.trend.active)
+    assert active == [True, True, False, False, True, True, True, True]
+    assert engine.normalization.trend.previous_norm == 5.0  # the gathered value, not this replica's own norm

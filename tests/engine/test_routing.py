@@ -7,7 +7,14 @@ import torch
 from helpers import RegressionData
 
 from lightning_aesgd.core.apportion import share_error
-from lightning_aesgd.engine.routing import HISTORY_LENGTH, PlanSettings, Router, resolve_sample_costs
+from lightning_aesgd.core.planners import StaticPlanner
+from lightning_aesgd.engine.routing import (
+    HISTORY_LENGTH,
+    PlanSettings,
+    Router,
+    check_sample_costs,
+    resolve_sample_costs,
+)
 from lightning_aesgd.engine.sampler import StepRecord
 
 STEP_BATCH = 256
@@ -236,3 +243,61 @@ def test_the_history_is_a_ring_so_memory_stays_flat():
         router.receive([router.report(1.0).as_row()], step)
     assert len(router.history) == HISTORY_LENGTH
     assert router.history[-1][0] == HISTORY_LENGTH + 9
+
+
+# Found by tests/test_fuzz.py: each of these used to pass construction and fail later, without naming the option
+# (a comparison's TypeError, the speed estimator's "`smoothing`", the first plan's error after a training step).
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"min_batch": "1"}, TypeError, "`min_batch` is a batch size"),
+        ({"min_batch": 1.5}, TypeError, "`min_batch` is a batch size"),
+        ({"max_batch": 2.5}, TypeError, "`max_batch` is a batch size"),
+        ({"min_share": "0.1"}, TypeError, "`min_share` must be a number"),
+        ({"speed_smoothing": 1.0}, ValueError, "`speed_smoothing`"),
+        ({"speed_smoothing": float("nan")}, ValueError, "`speed_smoothing`"),
+        ({"planner": None}, TypeError, "`planner` must be a name or a Planner"),
+        ({"planner": "static", "shares": "12"}, TypeError, "`shares` must be a list"),
+        ({"planner": "static", "shares": ["a"]}, TypeError, "`shares` must all be numbers"),
+        ({"planner": "static", "shares": [0.0]}, ValueError, "one finite share > 0"),
+        ({"planner": "static", "shares": []}, ValueError, "one finite share > 0"),
+        ({"shares": [1.0]}, ValueError, "fix the plan of the 'static' planner"),
+    ],
+)
+def test_bad_plan_options_fail_at_construction_with_a_hint(kwargs, error, match):
+    with pytest.raises(error, match=rf"{match}.*HINT"):
+        PlanSettings(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "total", "replicas", "match"),
+    [
+        ({"planner": "static", "shares": [1, 2]}, 8, 1, r"2 static shares for 1 replicas.*HINT"),
+        ({}, 3, 4, r"cannot give each of the 4 replicas one.*HINT: raise the strategy's step_batch_size"),
+        ({"min_batch": 4}, 6, 2, r"min_batch=4 for each of 2 replicas exceeds the 6 samples.*HINT"),
+        ({"max_batch": 2}, 8, 2, r"max_batch=2 for each of 2 replicas cannot hold the 8 samples.*HINT"),
+        ({"planner": StaticPlanner((1.0, 2.0))}, 8, 1, r"failed a trial plan.*HINT"),
+    ],
+)
+def test_options_that_do_not_fit_the_step_fail_when_the_plan_book_is_made(kwargs, total, replicas, match):
+    router = Router(PlanSettings(**kwargs))
+    with pytest.raises(ValueError, match=match):
+        router.plan_book_for(total, replicas, lag=2)
+
+
+class _WrongTotal:
+    def plan(self, current, step_times, total):
+        return [total + 1 for _ in current]
+
+
+def test_a_planner_object_that_returns_a_wrong_plan_fails_before_training():
+    with pytest.raises(ValueError, match=r"returned \[9\] for a trial plan of \[8\].*HINT"):
+        Router(PlanSettings(planner=_WrongTotal())).plan_book_for(8, 1, lag=2)
+
+
+def test_sample_costs_are_checked_at_construction_and_against_the_dataset():
+    for spec in ("bogus", 1.0):
+        with pytest.raises(ValueError, match=r"Unknown sample_costs.*HINT"):
+            check_sample_costs(spec)
+    with pytest.raises(ValueError, match=r"shape \(1,\) for a dataset of 10 samples.*HINT"):
+        resolve_sample_costs(lambda dataset: [1.0], RegressionData(10))

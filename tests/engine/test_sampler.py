@@ -100,7 +100,7 @@ def test_records_report_each_step_samples_and_cost():
     record = sampler.pop_record(sampler.step_key(0, 2))
     assert record.num_samples == 5
     assert record.cost == pytest.approx(float(costs[batches[2]].sum()))
-    with pytest.raises(KeyError):
+    with pytest.raises(RuntimeError, match="did not produce"):
         sampler.pop_record(sampler.step_key(0, 1))  # older records were dropped
 
 
@@ -121,7 +121,7 @@ def test_state_dict_resumes_mid_epoch_with_the_same_batches():
     batches = list(sampler)
     sampler.pop_record(sampler.step_key(2, 4))  # training ran step 4 of epoch 2
     state = sampler.state_dict()
-    assert state == {"epoch": 2, "steps_done": 5}
+    assert state == {"epoch": 2, "steps_done": 5, "step_batch_size": 4}
 
     (resumed,) = _samplers(40, 4, [4])
     resumed.load_state_dict(state)
@@ -129,6 +129,22 @@ def test_state_dict_resumes_mid_epoch_with_the_same_batches():
     assert list(resumed) == batches[5:]
     resumed.set_epoch(3)
     assert len(list(resumed)) == 10  # the next epoch starts from its beginning
+
+
+def test_resuming_an_epoch_under_way_with_other_step_sizes_fails_with_a_hint():
+    (sampler,) = _samplers(40, 8, [4, 4])[:1]
+    state = {"epoch": 1, "steps_done": 3, "step_batch_size": 4}
+    with pytest.raises(ValueError, match="step_batch_size=4"):
+        sampler.load_state_dict(state)
+    sampler.load_state_dict({**state, "steps_done": 0})  # at an epoch boundary any size resumes exactly
+    sampler.load_state_dict({"epoch": 1, "steps_done": 3})  # older checkpoints did not record the size
+
+
+def test_a_step_the_sampler_never_produced_fails_with_a_hint():
+    (sampler,) = _samplers(40, 4, [4])
+    list(sampler)
+    with pytest.raises(RuntimeError, match="HINT"):
+        sampler.pop_record(sampler.step_key(1, 0))
 
 
 def test_invalid_configurations_fail_with_a_hint():
