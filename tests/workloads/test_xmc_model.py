@@ -149,3 +149,20 @@ def test_batched_fetch_equals_collating_rows_one_by_one(datamodule: XMCDataModul
     for name in ("indices", "offsets", "weights", "label_ids", "label_offsets"):
         torch.testing.assert_close(getattr(gathered, name), getattr(collated, name))
     assert collate_sparse(gathered) is gathered  # the DataLoader then hands the batch to collate as it is
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_the_optimizer_step_states_its_sparse_invariant_choice(check):
+    # torch warns "Sparse invariant checks are implicitly disabled" from inside Adagrad's sparse update, once per
+    # process: the step states the choice, so every replica stays quiet (the main job's test checks the console).
+    module = XMCModule(10, 5, check_sparse_invariants=check)
+    seen: list[bool] = []
+
+    class Optimizer:
+        def step(self, closure=None):
+            seen.append(torch.sparse.check_sparse_tensor_invariants.is_enabled())
+
+    before = torch.sparse.check_sparse_tensor_invariants.is_enabled()
+    module.optimizer_step(0, 0, Optimizer(), lambda: None)
+    assert seen == [check]
+    assert torch.sparse.check_sparse_tensor_invariants.is_enabled() == before

@@ -7,7 +7,8 @@ all labels, evaluated by P@1.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -71,6 +72,10 @@ class XMCModule(EvaluatedModule):
         loss: ``"softmax"`` or ``"bce"``.
         sparse_gradients: Sparse embedding gradients, updating only the rows a batch touches (``"sgd"`` and
             ``"adagrad"`` only).
+        check_sparse_invariants: Check the invariants of the sparse tensors built during a step (the sparse
+            gradients and the optimizer's sparse updates). Off by default, torch's own default, which the step
+            states explicitly (``torch.sparse.check_sparse_tensor_invariants``), so torch does not warn that it
+            was left implicit; turn on to debug a crash in sparse code.
 
     Raises:
         ValueError: For an unknown optimizer or loss, or sparse gradients with Adam.
@@ -85,6 +90,7 @@ class XMCModule(EvaluatedModule):
         lr: float = 0.1,
         loss: LossName = "softmax",
         sparse_gradients: bool = True,
+        check_sparse_invariants: bool = False,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, get_args(OptimizerName), sparse_gradients)
@@ -126,3 +132,10 @@ class XMCModule(EvaluatedModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """The optimizer named by ``optimizer`` over all parameters."""
         return build_optimizer(self.hparams["optimizer"], self.parameters(), lr=self.hparams["lr"])
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None
+    ) -> None:
+        """Lightning's step (forward, backward and update), with an explicit choice of sparse invariant checks."""
+        with torch.sparse.check_sparse_tensor_invariants(enable=bool(self.hparams.get("check_sparse_invariants"))):
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
