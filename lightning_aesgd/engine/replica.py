@@ -37,7 +37,7 @@ from lightning_aesgd.engine.loading import (
 )
 from lightning_aesgd.engine.routing import Router, SampleCosts, check_sample_costs, resolve_sample_costs
 from lightning_aesgd.engine.sampler import ElasticBatchSampler
-from lightning_aesgd.engine.telemetry import replica_metrics, summary_table
+from lightning_aesgd.engine.telemetry import replica_metrics, summary_record, summary_table
 from lightning_aesgd.engine.timing import ComputeClock, emulated_slowdown
 
 log = logging.getLogger(__name__)
@@ -335,6 +335,14 @@ class ReplicaEngine:
         unit = "units" if self.router.cost_aware else "samples"
         sizes = self.router.history[-1][2]
         return summary_table(self.router.stats(), sizes, self._running_averager().merges, unit, self.router.floor)
+
+    def summary_record(self) -> dict[str, Any] | None:
+        """:meth:`summary` as plain data (:func:`~lightning_aesgd.engine.telemetry.summary_record`)."""
+        if not self.router.latest_reports:
+            return None
+        unit = "units" if self.router.cost_aware else "samples"
+        sizes = self.router.history[-1][2]
+        return summary_record(self.router.stats(), sizes, self._running_averager().merges, unit, self.router.floor)
 
     # --- checkpoints --------------------------------------------------------------------------------------
 

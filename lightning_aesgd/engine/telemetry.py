@@ -7,7 +7,9 @@ loggers write rank zero's copy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 from lightning_aesgd.core.apportion import ideal_shares, share_error
 from lightning_aesgd.engine.routing import ReplicaStats
@@ -90,6 +92,57 @@ def summary_table(
         )
         lines += starved_replicas(stats, sizes, floor)
     return "\n".join(lines)
+
+
+def summary_record(
+    stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: int, unit: str = "samples", floor: int = 0
+) -> dict[str, Any]:
+    """What :func:`summary_table` shows, as plain data for JSON (``None`` where a figure is not measured).
+
+    Returns:
+        ``unit``, ``merges``, ``replicas`` (per rank: ``speed`` in units per second, ``batch``, ``share``,
+        ``target``, ``weight``, ``step_seconds``, ``busy_seconds``, ``wait_fraction``), ``share_error`` and
+        ``step_time_balance`` (``None`` until every replica has a speed) and ``starved`` (the warnings of
+        :func:`starved_replicas`).
+    """
+    speeds = [s.speed for s in stats]
+    measured = all(speed > 0 for speed in speeds)
+    targets = ideal_shares(speeds) if measured else [math.nan] * len(stats)
+    total, total_weight = sum(sizes) or 1, sum(s.merge_weight for s in stats) or 1.0
+    replicas = [
+        {
+            "rank": rank,
+            "speed": replica.speed,
+            "batch": int(size),
+            "share": size / total,
+            "target": target,
+            "weight": replica.merge_weight / total_weight,
+            "step_seconds": replica.step_seconds,
+            "busy_seconds": replica.busy_seconds,
+            "wait_fraction": replica.wait_fraction,
+        }
+        for rank, (replica, size, target) in enumerate(zip(stats, sizes, targets, strict=True))
+    ]
+    record: dict[str, Any] = {
+        "unit": unit,
+        "merges": merges,
+        "replicas": replicas,
+        "share_error": share_error(sizes, speeds) if measured else None,
+        "step_time_balance": step_time_balance(stats) if measured else None,
+        "starved": starved_replicas(stats, sizes, floor) if measured else [],
+    }
+    return _finite(record)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def starved_replicas(stats: Sequence[ReplicaStats], sizes: Sequence[int], floor: int) -> list[str]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from lightning_aesgd.engine.routing import ReplicaStats
-from lightning_aesgd.engine.telemetry import replica_metrics, step_time_balance, summary_table
+from lightning_aesgd.core.apportion import share_error
+from lightning_aesgd.engine.telemetry import replica_metrics, step_time_balance, summary_record, summary_table
 
 STATS = [
     ReplicaStats(
@@ -82,3 +84,23 @@ def test_a_replica_at_the_floor_that_is_still_late_is_named():
     assert "replica 2 sits at the smallest batch (5)" in table
     assert "5.0×" in table
     assert "sits at the smallest batch" not in summary_table(STATS, [60, 20, 20], merges=3, floor=5)
+
+
+def test_the_summary_record_holds_what_the_table_shows_as_plain_json():
+    record = summary_record(STATS, [60, 20, 20], merges=7, unit="units", floor=5)
+    assert json.loads(json.dumps(record, allow_nan=False)) == record
+    assert (record["unit"], record["merges"], record["starved"]) == ("units", 7, [])
+    assert [replica["batch"] for replica in record["replicas"]] == [60, 20, 20]
+    assert record["replicas"][1]["share"] == pytest.approx(0.2)
+    assert record["replicas"][1]["weight"] == pytest.approx(0.2)
+    assert record["replicas"][0]["target"] == pytest.approx(600 / 900)
+    assert record["step_time_balance"] == pytest.approx(2.0)
+    assert record["share_error"] == pytest.approx(share_error([60, 20, 20], [600.0, 200.0, 100.0]))
+
+
+def test_an_unmeasured_summary_record_has_no_nan():
+    unmeasured = [*STATS[:2], ReplicaStats(1, 0.0, 0, 0.0, 0.0)]
+    record = summary_record(unmeasured, [60, 20, 20], merges=1)
+    json.dumps(record, allow_nan=False)
+    assert record["share_error"] is None and record["step_time_balance"] is None
+    assert [replica["target"] for replica in record["replicas"]] == [None, None, None]
