@@ -34,9 +34,23 @@ __all__ = [
 
 register_all()
 
-# Like Lightning's own loggers: the end-of-fit summary shows without any logging configuration.
+
+
+class _FallbackHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Prints to stderr only while the root logger has no handler of its own.
+
+    The end-of-fit summary then shows without any logging configuration, and where the application configured
+    logging (Hydra's console and ``train.log``, a user's handlers) it propagates there instead, printed once.
+    """
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger().handlers:
+            return False
+        return bool(super().handle(record))
+
+
 _log = logging.getLogger(__name__)
-if not _log.handlers:
-    _log.addHandler(logging.StreamHandler())
-    _log.setLevel(logging.INFO)
-    _log.propagate = False
+if not any(isinstance(handler, _FallbackHandler) for handler in _log.handlers):
+    _log.addHandler(_FallbackHandler())
+    if _log.level == logging.NOTSET:
+        _log.setLevel(logging.INFO)

@@ -12,10 +12,12 @@ free of namespace imports, so the same code serves ``pytorch_lightning`` (this m
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import signal
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -312,7 +314,8 @@ class AdaptiveElasticMixin(_Base):
             self.engine.finish()
             table = self.engine.summary() if self.telemetry and self.is_global_zero else None
             if table is not None:
-                log.info("\n%s", table)
+                log.info("%s", table)
+                _save_summary(self._module.trainer, self.engine.summary_record())
         super().on_train_end()
 
     @override
@@ -404,6 +407,23 @@ def _end_launched_replicas(launcher: Any) -> None:
         if child.poll() is None:
             log.error("Ending replica process %d, launched by this one, as the job cannot go on.", child.pid)
             child.send_signal(kill)
+
+
+SUMMARY_FILE = "aesgd_summary.json"
+"""The end-of-fit summary as JSON, in the first logger's directory (see :func:`_save_summary`)."""
+
+
+def _save_summary(trainer: Any, record: dict[str, Any] | None) -> None:
+    """Write the end-of-fit summary to ``<log_dir>/aesgd_summary.json`` where the fit has a logger with a directory."""
+    log_dir = getattr(trainer.logger, "log_dir", None) if record is not None else None
+    if not log_dir:
+        return
+    path = Path(log_dir) / SUMMARY_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as error:  # a summary that cannot be saved is no reason to fail a finished fit
+        log.warning("Could not save the end-of-fit summary to %s: %s", path, error)
 
 
 def _logs_this_step(trainer: Any) -> bool:

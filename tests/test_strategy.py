@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
@@ -16,6 +19,7 @@ from lightning_aesgd import SMA, AdaptiveElasticStrategy, ElasticAverage
 from lightning_aesgd.checks import UnsupportedSettingError
 from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.engine.averager import ElasticAverager
+from lightning_aesgd.strategy import SUMMARY_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -160,20 +164,32 @@ def test_telemetry_reaches_csv_and_tensorboard_loggers(tmp_path):
     assert "aesgd/replica_0/samples_per_sec" in events.Tags()["scalars"]
 
 
-def test_end_of_fit_summary_shows_every_replica(caplog):
+def test_end_of_fit_summary_reaches_the_root_logger_and_is_saved_as_json(caplog, tmp_path):
     strategy = AdaptiveElasticStrategy(planner="proportional")
-    # The package logger does not propagate to the root logger (its own handler prints the summary),
-    # so the capture handler is attached to it directly.
-    package_logger = logging.getLogger("lightning_aesgd")
-    package_logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level("INFO", logger="lightning_aesgd"):
-            _trainer(strategy, max_steps=4, limit_val_batches=0).fit(RegressionModel())
-    finally:
-        package_logger.removeHandler(caplog.handler)
+    logger = pl.loggers.CSVLogger(tmp_path, name="csv")
+    # The package's records propagate to the root logger (Hydra's train.log, pytest's capture) where it has handlers.
+    with caplog.at_level("INFO", logger="lightning_aesgd"):
+        _trainer(strategy, max_steps=4, limit_val_batches=0, logger=logger).fit(RegressionModel())
     summary = "\n".join(record.getMessage() for record in caplog.records if record.name.startswith("lightning_aesgd"))
     assert "replicas at the end of fit" in summary
     assert "merges: 4" in summary
+    record = json.loads((Path(logger.log_dir) / SUMMARY_FILE).read_text())
+    assert record["merges"] == 4
+    assert [replica["rank"] for replica in record["replicas"]] == [0]
+    assert sum(replica["batch"] for replica in record["replicas"]) > 0
+
+
+def test_the_package_logger_prints_by_itself_only_without_a_root_handler(monkeypatch):
+    # Without any logging configuration the summary still shows (on stderr), and once configured it shows once.
+    root, package = logging.getLogger(), logging.getLogger("lightning_aesgd")
+    (fallback,) = package.handlers
+    own, configured = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(fallback, "stream", own)
+    monkeypatch.setattr(root, "handlers", [])
+    logging.getLogger("lightning_aesgd.strategy").info("alone")
+    monkeypatch.setattr(root, "handlers", [logging.StreamHandler(configured)])
+    logging.getLogger("lightning_aesgd.strategy").info("configured")
+    assert (own.getvalue(), configured.getvalue()) == ("alone\n", "configured\n")
 
 
 class SIGTERMException(SystemExit):
