@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from lightning_aesgd.engine.routing import ReplicaStats
 from lightning_aesgd.core.apportion import share_error
+from lightning_aesgd.engine.routing import ReplicaStats
 from lightning_aesgd.engine.telemetry import replica_metrics, step_time_balance, summary_record, summary_table
 
 STATS = [
@@ -102,5 +102,6 @@ def test_an_unmeasured_summary_record_has_no_nan():
     unmeasured = [*STATS[:2], ReplicaStats(1, 0.0, 0, 0.0, 0.0)]
     record = summary_record(unmeasured, [60, 20, 20], merges=1)
     json.dumps(record, allow_nan=False)
-    assert record["share_error"] is None and record["step_time_balance"] is None
+    assert record["share_error"] is None
+    assert record["step_time_balance"] is None
     assert [replica["target"] for replica in record["replicas"]] == [None, None, None]
