@@ -35,7 +35,6 @@ __all__ = [
 register_all()
 
 
-
 class _FallbackHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Prints to stderr only while the root logger has no handler of its own.
 

@@ -131,7 +131,8 @@ def summary_record(
         "step_time_balance": step_time_balance(stats) if measured else None,
         "starved": starved_replicas(stats, sizes, floor) if measured else [],
     }
-    return _finite(record)
+    finite: dict[str, Any] = _finite(record)
+    return finite
 
 
 def _finite(value: Any) -> Any:

@@ -137,5 +137,6 @@ class XMCModule(EvaluatedModule):
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None
     ) -> None:
         """Lightning's step (forward, backward and update), with an explicit choice of sparse invariant checks."""
-        with torch.sparse.check_sparse_tensor_invariants(enable=bool(self.hparams.get("check_sparse_invariants"))):
+        check = bool(self.hparams.get("check_sparse_invariants"))
+        with torch.sparse.check_sparse_tensor_invariants(enable=check):  # type: ignore[no-untyped-call]
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
