@@ -7,7 +7,6 @@ strategy configured as Adaptive SGD, SMA, EASGD or local SGD, or Lightning's own
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 import os
@@ -16,10 +15,12 @@ from typing import Any, Protocol
 
 import hydra
 import pytorch_lightning as pl
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_aesgd.callbacks import SlowdownCallback
+from lightning_aesgd.console import quiet_known_noise
 from lightning_aesgd.core.slowdown import as_profile
 from lightning_aesgd.strategy import AdaptiveElasticMixin
 
@@ -42,6 +43,7 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     model = instantiate(cfg.model, **_dimensions(datamodule))
     strategy = instantiate(cfg.algorithm)
     callbacks: list[pl.Callback] = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    callbacks += [FirstValidation(), LogHyperparameters(hyperparameters(cfg))]
     profile = as_profile(cfg.devices.slowdown)
     if profile is not None and (profile.mode != "step" or not isinstance(strategy, AdaptiveElasticMixin)):
         # Every strategy gets the same emulated devices through a callback, except in the `step` mode, which
@@ -56,33 +58,76 @@ def _dimensions(datamodule: Any) -> dict[str, int]:
     return shaped.model_dimensions() if shaped is not None else {}
 
 
+def hyperparameters(cfg: DictConfig) -> dict[str, Any]:
+    """The algorithm, its options and the devices profile, as the loggers' hyperparameters.
+
+    Nested as ``{"algorithm": {"name": ..., <options>}, "devices": {"name": ..., <profile>}}``; loggers that
+    want flat names (TensorBoard) flatten them to ``algorithm/period`` and so on. The names are Hydra's choices
+    of the two groups where Hydra composed the job, the algorithm's class otherwise.
+    """
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    devices = OmegaConf.to_container(cfg.devices, resolve=True)
+    assert isinstance(algorithm, dict)
+    assert isinstance(devices, dict)
+    target = str(algorithm.pop("_target_", ""))
+    return {
+        "algorithm": {"name": choices.get("algorithm") or target.rsplit(".", 1)[-1], "class": target, **algorithm},
+        "devices": {"name": choices.get("devices") or "custom", **devices},
+    }
+
+
+class LogHyperparameters(pl.Callback):
+    """Hands fixed hyperparameters to every logger of the fit (rank zero), beside the model's own."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = params
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log :attr:`params` once per fit."""
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(self.params)
+
+
+class FirstValidation(pl.Callback):
+    """Keeps the first validation's metrics in ``trainer.callback_metrics`` as ``first_val/...``.
+
+    Whatever the loggers (CSV, TensorBoard or none), they reach the launching process with the other callback
+    metrics, which Lightning sends back from rank zero when the replicas ran in processes of their own.
+    """
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Copy ``val/...`` to ``first_val/...`` after the first validation that is not a sanity check."""
+        metrics = trainer.callback_metrics
+        if trainer.sanity_checking or any(name.startswith("first_val/") for name in metrics):
+            return
+        metrics.update({f"first_{name}": value for name, value in list(metrics.items()) if name.startswith("val/")})
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test the final (merged) model; returns the test metrics and the first validation metrics."""
     trainer, model, datamodule = build(cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("model: %s, %s trainable parameters", type(model).__name__, f"{trainable:,}")
     trainer.fit(model, datamodule=datamodule)
     results: dict[str, float] = {}
     if cfg.test:
         # Every replica holds the same merged model after fit: one process tests it, each sample exactly once.
-        tester = pl.Trainer(accelerator=trainer.accelerator, devices=1, logger=False, enable_progress_bar=False)
+        tester = pl.Trainer(
+            accelerator=trainer.accelerator,
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         tested = tester.test(model, datamodule=datamodule, verbose=False)
         results.update({name: float(value) for name, value in tested[0].items()})
-    results.update({f"first_{name}": value for name, value in _first_validation(trainer).items()})
+    first = {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("first_val/")}
+    results.update(first)
     log.info("%s", _report(results))
     return results
-
-
-def _first_validation(trainer: pl.Trainer) -> dict[str, float]:
-    """The first logged validation metrics, read back from the CSV log (rank zero wrote it)."""
-    log_dir = getattr(trainer.logger, "log_dir", None)
-    path = Path(log_dir) / "metrics.csv" if log_dir else None
-    if path is None or not path.exists():
-        return {}
-    with path.open() as handle:
-        for row in csv.DictReader(handle):
-            values = {k: float(v) for k, v in row.items() if k.startswith("val/") and v not in ("", None)}
-            if values:
-                return values
-    return {}
 
 
 def _report(results: dict[str, float]) -> str:
@@ -92,6 +137,7 @@ def _report(results: dict[str, float]) -> str:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def _main(cfg: DictConfig) -> float:
+    quiet_known_noise()
     results = run(cfg)
     # The value Hydra sweepers optimise: the first test metric, e.g. test/p@1 or test/acc.
     return next((v for k, v in results.items() if k.startswith("test/") and "loss" not in k), math.nan)
