@@ -154,3 +154,36 @@ def test_normalize_gives_unit_rows(tmp_path: Path) -> None:
     for features in (X_train, X_test):
         np.testing.assert_allclose(np.sqrt(features.multiply(features).sum(axis=1)).A.ravel(), 1.0, rtol=1e-6)
         assert features.dtype == np.float32
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_main_job_trains_on_the_files_with_two_heterogeneous_replicas(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_aesgd.train import config_dir, run
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _learnable_files(data, rows=400, seed=2)
+    overrides = [
+        f"hydra.runtime.output_dir={tmp_path}",
+        "data=xmc_files",
+        f"data.path={data}",
+        "data.batch_size=16",
+        "algorithm=adaptive_elastic",
+        "devices.num_replicas=2",
+        "devices.slowdown.base=1",
+        "devices.slowdown.factors=[1,3]",
+        "trainer.max_epochs=2",
+        "+trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false",
+    ]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    results = run(cfg)
+    assert results["test/p@1"] > 0.9  # chance: 1/8
+    assert (tmp_path / "logs" / "metrics.csv").exists()
