@@ -55,7 +55,13 @@ def test_adaptive_sgd_outer_momentum_is_off_where_the_optimizer_has_momentum(tmp
     assert trainer.strategy.merge_rule.momentum == outer_momentum
 
 
-WORKLOADS = [("xmc_mini", "xmc"), ("xmc_eurlex", "xmc"), ("fashion_mnist", "fashion_cnn"), ("digits", "digits_mlp")]
+WORKLOADS = [
+    ("xmc_mini", "xmc"),
+    ("xmc_eurlex", "xmc"),
+    ("xmc_files", "xmc"),
+    ("fashion_mnist", "fashion_cnn"),
+    ("digits", "digits_mlp"),
+]
 
 
 def test_the_workload_table_covers_every_data_and_model_option():
@@ -65,9 +71,17 @@ def test_the_workload_table_covers_every_data_and_model_option():
 
 @pytest.mark.parametrize(("data", "model"), WORKLOADS)
 def test_every_data_option_instantiates_with_its_model(tmp_path, data, model):
-    cfg = _compose(tmp_path, f"data={data}", f"model={model}")
+    overrides = []
+    if data == "xmc_files":  # real data the user has: two tiny files in the repository's format
+        for name, points in (("train.txt", 20), ("test.txt", 5)):
+            (tmp_path / name).write_text(f"{points} 7 6\n" + "0,5 1:0.5 6:1.0\n" * points)
+        overrides.append(f"data.path={tmp_path}")
+    cfg = _compose(tmp_path, f"data={data}", f"model={model}", *overrides)
     datamodule = instantiate(cfg.data)
-    assert isinstance(instantiate(cfg.model, **datamodule.model_dimensions()), pl.LightningModule)
+    dimensions = datamodule.model_dimensions()
+    if data == "xmc_files":
+        assert dimensions == {"num_features": 7, "num_labels": 6}
+    assert isinstance(instantiate(cfg.model, **dimensions), pl.LightningModule)
 
 
 @pytest.mark.slow

@@ -10,7 +10,9 @@ Sparse extreme multi-label classification (XMC), the Adaptive SGD paper's worklo
   ``wiki10_31k``, ``delicious200k``, ``amazon670k``), checked with :func:`dataset_statistics` and
   :func:`compare_to_targets`;
 * torch side: :class:`SparseXMCDataset`, :func:`collate_sparse` → :class:`SparseBatch`, :class:`XMCNet`,
-  :class:`XMCModule`, :class:`XMCDataModule`, and the metrics :class:`PrecisionAtK` and :class:`NDCGAtK`.
+  :class:`XMCModule`, :class:`XMCDataModule`, and the metrics :class:`PrecisionAtK` and :class:`NDCGAtK`;
+* real data the user has: :func:`read_xmc_file` reads the Extreme Classification Repository's BoW files and
+  :class:`XMCFilesDataModule` serves them (``data=xmc_files data.path=...``); nothing is downloaded.
 
 Dense image classification, in ``images/``: :class:`FashionMNISTDataModule` (Debian's
 ``dataset-fashion-mnist``, read from disk) with :class:`FashionCNN`, and :class:`DigitsDataModule`
@@ -24,6 +26,7 @@ from lightning_aesgd.workloads.images.models import DigitsMLP, FashionCNN, Image
 from lightning_aesgd.workloads.xmc.batch import SparseBatch, SparseSample, SparseXMCDataset, collate_sparse
 from lightning_aesgd.workloads.xmc.data import XMCData, generate_xmc, per_sample_cost
 from lightning_aesgd.workloads.xmc.datamodule import XMCDataModule
+from lightning_aesgd.workloads.xmc.files import XMCFileError, XMCFilesDataModule, read_xmc_file
 from lightning_aesgd.workloads.xmc.metrics import NDCGAtK, PrecisionAtK, ndcg_at_k, precision_at_k
 from lightning_aesgd.workloads.xmc.model import XMCModule, XMCNet
 from lightning_aesgd.workloads.xmc.spec import PRESETS, XMCSpec, get_preset
@@ -50,6 +53,8 @@ __all__ = [
     "SparseXMCDataset",
     "XMCData",
     "XMCDataModule",
+    "XMCFileError",
+    "XMCFilesDataModule",
     "XMCModule",
     "XMCNet",
     "XMCSpec",
@@ -63,6 +68,7 @@ __all__ = [
     "per_sample_cost",
     "popularity_precision",
     "precision_at_k",
+    "read_xmc_file",
     "split_holdout",
     "statistics",
 ]
