@@ -8,6 +8,7 @@ argument::
 """
 
 import logging
+from importlib.metadata import PackageNotFoundError, version
 
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.core.merge import EASGD, SMA, CentralElastic, ElasticAverage, MergeRule
@@ -16,7 +17,10 @@ from lightning_aesgd.engine.comm import ReplicaStalledError
 from lightning_aesgd.registration import register_all
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("lightning-aesgd")  # the one place it is written: pyproject.toml
+except PackageNotFoundError:  # a source checkout on PYTHONPATH, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "EASGD",

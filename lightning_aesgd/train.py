@@ -28,8 +28,21 @@ log = logging.getLogger(__name__)
 
 
 def config_dir() -> str:
-    """The ``configs/`` directory: ``$AESGD_CONFIG_DIR``, or the one beside this package in a source checkout."""
-    return os.environ.get("AESGD_CONFIG_DIR") or str(Path(__file__).resolve().parent.parent / "configs")
+    """The Hydra configs: ``$AESGD_CONFIG_DIR``, else the package's own copy, else ``configs/`` of a source checkout.
+
+    The repository keeps them in its top-level ``configs/``; the wheel ships that directory inside the package as
+    ``lightning_aesgd/configs`` (``package-dir`` in ``pyproject.toml``), so an installed ``aesgd-train`` runs from
+    any directory. A source checkout (on ``PYTHONPATH`` or installed editable) has no such copy and reads the
+    directory beside the package. Either way it is a real directory, which ``hydra.main`` and the compose API (the
+    benchmark, the tests) both accept. Users add options of their own with ``--config-dir DIR`` (e.g.
+    ``DIR/data/mine.yaml``, then ``data=mine``) or replace the whole tree with ``--config-path``.
+    """
+    override = os.environ.get("AESGD_CONFIG_DIR")
+    if override:
+        return override
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return str(installed if (installed / "train.yaml").is_file() else package.parent / "configs")
 
 
 class _ShapedDataModule(Protocol):

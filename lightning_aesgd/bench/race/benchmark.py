@@ -118,7 +118,7 @@ def _plots(settings: BenchSettings, records: dict[RunKey, RunRecord], configs: d
     try:  # plots are optional: the tables and the JSON file carry every figure
         from lightning_aesgd.bench.race.plots import plot_batch_sizes, plot_metric_curves
     except ModuleNotFoundError as error:
-        print(f"No plots: {error}. HINT: pip install '.[bench]' (matplotlib).")
+        print(f"No plots: {error}. HINT: pip install 'lightning-aesgd[bench]' (the bench extra: matplotlib).")
         return []
     files = [plot_metric_curves(records, profile, settings.target, settings.out) for profile in settings.profiles]
     for profile in settings.profiles:
