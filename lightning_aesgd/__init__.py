@@ -10,6 +10,7 @@ argument::
 import logging
 
 from lightning_aesgd.callbacks import SlowdownCallback
+from lightning_aesgd.core.lr import InverseTimeDecay
 from lightning_aesgd.core.merge import EASGD, SMA, CentralElastic, ElasticAverage, MergeRule
 from lightning_aesgd.core.slowdown import SlowdownChange, SlowdownProfile
 from lightning_aesgd.engine.comm import ReplicaStalledError
@@ -24,6 +25,7 @@ __all__ = [
     "AdaptiveElasticStrategy",
     "CentralElastic",
     "ElasticAverage",
+    "InverseTimeDecay",
     "MergeRule",
     "ReplicaStalledError",
     "SlowdownCallback",

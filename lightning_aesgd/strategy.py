@@ -80,6 +80,10 @@ class AdaptiveElasticMixin(_Base):
         lr_scaling: scale each replica's learning rate by its batch size over the nominal one during its step
             (the paper's ``lrᵢ = η·bᵢ/B``). With ``merge_weights="updates"`` this weighs every sample equally, as
             ``merge_weights="samples"`` does without scaling.
+        lr_schedule: a factor on each replica's learning rate during its step, a function of the global step
+            (e.g. :class:`~lightning_aesgd.core.lr.InverseTimeDecay`, the paper's warm-up ramp and ``1/(1 + decay·t)``);
+            it multiplies ``lr_scaling``'s factor and, like it, leaves the optimizer's own rate (and the user's
+            schedulers) alone between steps.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.core.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
             exactly; otherwise every replica resumes from the merged model.
@@ -118,6 +122,7 @@ class AdaptiveElasticMixin(_Base):
         plan_gain: float = PlanSettings.plan_gain,
         sample_costs: SampleCosts = None,
         lr_scaling: bool = False,
+        lr_schedule: Callable[[int], float] | None = None,
         slowdown: Any = None,
         checkpoint_replicas: bool = True,
         telemetry: bool = True,
@@ -169,6 +174,7 @@ class AdaptiveElasticMixin(_Base):
             Router(planning),
             l2_nudge=l2_nudge,
             lr_scaling=lr_scaling,
+            lr_schedule=lr_schedule,
             slowdown=as_profile(slowdown),
             step_batch_size=step_batch_size,
             plan_lag=plan_lag,
