@@ -115,6 +115,7 @@ STRATEGY_OPTIONS: Table = {
     "plan_lag": (_values(None, 2, 3, 5), (1, 0, 2.5, True)),
     "speed_smoothing": (_values(0.0, 0.5, 0.8, 0.99), (1.0, -0.1, 1.5, math.nan, "0.8")),
     "plan_gain": (_values(0.1, 0.5, 1.0), (0.0, -1.0, 2.0, math.nan)),
+    "plan_after_warmup": (st.booleans(), ("yes",)),
     "sample_costs": (_values(None, "auto", "dataset", _costs_per_sample), ("bogus", _one_cost, _negative_costs, 1.0)),
     "lr_scaling": (st.booleans(), ("no",)),
     "lr_schedule": (_values(None, InverseTimeDecay(decay=0.1, warmup_steps=2)), (0.05, "1/t")),
