@@ -123,3 +123,25 @@ def test_a_multirun_sweep_over_three_algorithms(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1", "2"]
     for job in ("0", "1", "2"):
         assert (tmp_path / job / "logs" / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_paper_preset_trains_past_its_warm_up_end_to_end(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_aesgd.train",
+        "algorithm=adaptive_sgd_paper",
+        "devices.num_replicas=2",
+        "devices.slowdown.factors=[1,2]",
+        "+trainer.max_steps=16",
+        "+trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stderr + result.stdout
+    assert "results: " in output
+    assert "replicas at the end of fit" in output
