@@ -11,6 +11,7 @@ import logging
 from importlib.metadata import PackageNotFoundError, version
 
 from lightning_aesgd.callbacks import SlowdownCallback
+from lightning_aesgd.core.lr import InverseTimeDecay
 from lightning_aesgd.core.merge import EASGD, SMA, CentralElastic, ElasticAverage, MergeRule
 from lightning_aesgd.core.slowdown import SlowdownChange, SlowdownProfile
 from lightning_aesgd.engine.comm import ReplicaStalledError
@@ -28,6 +29,7 @@ __all__ = [
     "AdaptiveElasticStrategy",
     "CentralElastic",
     "ElasticAverage",
+    "InverseTimeDecay",
     "MergeRule",
     "ReplicaStalledError",
     "SlowdownCallback",

@@ -76,12 +76,18 @@ class AdaptiveElasticMixin(_Base):
         speed_smoothing: smoothing β of the speed moving averages; 0.8 follows a 4× slowdown within about 16
             steps while averaging out single noisy steps.
         plan_gain: fraction γ of the way to the planner's target that each new plan moves (damping).
+        plan_after_warmup: keep the initial plan through the ``warmup_steps`` (speeds are still measured) and
+            adapt only after them, as the authors' code does; otherwise plans adapt from the first measurements.
         sample_costs: per-sample cost for cost-aware splitting: ``None`` (count samples), ``"dataset"`` (the
             dataset's ``sample_costs`` attribute), ``"auto"`` (those where the dataset has them) or a function of
             the dataset.
         lr_scaling: scale each replica's learning rate by its batch size over the nominal one during its step
             (the paper's ``lrᵢ = η·bᵢ/B``). With ``merge_weights="updates"`` this weighs every sample equally, as
             ``merge_weights="samples"`` does without scaling.
+        lr_schedule: a factor on each replica's learning rate during its step, a function of the global step
+            (e.g. :class:`~lightning_aesgd.core.lr.InverseTimeDecay`, the paper's warm-up ramp and ``1/(1 + decay·t)``);
+            it multiplies ``lr_scaling``'s factor and, like it, leaves the optimizer's own rate (and the user's
+            schedulers) alone between steps.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.core.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
             exactly; otherwise every replica resumes from the merged model.
@@ -118,8 +124,10 @@ class AdaptiveElasticMixin(_Base):
         plan_lag: int | None = None,
         speed_smoothing: float = PlanSettings.speed_smoothing,
         plan_gain: float = PlanSettings.plan_gain,
+        plan_after_warmup: bool = False,
         sample_costs: SampleCosts = None,
         lr_scaling: bool = False,
+        lr_schedule: Callable[[int], float] | None = None,
         slowdown: Any = None,
         checkpoint_replicas: bool = True,
         telemetry: bool = True,
@@ -149,7 +157,11 @@ class AdaptiveElasticMixin(_Base):
                 "the options in its docstring (period, warmup_steps, merge_rule, planner, ...)."
             )
         check_switches(
-            l2_nudge=l2_nudge, lr_scaling=lr_scaling, checkpoint_replicas=checkpoint_replicas, telemetry=telemetry
+            l2_nudge=l2_nudge,
+            lr_scaling=lr_scaling,
+            plan_after_warmup=plan_after_warmup,
+            checkpoint_replicas=checkpoint_replicas,
+            telemetry=telemetry,
         )
         check_timeout(timeout)
         super().__init__(
@@ -165,12 +177,16 @@ class AdaptiveElasticMixin(_Base):
         merging = MergeSettings(
             as_merge_rule(merge_rule), period, warmup_steps, merge_weights, merge_buffers, optimizer_state
         )
-        planning = PlanSettings(planner, shares, min_batch, max_batch, min_share, speed_smoothing, plan_gain)
+        hold_steps = warmup_steps if plan_after_warmup else 0
+        planning = PlanSettings(
+            planner, shares, min_batch, max_batch, min_share, speed_smoothing, plan_gain, hold_steps=hold_steps
+        )
         self.engine = ReplicaEngine(
             merging,
             Router(planning),
             l2_nudge=l2_nudge,
             lr_scaling=lr_scaling,
+            lr_schedule=lr_schedule,
             slowdown=as_profile(slowdown),
             step_batch_size=step_batch_size,
             plan_lag=plan_lag,

@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
-from lightning_aesgd import AdaptiveElasticStrategy
+from lightning_aesgd import AdaptiveElasticStrategy, InverseTimeDecay
+from lightning_aesgd.core.planners import AdditivePlanner
 from lightning_aesgd.train import build, config_dir
 
 CONFIGS = Path(config_dir())
@@ -53,6 +54,36 @@ def test_adaptive_sgd_outer_momentum_is_off_where_the_optimizer_has_momentum(tmp
     overrides = [f"experiment={experiment}"] if experiment else []
     trainer, _model, _datamodule = build(_compose(tmp_path, "algorithm=adaptive_sgd", *overrides))
     assert trainer.strategy.merge_rule.momentum == outer_momentum
+
+
+def test_the_paper_preset_is_the_papers_algorithm(tmp_path):
+    trainer, model, _datamodule = build(_compose(tmp_path, "algorithm=adaptive_sgd_paper"))
+    strategy = trainer.strategy
+    planner = strategy.router.planner
+    assert isinstance(planner, AdditivePlanner)
+    assert (planner.step, planner.min_batch, planner.max_batch) == (32, 32, 1024)
+    assert (strategy.router.settings.plan_gain, strategy.router.settings.min_share) == (1.0, 0.0)
+    assert strategy.router.settings.hold_steps == strategy.warmup_steps == 10
+    assert strategy.engine.merging.weights == "updates"
+    assert strategy.engine.lr_scaling
+    assert strategy.engine.normalization.enabled
+    assert strategy.merge_rule.alpha == 1.0
+    assert strategy.engine.lr_schedule == InverseTimeDecay(decay=0.005, warmup_steps=10, warmup_start=0.01)
+    assert strategy.engine.lr_schedule.warmup_steps == strategy.warmup_steps
+    assert (model.hparams["optimizer"], model.hparams["lr"]) == ("sgd", 4.0)  # plain SGD locally
+
+
+@pytest.mark.parametrize("experiment", ["fashion_mnist", "digits"])
+def test_the_paper_preset_takes_the_local_momentum_off_image_models(tmp_path, experiment):
+    _trainer, model, _datamodule = build(_compose(tmp_path, "algorithm=adaptive_sgd_paper", f"experiment={experiment}"))
+    assert model.hparams["momentum"] == 0.0
+    _trainer, model, _datamodule = build(_compose(tmp_path, "algorithm=adaptive_sgd", f"experiment={experiment}"))
+    assert model.hparams["momentum"] == 0.9
+
+
+def test_other_algorithms_keep_the_models_own_optimizer(tmp_path):
+    _trainer, model, _datamodule = build(_compose(tmp_path, "algorithm=adaptive_sgd"))
+    assert (model.hparams["optimizer"], model.hparams["lr"]) == ("adagrad", 0.1)
 
 
 WORKLOADS = [
@@ -106,3 +137,25 @@ def test_a_multirun_sweep_over_three_algorithms(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1", "2"]
     for job in ("0", "1", "2"):
         assert (tmp_path / job / "logs" / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_paper_preset_trains_past_its_warm_up_end_to_end(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_aesgd.train",
+        "algorithm=adaptive_sgd_paper",
+        "devices.num_replicas=2",
+        "devices.slowdown.factors=[1,2]",
+        "+trainer.max_steps=16",
+        "+trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stderr + result.stdout
+    assert "results: " in output
+    assert "replicas at the end of fit" in output

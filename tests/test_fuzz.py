@@ -45,7 +45,7 @@ from torch.utils.data import (
 )
 
 import lightning_aesgd
-from lightning_aesgd import EASGD, SMA, AdaptiveElasticStrategy, ElasticAverage, SlowdownProfile
+from lightning_aesgd import EASGD, SMA, AdaptiveElasticStrategy, ElasticAverage, InverseTimeDecay, SlowdownProfile
 from lightning_aesgd.core.planners import ProportionalPlanner, StaticPlanner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]  # a hang fails the test
@@ -115,8 +115,10 @@ STRATEGY_OPTIONS: Table = {
     "plan_lag": (_values(None, 2, 3, 5), (1, 0, 2.5, True)),
     "speed_smoothing": (_values(0.0, 0.5, 0.8, 0.99), (1.0, -0.1, 1.5, math.nan, "0.8")),
     "plan_gain": (_values(0.1, 0.5, 1.0), (0.0, -1.0, 2.0, math.nan)),
+    "plan_after_warmup": (st.booleans(), ("yes",)),
     "sample_costs": (_values(None, "auto", "dataset", _costs_per_sample), ("bogus", _one_cost, _negative_costs, 1.0)),
     "lr_scaling": (st.booleans(), ("no",)),
+    "lr_schedule": (_values(None, InverseTimeDecay(decay=0.1, warmup_steps=2)), (0.05, "1/t")),
     "slowdown": (
         _values(None, [1.0], [1.5], {"factors": [1.0], "mode": "step"}, SlowdownProfile((1.0,))),
         ([0.5], [1.0, 1.0], [], {"factors": [1.0], "mode": "warp"}, {"mode": "step"}, "fast", 2.0),

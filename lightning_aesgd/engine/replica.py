@@ -62,6 +62,7 @@ class ReplicaEngine:
         router: measures arrivals and plans batch sizes.
         l2_nudge: Adaptive SGD's adaptive normalization of merge weights.
         lr_scaling: scale the replica's learning rate by its batch over the nominal one during its step.
+        lr_schedule: a further factor on the rate during each step, a function of the global step (``None``: 1).
         slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step (other modes are applied
             outside the strategy, by :class:`~lightning_aesgd.callbacks.SlowdownCallback`).
         step_batch_size: indices consumed per step by all replicas; by default the loader's batch size times
@@ -78,6 +79,7 @@ class ReplicaEngine:
         *,
         l2_nudge: bool,
         lr_scaling: bool,
+        lr_schedule: Callable[[int], float] | None,
         slowdown: SlowdownProfile | None,
         step_batch_size: int | None,
         plan_lag: int | None,
@@ -90,6 +92,12 @@ class ReplicaEngine:
         self.router = router
         self.normalization = AdaptiveNormalization(l2_nudge, merging.warmup_steps)
         self.lr_scaling = lr_scaling
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise TypeError(
+                f"`lr_schedule` is a function of the global step, got {lr_schedule!r}. HINT: pass e.g. "
+                "lightning_aesgd.InverseTimeDecay(decay=0.05, warmup_steps=10), or None."
+            )
+        self.lr_schedule = lr_schedule
         self.slowdown = slowdown if slowdown is not None and slowdown.mode == "step" else None
         self.step_batch_size = step_batch_size
         self.plan_lag = plan_lag
@@ -241,6 +249,8 @@ class ReplicaEngine:
         averager.before_local_step()
         nominal = sampler.step_batch_size / averager.comm.world_size
         factor = linear_lr_scale(record.num_samples, nominal) if self.lr_scaling else 1.0
+        if self.lr_schedule is not None:
+            factor *= float(self.lr_schedule(self._global_step))
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
         with _scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds), self._emulated():
             output = run_step()

@@ -122,6 +122,8 @@ class PlanSettings:
         plan_dead_band: no plan is made while the predicted step times agree within this relative tolerance, and a
             plan stays while every replica's relative move is below it.
         planner_options: extra arguments of a named planner (e.g. ``step`` of the additive rule).
+        hold_steps: no new plan for steps before this one (speeds are still measured): the authors' code keeps
+            batches fixed through its warm-up and adapts only after it.
     """
 
     planner: str | Planner = "proportional"
@@ -133,6 +135,7 @@ class PlanSettings:
     plan_gain: float = 0.5
     plan_dead_band: float = 0.03
     planner_options: Mapping[str, Any] = field(default_factory=dict)
+    hold_steps: int = 0
 
     def __post_init__(self) -> None:
         # Types first: a string from a config file would otherwise fail deep inside a comparison, or (a planner
@@ -141,6 +144,8 @@ class PlanSettings:
             value = getattr(self, name)
             if not (_is_whole(value) or (name == "max_batch" and value is None)):
                 raise TypeError(f"`{name}` is a batch size, got {value!r}. HINT: pass a whole number such as 4.")
+        if not _is_whole(self.hold_steps) or self.hold_steps < 0:
+            raise ValueError(f"`hold_steps` counts steps, got {self.hold_steps!r}. HINT: pass a whole number >= 0.")
         for name in ("min_share", "speed_smoothing", "plan_gain", "plan_dead_band"):
             if not _is_real(getattr(self, name)):
                 raise TypeError(f"`{name}` must be a number, got {getattr(self, name)!r}. HINT: pass a float.")
@@ -371,7 +376,8 @@ class Router:
         self.merge_weights = [report.merge_weight for report in reports]
         models = self.model.models()
         settings = self.settings
-        if settings.adaptive and models is not None and self._plans_now(step, models):
+        planning = settings.adaptive and models is not None and step >= settings.hold_steps
+        if planning and models is not None and self._plans_now(step, models):
             current = self.plan_book.latest
             sizes = self.planner.plan(current, models, self.total)
             if isinstance(settings.planner, str):  # a Planner object of the user's is obeyed as it is

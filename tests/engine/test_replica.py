@@ -10,6 +10,7 @@ import torch
 from helpers import FakeCommunicator, RegressionData
 from torch.utils.data import DataLoader
 
+from lightning_aesgd.core.lr import InverseTimeDecay
 from lightning_aesgd.core.merge import SMA, ElasticAverage
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.slowdown import as_profile
@@ -20,7 +21,7 @@ from lightning_aesgd.engine.routing import Router
 
 
 def _engine(merging: MergeSettings | None = None, **options) -> ReplicaEngine:
-    defaults = {"l2_nudge": False, "lr_scaling": False, "slowdown": None, "step_batch_size": None}
+    defaults = {"l2_nudge": False, "lr_scaling": False, "lr_schedule": None, "slowdown": None, "step_batch_size": None}
     defaults |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
     return ReplicaEngine(merging or MergeSettings(ElasticAverage()), Router(), **(defaults | options))
 
@@ -70,6 +71,22 @@ def test_lr_scaling_scales_only_inside_the_step():
     # One replica takes the whole step batch of 8 where the nominal per-replica batch is 8: factor 1.
     assert seen == [pytest.approx(0.1)] * len(loader)
     assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_lr_schedule_multiplies_the_rate_by_its_factor_of_the_global_step_inside_the_step_only():
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module, lr_schedule=InverseTimeDecay(decay=1.0, warmup_steps=2, warmup_start=0.5))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    seen = []
+    _steps(engine, loader, optimizer, lambda: seen.append(optimizer.param_groups[0]["lr"]))
+    factors = [0.5, 0.75, 1.0, 0.5, 1 / 3, 0.25, 0.2, 1 / 6]
+    assert seen == [pytest.approx(0.1 * factor) for factor in factors[: len(loader)]]
+    assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_lr_schedule_must_be_callable():
+    with pytest.raises(TypeError, match="lr_schedule"):
+        _engine(lr_schedule=0.05)
 
 
 def test_a_learning_rate_drop_resets_the_replica_to_the_center_for_sma_only():

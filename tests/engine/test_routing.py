@@ -100,6 +100,15 @@ def test_additive_planner_moves_towards_equal_step_times():
     assert max(times) / min(times) < 1.15
 
 
+def test_hold_steps_keep_the_first_plan_through_the_warm_up_then_adapt():
+    factors = (1, 2)
+    held = _run(_group(2, planner="additive", hold_steps=10), lambda step: factors, steps=40)
+    free = _run(_group(2, planner="additive"), lambda step: factors, steps=40)
+    assert free[8] != (128, 128)  # adapts from the first measurements...
+    assert set(held[: 10 + 3]) == {(128, 128)}  # ...or not before step 10 (+ the lag of 3)
+    assert held[-1][0] > held[-1][1]  # then it does
+
+
 @pytest.mark.parametrize("planner", ["proportional", "balanced", "additive", "static"])
 def test_every_planner_plans_within_the_strategy_default_bounds(planner):
     # The strategy passes min_batch=1, max_batch=None (no limit); every planner must accept them.
@@ -254,6 +263,8 @@ def test_the_history_is_a_ring_so_memory_stays_flat():
         ({"min_batch": 1.5}, TypeError, "`min_batch` is a batch size"),
         ({"max_batch": 2.5}, TypeError, "`max_batch` is a batch size"),
         ({"min_share": "0.1"}, TypeError, "`min_share` must be a number"),
+        ({"hold_steps": -1}, ValueError, "`hold_steps` counts steps"),
+        ({"hold_steps": 2.5}, ValueError, "`hold_steps` counts steps"),
         ({"speed_smoothing": 1.0}, ValueError, "`speed_smoothing`"),
         ({"speed_smoothing": float("nan")}, ValueError, "`speed_smoothing`"),
         ({"planner": None}, TypeError, "`planner` must be a name or a Planner"),

@@ -1,0 +1,63 @@
+"""Learning-rate factors by step: Adaptive SGD's warm-up ramp and inverse-time decay.
+
+The authors' code (YMA33/HeteroGPU, ``Scheduler/source/GPUGDScheduler.cu``) sets every GPU's rate at each merge
+as ``η0·b_warm/B·(0.01 + 0.99·seen/(10·N))`` during a 10-epoch warm-up (``seen`` examples of ``N`` per epoch),
+then ``η0·bᵢ/B / (1 + decay·(epoch − 10))``. :class:`InverseTimeDecay` is the factor of that schedule on ``η0``
+(the ``bᵢ/B`` part is ``lr_scaling``), counted in steps. Method card: ``docs/methods/adaptive_sgd.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["InverseTimeDecay"]
+
+
+@dataclass(frozen=True)
+class InverseTimeDecay:
+    """``f(t)``: a linear ramp over the warm-up, then ``1/(1 + decay·(t − w))``; ``t`` the 0-based step.
+
+    ::
+
+        f(t) = s + (1 − s)·t/w            for t < w       (ramp from s to 1, the paper's s = 0.01)
+        f(t) = 1 / (1 + decay·(t − w))    for t ≥ w       (the paper counts t in epochs)
+
+    A callable of the step, so that it serves both the strategy's ``lr_schedule`` (applied to each replica's
+    rate during its step) and ``torch.optim.lr_scheduler.LambdaLR(optimizer, InverseTimeDecay(...))``.
+
+    Args:
+        decay: decay per step after the warm-up, ``≥ 0`` (0: constant).
+        warmup_steps: length ``w`` of the ramp, ``≥ 0`` (0: no ramp).
+        warmup_start: the ramp's first factor ``s``, in ``(0, 1]``.
+
+    Raises:
+        ValueError: for a negative decay or warm-up, or ``s`` outside ``(0, 1]``.
+
+    Example:
+        >>> schedule = InverseTimeDecay(decay=0.5, warmup_steps=4, warmup_start=0.2)
+        >>> [round(schedule(t), 2) for t in range(7)]
+        [0.2, 0.4, 0.6, 0.8, 1.0, 0.67, 0.5]
+    """
+
+    decay: float
+    warmup_steps: int = 0
+    warmup_start: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.decay, (int, float)) and math.isfinite(self.decay) and self.decay >= 0):
+            raise ValueError(f"`decay` must be a finite number >= 0, got {self.decay!r}. HINT: 0 keeps the rate.")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` counts steps, got {self.warmup_steps!r}. HINT: pass a whole number >= 0.")
+        if not (isinstance(self.warmup_start, (int, float)) and 0.0 < self.warmup_start <= 1.0):
+            raise ValueError(
+                f"`warmup_start` is the ramp's first factor, got {self.warmup_start!r}. HINT: pass a value in (0, 1]."
+            )
+
+    def __call__(self, step: int) -> float:
+        """The factor on the base learning rate at the 0-based ``step``; raises ``ValueError`` if it is negative."""
+        if step < 0:
+            raise ValueError(f"`step` is 0-based and must be >= 0, got {step}.")
+        if step < self.warmup_steps:
+            return self.warmup_start + (1.0 - self.warmup_start) * step / self.warmup_steps
+        return 1.0 / (1.0 + self.decay * (step - self.warmup_steps))
