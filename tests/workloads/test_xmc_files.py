@@ -179,7 +179,7 @@ def test_the_main_job_trains_on_the_files_with_two_heterogeneous_replicas(tmp_pa
         "devices.slowdown.factors=[1,3]",
         "trainer.max_epochs=2",
         "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
+        "++trainer.enable_model_summary=false",
     ]
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
