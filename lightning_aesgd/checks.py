@@ -57,3 +57,61 @@ def check_fit_settings(trainer: Any, module: Any) -> None:
             "update of every replica. HINT: set accumulate_grad_batches=1 and raise the DataLoader's batch_size "
             "instead."
         )
+
+
+def check_sync(sync: Any, gradient_delay: Any, merge_options: dict[str, tuple[Any, Any]]) -> None:
+    """Raise unless ``sync`` and ``gradient_delay`` are valid and no merge option is set for gradient sync.
+
+    Args:
+        sync: ``"models"`` or ``"gradients"``.
+        gradient_delay: 0 or 1.
+        merge_options: each option that only model merging uses, as (value given, default).
+
+    Raises:
+        ValueError: naming the option and the fix.
+    """
+    if sync not in ("models", "gradients"):
+        raise ValueError(f"sync={sync!r} is not one of 'models', 'gradients'. HINT: pick one of them.")
+    if gradient_delay not in (0, 1) or isinstance(gradient_delay, bool):
+        raise ValueError(f"gradient_delay={gradient_delay!r}: 0 (synchronous) or 1 (ABS-SGD) only.")
+    if sync == "models":
+        if gradient_delay:
+            raise ValueError(
+                "gradient_delay applies to gradient synchronisation only. HINT: add sync='gradients' (ABS-SGD)."
+            )
+        if merge_options["find_unused_parameters"][0]:
+            raise ValueError(
+                "find_unused_parameters is DistributedDataParallel's option, used with sync='gradients' only; "
+                "model merging needs no such search. HINT: remove it, or add sync='gradients'."
+            )
+        return
+    given = sorted(name for name, (value, default) in merge_options.items() if _differs(value, default))
+    given = [name for name in given if name != "find_unused_parameters"]
+    if given:
+        raise ValueError(
+            f"{given} configure model merging, which sync='gradients' does not do (every step applies the sum "
+            "of the replicas' weighted gradients). HINT: remove them, or use sync='models'."
+        )
+
+
+def check_gradient_settings(engine: Any, trainer: Any, precision_plugin: Any) -> None:
+    """Raise for Trainer settings that delayed gradient sums (ABS-SGD) cannot honour.
+
+    Raises:
+        UnsupportedSettingError: naming the setting and the fix.
+    """
+    if not getattr(engine, "delay", 0):
+        return
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise UnsupportedSettingError(
+            "gradient_delay=1 with a GradScaler (precision='16-mixed'): a delayed sum was scaled by an earlier "
+            "step's loss scale, which the scaler's unscale of the current step would get wrong. HINT: use "
+            "precision='bf16-mixed' or '32-true', or gradient_delay=0."
+        )
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:  # an object without equality (a merge rule instance): it was given
+        return True

@@ -26,7 +26,13 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_aesgd.checks import check_fit_settings, check_switches, check_timeout
+from lightning_aesgd.checks import (
+    check_fit_settings,
+    check_gradient_settings,
+    check_switches,
+    check_sync,
+    check_timeout,
+)
 from lightning_aesgd.core.merge import MergeRule, as_merge_rule
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.slowdown import as_profile
@@ -34,6 +40,8 @@ from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.elastic import attempt_store, destroy_process_group, shared_store_warning
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
+from lightning_aesgd.engine.gradient_engine import GradientEngine
+from lightning_aesgd.engine.gradients import weighted_gradient_hook
 from lightning_aesgd.engine.replica import CHECKPOINT_KEY, ReplicaEngine
 from lightning_aesgd.engine.routing import PlanSettings, Router, SampleCosts
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
@@ -88,6 +96,14 @@ class AdaptiveElasticMixin(_Base):
             (e.g. :class:`~lightning_aesgd.core.lr.InverseTimeDecay`, the paper's warm-up ramp and ``1/(1 + decay·t)``);
             it multiplies ``lr_scaling``'s factor and, like it, leaves the optimizer's own rate (and the user's
             schedulers) alone between steps.
+        sync: what the replicas synchronise. ``"models"``: local steps and elastic model merges (the options
+            above). ``"gradients"``: DDP's reducer with each replica's gradient weighted by its share of the step's
+            samples, ``Σᵢ (bᵢ/M)·gᵢ``, the gradient of the whole step batch: DDP's update for any optimizer, at
+            speed-proportional batches (see :mod:`lightning_aesgd.engine.gradients`). The merge options (period,
+            merge_rule, merge_weights, l2_nudge, merge_buffers, optimizer_state, lr_scaling) do not apply to it.
+        gradient_delay: with ``sync="gradients"``, 1 applies each step's sum one step later while the next step
+            computes (ABS-SGD); 0 applies it at once.
+        find_unused_parameters: with ``sync="gradients"``, DistributedDataParallel's option of that name.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.core.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
             exactly; otherwise every replica resumes from the merged model.
@@ -128,6 +144,9 @@ class AdaptiveElasticMixin(_Base):
         sample_costs: SampleCosts = None,
         lr_scaling: bool = False,
         lr_schedule: Callable[[int], float] | None = None,
+        sync: Literal["models", "gradients"] = "models",
+        gradient_delay: int = 0,
+        find_unused_parameters: bool = False,
         slowdown: Any = None,
         checkpoint_replicas: bool = True,
         telemetry: bool = True,
@@ -162,8 +181,24 @@ class AdaptiveElasticMixin(_Base):
             plan_after_warmup=plan_after_warmup,
             checkpoint_replicas=checkpoint_replicas,
             telemetry=telemetry,
+            find_unused_parameters=find_unused_parameters,
         )
         check_timeout(timeout)
+        check_sync(
+            sync,
+            gradient_delay,
+            merge_options={
+                "period": (period, MergeSettings.period),
+                "merge_rule": (merge_rule, "elastic_average"),
+                "merge_weights": (merge_weights, MergeSettings.weights),
+                "l2_nudge": (l2_nudge, False),
+                "merge_buffers": (merge_buffers, MergeSettings.merge_buffers),
+                "optimizer_state": (optimizer_state, MergeSettings.optimizer_state),
+                "lr_scaling": (lr_scaling, False),
+                "find_unused_parameters": (find_unused_parameters, False),
+            },
+        )
+        ddp_options: dict[str, Any] = {"find_unused_parameters": find_unused_parameters} if sync == "gradients" else {}
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -173,26 +208,39 @@ class AdaptiveElasticMixin(_Base):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            **ddp_options,
         )
-        merging = MergeSettings(
-            as_merge_rule(merge_rule), period, warmup_steps, merge_weights, merge_buffers, optimizer_state
-        )
+        self.sync = sync
         hold_steps = warmup_steps if plan_after_warmup else 0
         planning = PlanSettings(
             planner, shares, min_batch, max_batch, min_share, speed_smoothing, plan_gain, hold_steps=hold_steps
         )
-        self.engine = ReplicaEngine(
-            merging,
-            Router(planning),
-            l2_nudge=l2_nudge,
-            lr_scaling=lr_scaling,
-            lr_schedule=lr_schedule,
-            slowdown=as_profile(slowdown),
-            step_batch_size=step_batch_size,
-            plan_lag=plan_lag,
-            sample_costs=sample_costs,
-            checkpoint_replicas=checkpoint_replicas,
-        )
+        if sync == "gradients":
+            self.engine: ReplicaEngine = GradientEngine(
+                Router(planning),
+                delay=gradient_delay,
+                lr_schedule=lr_schedule,
+                slowdown=as_profile(slowdown),
+                step_batch_size=step_batch_size,
+                plan_lag=plan_lag,
+                sample_costs=sample_costs,
+            )
+        else:
+            merging = MergeSettings(
+                as_merge_rule(merge_rule), period, warmup_steps, merge_weights, merge_buffers, optimizer_state
+            )
+            self.engine = ReplicaEngine(
+                merging,
+                Router(planning),
+                l2_nudge=l2_nudge,
+                lr_scaling=lr_scaling,
+                lr_schedule=lr_schedule,
+                slowdown=as_profile(slowdown),
+                step_batch_size=step_batch_size,
+                plan_lag=plan_lag,
+                sample_costs=sample_costs,
+                checkpoint_replicas=checkpoint_replicas,
+            )
         self.telemetry = telemetry
         self._checkpoint_extras: dict[str, Any] | None = None
         self._stop_check: StopCheck | None = None
@@ -227,7 +275,14 @@ class AdaptiveElasticMixin(_Base):
 
     @override
     def configure_ddp(self) -> None:
-        """Leave the model unwrapped: replicas are merged, not gradient-synchronised."""
+        """Leave the model unwrapped (replicas are merged), or, for ``sync="gradients"``, wrap it as DDP does.
+
+        Under gradient synchronisation the wrapper's communication hook weights every replica's gradient by its
+        share of the step's samples.
+        """
+        if isinstance(self.engine, GradientEngine):
+            super().configure_ddp()
+            self.model.register_comm_hook(self.engine.reduce, weighted_gradient_hook)  # type: ignore[union-attr,operator]
 
     @override
     def setup_distributed(self) -> None:
@@ -265,10 +320,13 @@ class AdaptiveElasticMixin(_Base):
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == "fit":
             check_fit_settings(trainer, self._module)
+            check_gradient_settings(self.engine, trainer, self.precision_plugin)
         super().setup(trainer)
         if trainer.state.fn != "fit":
             return
         self.engine.start(self._module, default_communicator(self.root_device), self.root_device)
+        if isinstance(self.engine, GradientEngine):
+            self.engine.on_flush(self._clip_gradients)
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
 
     @override
@@ -292,6 +350,7 @@ class AdaptiveElasticMixin(_Base):
         if not self.engine.ready:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self._module.trainer
+        closure = self.engine.after_backward_of(closure)
         output = self.engine.optimizer_step(
             optimizer,
             lambda: super(AdaptiveElasticMixin, self).optimizer_step(optimizer, closure, model, **kwargs),
@@ -300,6 +359,15 @@ class AdaptiveElasticMixin(_Base):
         if self.telemetry and self.is_global_zero and _logs_this_step(trainer):
             self._log_telemetry(trainer)
         return output
+
+    def _clip_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """The Trainer's gradient clipping, for an update the strategy applies itself (a flushed delayed sum)."""
+        trainer = self._module.trainer
+        self._module.configure_gradient_clipping(
+            optimizer,
+            gradient_clip_val=trainer.gradient_clip_val,
+            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+        )
 
     def _log_telemetry(self, trainer: Any) -> None:
         # Every rank holds the same numbers (those of the latest merge), so rank zero hands them to the loggers

@@ -139,6 +139,12 @@ class ReplicaEngine:
         assert self.averager is not None, "the engine is not running: call start() first"
         return self.averager
 
+    def _comm(self) -> Communicator:
+        return self._running_averager().comm
+
+    def _merge_count(self) -> int:
+        return self._running_averager().merges
+
     # --- a fit's lifecycle --------------------------------------------------------------------------------
 
     def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
@@ -169,7 +175,7 @@ class ReplicaEngine:
             position: where the training loop resumes, as (epoch, steps of it done); the loader continues there
                 (any checkpoint, DDP's included, records the loop's position; none records the loader's).
         """
-        comm = self._running_averager().comm
+        comm = self._comm()
         facts = inspect_train_loader(dataloader)
         depth = prefetch_depth(dataloader)
         if self.plan_lag is not None and self.plan_lag <= depth:
@@ -233,6 +239,10 @@ class ReplicaEngine:
             self._first_step = False
         self.router.resume()  # after whatever paused the clock (validation, a checkpoint)
 
+    def after_backward_of(self, closure: Callable[[], T]) -> Callable[[], T]:
+        """Lightning's closure (forward and backward) as the optimizer step should run it: unchanged here."""
+        return closure
+
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T], stop_requested: Callable[[], bool]
     ) -> T:
@@ -262,7 +272,7 @@ class ReplicaEngine:
     def _emulated(self) -> AbstractContextManager[None]:
         if self.slowdown is None or self._compute_clock is None:
             return nullcontext()
-        rank = self._running_averager().comm.rank
+        rank = self._comm().rank
         return emulated_slowdown(self._compute_clock, self.slowdown.factor(rank, self._global_step))
 
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer, stop_requested: bool) -> None:
@@ -302,7 +312,7 @@ class ReplicaEngine:
         lost = [rank for rank, row in enumerate(rows) if not PeriodReport.from_row(row).finite]
         for rank in lost:
             self.exclusions.append((self._global_step, rank))
-            if self._running_averager().comm.rank == 0:
+            if self._comm().rank == 0:
                 log.warning(
                     "Replica %d's model was not finite at step %d: left out of the merge and restored from the "
                     "merged model (its optimizer state reset).",
@@ -344,7 +354,7 @@ class ReplicaEngine:
             return None
         unit = "units" if self.router.cost_aware else "samples"
         sizes = self.router.history[-1][2]
-        return summary_table(self.router.stats(), sizes, self._running_averager().merges, unit, self.router.floor)
+        return summary_table(self.router.stats(), sizes, self._merge_count(), unit, self.router.floor)
 
     def summary_record(self) -> dict[str, Any] | None:
         """:meth:`summary` as plain data (:func:`~lightning_aesgd.engine.telemetry.summary_record`)."""
@@ -352,7 +362,7 @@ class ReplicaEngine:
             return None
         unit = "units" if self.router.cost_aware else "samples"
         sizes = self.router.history[-1][2]
-        return summary_record(self.router.stats(), sizes, self._running_averager().merges, unit, self.router.floor)
+        return summary_record(self.router.stats(), sizes, self._merge_count(), unit, self.router.floor)
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
@@ -399,6 +409,10 @@ class ReplicaEngine:
     ) -> None:
         """Put back what :meth:`training_state` saved; this replica's own part when the world size matches."""
         averager = self._running_averager()
+        if "averager" not in state["shared"]:  # a checkpoint of sync="gradients": its plans carry over
+            self.router.load_shared_state(state["shared"]["router"])
+            self._saved_step_batch_size = state["shared"].get("step_batch_size")
+            return
         averager.load_shared_state(state["shared"]["averager"])
         self.router.load_shared_state(state["shared"]["router"])
         self.normalization.load_state_dict(state["shared"]["l2_trend"])

@@ -301,11 +301,12 @@ class Router:
         Its busy time (inside the body) goes to telemetry; the arrival at the next merge measures the rest.
         """
         assert self._timer is not None
+        # The work counts from the start: under gradient synchronisation the replica reports mid-step.
+        self._period.add(record.cost if self.cost_aware else float(record.num_samples), record.planned)
+        self._period.loader += loader_seconds
         self._timer.start()
         yield
         self._timer.stop()
-        self._period.add(record.cost if self.cost_aware else float(record.num_samples), record.planned)
-        self._period.loader += loader_seconds
         # On CUDA a step's busy time is known a step or two later; only complete regions are counted.
         self._period.busy += sum(self._timer.pop_completed())
 
@@ -357,19 +358,26 @@ class Router:
             center_norm=center_norm,
         )
 
-    def receive(self, rows: Sequence[Sequence[float]], step: int) -> None:
+    def continue_after_arrival(self) -> None:
+        """Start the next period at the arrival just reported: the replica works on while the reports travel.
+
+        For overlapped synchronisation (a delayed gradient sum), where the replica blocks on peers later, inside
+        :meth:`pause`/:meth:`resume`; the reports then come back through ``receive(..., released=False)``.
+        """
+        self._release = self._arrival
+        self._active_before = 0.0
+        self._period = _Period()
+
+    def receive(self, rows: Sequence[Sequence[float]], step: int, released: bool = True) -> None:
         """Take every replica's report (rank order) after the merge; update the models and schedule a plan.
 
-        Every rank passes the same rows, so every rank takes the same decision.
+        Every rank passes the same rows, so every rank takes the same decision. ``released``: this replica leaves
+        the merge now (the next period starts); ``False`` after :meth:`continue_after_arrival`.
         """
         assert self.plan_book is not None
         assert self.model is not None
-        released = self.clock()
-        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
-        wall = active + released - self._arrival
-        self._wait_fraction = (released - self._arrival) / wall if wall > 0 else 0.0
-        self._release = released
-        self._active_before = 0.0
+        if released:
+            self._release_now()
         reports = [PeriodReport.from_row(row) for row in rows]
         self.model.update(reports)
         self.stop_requested = any(report.stop > 0 for report in reports)
@@ -388,7 +396,16 @@ class Router:
                 self.plan_book.schedule(step + self.lag, sizes)
         self.latest_reports = reports
         self.history.append((step, tuple(self.model.rates()), self.plan_book.latest))
-        self._period = _Period()
+        if released:
+            self._period = _Period()
+
+    def _release_now(self) -> None:
+        released = self.clock()
+        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
+        wall = active + released - self._arrival
+        self._wait_fraction = (released - self._arrival) / wall if wall > 0 else 0.0
+        self._release = released
+        self._active_before = 0.0
 
     def _plans_now(self, step: int, models: Sequence[StepTime]) -> bool:
         """Whether to ask a named planner for a new plan at this merge (a Planner object is always asked).

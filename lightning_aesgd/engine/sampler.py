@@ -135,11 +135,14 @@ class StepRecord:
         cost: their total cost (the number of samples without costs).
         planned: the batch size the plan gave this replica: what the planner controls, and what its step-time
             model is fitted against (with cost-aware splitting the count varies around it).
+        step_samples: samples of the whole step, every replica's together (0 where unknown); a replica's share of
+            the step's gradient is ``num_samples / step_samples``.
     """
 
     num_samples: int
     cost: float
     planned: int
+    step_samples: int = 0
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
@@ -277,7 +280,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         cost = float(self.costs[mine].sum()) if self.costs is not None else float(len(mine))
         # A short last step keeps the plan's proportions: count it at its apportioned size.
         planned = sizes[self.rank] if len(step) == sum(sizes) else apportion(len(step), sizes)[self.rank]
-        self._records[key] = StepRecord(num_samples=len(mine), cost=cost, planned=planned)
+        self._records[key] = StepRecord(num_samples=len(mine), cost=cost, planned=planned, step_samples=len(step))
         return StepIndices(mine.tolist(), key)
 
     def _split(self, step: Tensor, sizes: Sequence[int]) -> list[int]:

@@ -1,0 +1,253 @@
+"""One replica's machinery under ``sync="gradients"``: routing and planning as ever, DDP's reducer for the update.
+
+:class:`GradientEngine` is the :class:`~lightning_aesgd.engine.replica.ReplicaEngine` for gradient
+synchronisation. The loader, the sampler, the router, telemetry, slowdown emulation and checkpoints of plans are
+the same; instead of merging models it sets each step's weight ``bᵢ/M`` on the DDP communication hook
+(:class:`~lightning_aesgd.engine.gradients.WeightedGradientReduce`), and the replicas' reports travel in a small
+all-reduce launched with the last gradient bucket. Every replica holds the same model and optimizer state, as
+under DDP, so evaluation and checkpoints need no merged model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_aesgd.core.merge import as_merge_rule
+from lightning_aesgd.core.slowdown import SlowdownProfile
+from lightning_aesgd.engine.averager import MergeSettings
+from lightning_aesgd.engine.comm import Communicator
+from lightning_aesgd.engine.gradients import (
+    WeightedGradientReduce,
+    apply_gradients,
+    pending_from_list,
+    pending_to_list,
+    update_skipped,
+)
+from lightning_aesgd.engine.replica import ReplicaEngine, _scaled_learning_rate
+from lightning_aesgd.engine.routing import Router, SampleCosts
+from lightning_aesgd.engine.timing import ComputeClock
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class GradientEngine(ReplicaEngine):
+    """Uneven batches with DDP's exact update (``delay=0``) or ABS-SGD's one-step-stale one (``delay=1``).
+
+    Args:
+        router: measures arrivals and plans batch sizes.
+        delay: 0, or 1 for ABS-SGD (see :mod:`lightning_aesgd.engine.gradients`).
+        lr_schedule: a factor on the learning rate during each step, a function of the global step.
+        slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step.
+        step_batch_size: indices consumed per step by all replicas.
+        plan_lag: steps between deciding a plan and applying it.
+        sample_costs: per-sample costs for cost-aware splitting.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        delay: int,
+        lr_schedule: Callable[[int], float] | None,
+        slowdown: SlowdownProfile | None,
+        step_batch_size: int | None,
+        plan_lag: int | None,
+        sample_costs: SampleCosts,
+    ) -> None:
+        super().__init__(
+            MergeSettings(as_merge_rule("elastic_average")),  # unused: nothing is merged
+            router,
+            l2_nudge=False,
+            lr_scaling=False,
+            lr_schedule=lr_schedule,
+            slowdown=slowdown,
+            step_batch_size=step_batch_size,
+            plan_lag=plan_lag,
+            sample_costs=sample_costs,
+            checkpoint_replicas=False,
+        )
+        self.reduce = WeightedGradientReduce(delay, on_last_bucket=self._arrive, waiting=self._waiting_for_peers)
+        self.syncs = 0
+        self._comm_in_use: Communicator | None = None
+        self._params: list[nn.Parameter] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._before_flush_update: Callable[[torch.optim.Optimizer], None] | None = None
+        self._share = 1.0
+        self._stop_requested: Callable[[], bool] = lambda: False
+        self._rows_in_flight: list[torch.futures.Future[Any]] = []
+        self._device = torch.device("cpu")
+
+    @property
+    def delay(self) -> int:
+        """Steps between computing a gradient and applying it (1: ABS-SGD)."""
+        return self.reduce.delay
+
+    @property
+    def running(self) -> bool:  # noqa: D102
+        return self._comm_in_use is not None
+
+    @property
+    def ready(self) -> bool:  # noqa: D102
+        return self._comm_in_use is not None and self.sampler is not None
+
+    def _comm(self) -> Communicator:
+        assert self._comm_in_use is not None, "the engine is not running: call start() first"
+        return self._comm_in_use
+
+    def _merge_count(self) -> int:
+        return self.syncs
+
+    # --- a fit's lifecycle --------------------------------------------------------------------------------
+
+    def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
+        """Begin a fit: DistributedDataParallel has already made every replica start from rank zero's model."""
+        if self.slowdown is not None:
+            self.slowdown.check_replicas(comm.world_size)
+        self._comm_in_use = comm
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self.router.attach(comm.world_size, device)
+        self._compute_clock = ComputeClock(device)
+        self._device = device
+        self._first_step = True
+        self._saved_step_batch_size = None
+        self.syncs = 0
+
+    def stop(self) -> None:
+        """End a fit."""
+        super().stop()
+        self._comm_in_use = None
+        self._optimizer = None
+        self._rows_in_flight = []
+
+    def on_flush(self, before_update: Callable[[torch.optim.Optimizer], None] | None) -> None:
+        """What runs between writing a flushed gradient and the update (the Trainer's gradient clipping)."""
+        self._before_flush_update = before_update
+
+    # --- training steps -----------------------------------------------------------------------------------
+
+    def after_backward_of(self, closure: Callable[[], T]) -> Callable[[], T]:
+        """Lightning's closure, followed by taking in the replicas' reports: the release from the step's sum."""
+
+        def closure_then_reports() -> T:
+            output = closure()
+            self._take_reports()
+            return output
+
+        return closure_then_reports
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T], stop_requested: Callable[[], bool]
+    ) -> T:
+        """Run one step whose gradient the hook weights by this replica's share of the step's samples."""
+        sampler = self.sampler
+        assert sampler is not None, "the training loader was not built by training_loader()"
+        record = sampler.pop_record(self._step_key)
+        self._optimizer, self._stop_requested = optimizer, stop_requested
+        self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
+        self.reduce.begin_step(self._share)
+        skip = nullcontext() if self.reduce.applies_update else update_skipped(optimizer)
+        factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
+        loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
+        timing = self.router.timing(record, loader_seconds)
+        with _scaled_learning_rate(optimizer, factor), timing, self._emulated(), skip:
+            output = run_step()
+        self.reduce.end_step()
+        self.syncs += 1
+        self.merged_last_step = True
+        return output
+
+    def _arrive(self) -> None:
+        """The last bucket is on its way: report this replica's period in a small all-reduce beside it."""
+        comm = self._comm()
+        report = self.router.report(self._share, stop=self._stop_requested())
+        row = torch.tensor(report.as_row(), dtype=torch.float64, device=self._device)
+        rows = torch.zeros(comm.world_size, row.numel(), dtype=torch.float64, device=self._device)
+        rows[comm.rank] = row
+        self._rows_in_flight.append(dist.all_reduce(rows, async_op=True).get_future())
+        if self.delay:
+            self.router.continue_after_arrival()
+
+    def _take_reports(self) -> None:
+        # Synchronous: this step's reports, released now. Delayed: the previous step's, while this one's travel.
+        keep = 1 if self.delay else 0
+        while len(self._rows_in_flight) > keep:
+            future = self._rows_in_flight.pop(0)
+            with self._waiting_for_peers() if self.delay else nullcontext():
+                rows = future.wait()[0]
+            self.router.receive(rows.cpu().tolist(), self._step_key, released=not self.delay)
+
+    @contextmanager
+    def _waiting_for_peers(self) -> Iterator[None]:
+        self.router.pause()
+        try:
+            yield
+        finally:
+            self.router.resume()
+
+    def flush(self) -> None:
+        """Apply the delayed sum still in flight (ABS-SGD), so that none is lost: before evaluation and at the end."""
+        pending = self.reduce.take_pending()
+        while self._rows_in_flight:
+            rows = self._rows_in_flight.pop(0).wait()[0]
+            self.router.receive(rows.cpu().tolist(), self._step_key, released=False)
+        optimizer = self._optimizer
+        if pending is None or optimizer is None:
+            return
+        apply_gradients(self._params, pending)
+        if self._before_flush_update is not None:
+            self._before_flush_update(optimizer)
+        factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
+        with _scaled_learning_rate(optimizer, factor):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # --- evaluation and the end of fit ----------------------------------------------------------------------
+
+    def begin_evaluation(self) -> None:
+        """Apply what is in flight, then evaluate the model every replica shares."""
+        self.router.pause()
+        self.flush()
+
+    def end_evaluation(self) -> None:  # noqa: D102
+        self.router.resume()
+
+    def finish(self) -> None:
+        """Apply the last delayed sum: the module leaves fit holding every update."""
+        self.flush()
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+
+    def global_model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's state: every replica holds the same model."""
+        self.router.pause()
+        return {name: tensor.clone() for name, tensor in module.state_dict().items()}
+
+    def training_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """Plans, the router's measurements and (ABS-SGD) the gradient sum the next step applies."""
+        shared: dict[str, Any] = {"router": self.router.shared_state()}
+        if self.sampler is not None:
+            shared["step_batch_size"] = self.sampler.step_batch_size
+        shared["delayed_gradients"] = pending_to_list(self._params, self.reduce.peek_pending())
+        return {"world_size": self._comm().world_size, "shared": shared, "replicas": None, "sync": "gradients"}
+
+    def load_training_state(
+        self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None, device: torch.device
+    ) -> None:
+        """Put back what :meth:`training_state` saved (a ``sync="models"`` checkpoint gives its plans only)."""
+        shared = state["shared"]
+        self.router.load_shared_state(shared["router"])
+        self._saved_step_batch_size = shared.get("step_batch_size")
+        delayed = shared.get("delayed_gradients")
+        if delayed is not None and self.delay:
+            self.reduce.hold(pending_from_list(self._params, delayed))
+        elif delayed is not None:
+            log.warning("The checkpoint holds a delayed gradient sum, which sync without delay does not apply.")

@@ -1,0 +1,210 @@
+"""Gradient synchronisation at uneven batches, through DDP's own reducer: the ``sync="gradients"`` modes.
+
+With ``sync="gradients"`` the model is wrapped in ``DistributedDataParallel`` as under DDP (bucketing, overlap
+with backward, sparse gradients), and :class:`WeightedGradientReduce` is its communication hook. Replica ``i``
+computes the mean gradient ``gᵢ`` of its ``bᵢ`` samples; the hook scales it by ``bᵢ/M`` and sums over replicas::
+
+    g = Σᵢ (bᵢ/M)·gᵢ = (1/M)·Σ_{s in the step's M samples} ∇ℓ(s)
+
+which is the gradient of the whole step batch: DDP's update with the same global batch, whatever the split.
+Every replica applies the same ``g`` with its own, identical, optimizer state, so any optimizer (Adam included)
+follows DDP's trajectory.
+
+With ``delay=1`` (ABS-SGD: Zhou et al., "ABS-SGD: A Delayed Synchronous Stochastic Gradient Descent Algorithm
+with Adaptive Batch Size for Heterogeneous GPU Clusters", 2023) the sum of step ``t`` is launched during step
+``t``'s backward and applied at step ``t+1``: ``θ_{t+1} = θ_t − η·g_{t−1}``, one step stale, so the
+communication of a step and the waiting for the slowest replica overlap the next step's computation. The first
+step after a flush applies nothing; :meth:`WeightedGradientReduce.take_pending` hands over what is still in flight
+so that every reduced gradient is applied exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+Pending = dict[int, Tensor]
+"""Reduced gradients awaiting their update, keyed by ``id`` of the parameter."""
+
+
+class WeightedGradientReduce:
+    """The state of DDP's communication hook: weight, launch and (with ``delay``) hold back each bucket's sum.
+
+    Register with ``ddp_model.register_comm_hook(reduce, weighted_gradient_hook)``.
+
+    Args:
+        delay: steps between computing a gradient and applying it: 0 (synchronous) or 1 (ABS-SGD).
+        on_last_bucket: called once per backward, right after the last bucket's sum is launched: this replica has
+            finished its step's computation (its arrival).
+        waiting: a context manager around time spent blocked on peers (the previous step's sums, with ``delay``).
+        group: the process group (the default one when ``None``).
+    """
+
+    def __init__(
+        self,
+        delay: int = 0,
+        on_last_bucket: Callable[[], None] | None = None,
+        waiting: Callable[[], AbstractContextManager[Any]] | None = None,
+        group: Any = None,
+    ) -> None:
+        if delay not in (0, 1):
+            raise ValueError(f"gradient_delay must be 0 or 1 (ABS-SGD's one step), got {delay!r}.")
+        self.delay = delay
+        self.weight = 1.0
+        self.on_last_bucket = on_last_bucket
+        self.waiting = waiting if waiting is not None else nullcontext
+        self.group = group
+        self._launched: list[tuple[list[nn.Parameter], torch.futures.Future[Tensor]]] = []
+        self._previous: list[tuple[list[nn.Parameter], torch.futures.Future[Tensor]]] = []
+        self._ready: Pending | None = None  # the previous step's sums, per parameter, once awaited
+        self._took_previous = False
+
+    def begin_step(self, weight: float) -> None:
+        """A step starts whose gradient counts with ``weight`` (this replica's share of the step's samples)."""
+        self.weight = weight
+        self._took_previous = False
+        if self.delay:
+            self._previous, self._launched = self._launched, []
+        else:
+            self._launched = []
+
+    @property
+    def applies_update(self) -> bool:
+        """Whether this step's backward leaves a reduced gradient to apply (not so right after a flush)."""
+        return not self.delay or bool(self._previous) or self._ready is not None
+
+    def reduce(self, bucket: Any) -> torch.futures.Future[Tensor]:
+        """DDP's hook body: weight the bucket, sum it over replicas; return this step's sum or the previous one's."""
+        buffer = bucket.buffer()
+        if self.delay:
+            # The sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
+            # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
+            contribution = buffer * self.weight
+        else:
+            contribution = buffer.mul_(self.weight) if self.weight != 1.0 else buffer
+        summed: torch.futures.Future[list[Tensor]] = dist.all_reduce(
+            contribution, group=self.group, async_op=True
+        ).get_future()
+        result: torch.futures.Future[Tensor] = summed.then(lambda future: future.value()[0])
+        if bucket.is_last() and self.on_last_bucket is not None:
+            self.on_last_bucket()
+        if not self.delay:
+            return result
+        params = list(bucket.parameters())
+        self._launched.append((params, result))
+        ready = self._previous_sums()
+        return _completed(_assemble(ready, params) if ready is not None else buffer)
+
+    def _previous_sums(self) -> Pending | None:
+        if not self._took_previous:
+            self._took_previous = True
+            if self._previous:
+                with self.waiting():
+                    self._ready = _per_parameter(self._previous)
+                self._previous = []
+        return self._ready
+
+    def end_step(self) -> None:
+        """The step's update is done: the sums it applied are spent."""
+        self._ready = None
+
+    def take_pending(self) -> Pending | None:
+        """Hand over the sums no step has applied yet, awaiting those in flight: a flush (the caller applies them)."""
+        pending = self.peek_pending()
+        self._ready = None
+        return pending
+
+    def peek_pending(self) -> Pending | None:
+        """The sums the next step would apply, awaited and kept there (a checkpoint stores them; the run goes on)."""
+        if self.delay and self._launched:
+            with self.waiting():
+                self.hold(_per_parameter(self._launched))
+        return self._ready
+
+    def hold(self, pending: Pending | None) -> None:
+        """Make ``pending`` the sums the next step applies (a checkpoint's, when resuming)."""
+        self._launched, self._previous, self._ready = [], [], pending
+
+
+def weighted_gradient_hook(state: WeightedGradientReduce, bucket: Any) -> torch.futures.Future[Tensor]:
+    """The function DDP calls for every ready bucket (see :class:`WeightedGradientReduce`)."""
+    return state.reduce(bucket)
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (postponed evaluation).
+weighted_gradient_hook.__annotations__ = {
+    "state": WeightedGradientReduce,
+    "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def apply_gradients(params: Sequence[nn.Parameter], pending: Pending) -> None:
+    """Write reduced gradients into ``.grad`` of the parameters they belong to (others get none)."""
+    for param in params:
+        grad = pending.get(id(param))
+        param.grad = None if grad is None else grad.to(param.device).view_as(param) if not grad.is_sparse else grad
+
+
+def pending_to_list(params: Sequence[nn.Parameter], pending: Pending | None) -> list[Tensor | None] | None:
+    """``pending`` in parameter order, on the CPU: what a checkpoint stores."""
+    if pending is None:
+        return None
+    return [None if id(p) not in pending else pending[id(p)].detach().cpu() for p in params]
+
+
+def pending_from_list(params: Sequence[nn.Parameter], saved: Sequence[Tensor | None]) -> Pending:
+    """The inverse of :func:`pending_to_list`, on the parameters' devices."""
+    if len(saved) != len(params):
+        raise ValueError(
+            f"The checkpoint holds delayed gradients for {len(saved)} parameters, the model has {len(params)}."
+        )
+    return {id(p): g.to(p.device) for p, g in zip(params, saved, strict=True) if g is not None}
+
+
+@contextmanager
+def update_skipped(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Let Lightning's optimizer step run its closure (forward, backward) but leave the parameters alone.
+
+    Lightning still counts the step, so ``global_step``, schedulers and loops advance as every step does.
+    """
+
+    def closure_only(closure: Callable[[], Any] | None = None, **_: Any) -> Any:
+        return closure() if closure is not None else None
+
+    optimizer.step = closure_only  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del optimizer.step  # the class's own step again
+
+
+def _per_parameter(launched: list[tuple[list[nn.Parameter], torch.futures.Future[Tensor]]]) -> Pending:
+    torch.futures.wait_all([future for _, future in launched])
+    pending: Pending = {}
+    for params, future in launched:
+        summed: Tensor = future.value()
+        if summed.is_sparse:  # a sparse gradient travels in a bucket of its own
+            (param,) = params
+            pending[id(param)] = summed
+            continue
+        for param, flat in zip(params, torch.split(summed, [p.numel() for p in params]), strict=True):
+            pending[id(param)] = flat.view_as(param)
+    return pending
+
+
+def _assemble(pending: Pending, params: list[nn.Parameter]) -> Tensor:
+    if len(params) == 1 and pending[id(params[0])].is_sparse:
+        return pending[id(params[0])]
+    return torch.cat([pending[id(p)].reshape(-1) for p in params])
+
+
+def _completed(value: Tensor) -> torch.futures.Future[Tensor]:
+    future: torch.futures.Future[Tensor] = torch.futures.Future()
+    future.set_result(value)
+    return future

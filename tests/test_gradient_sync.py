@@ -1,0 +1,224 @@
+"""``sync="gradients"``: DDP's update at uneven batches for any optimizer, and ABS-SGD's one-step delay.
+
+Two real gloo processes (forked) against Lightning's own DDPStrategy on the same data, or against closed forms.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from helpers import RegressionModel, flat_parameters
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import DDPStrategy
+from torch import Tensor, nn
+
+from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
+from lightning_aesgd.checks import UnsupportedSettingError, check_gradient_settings
+
+TIMEOUT = timedelta(seconds=90)
+
+
+def multiprocess(test: Any) -> Any:
+    """Marks of a test that forks two gloo processes: a hang fails it instead of blocking the suite."""
+    return pytest.mark.distributed(pytest.mark.slow(pytest.mark.timeout(240)(test)))
+
+
+class AdamRegression(RegressionModel):
+    """The regression net under Adam: averaging models is not averaging gradients for it."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class LinearInParameters(RegressionModel):
+    """loss = mean(x)·w: its gradient does not depend on w, so θ_T = θ_0 − η·Σ_t (mean of step t's x), in closed
+    form whatever the order or staleness in which the step gradients are applied, as long as each once."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        del self.net  # DDP (and sync="gradients", through it) refuses parameters without gradients
+        self.weight = nn.Parameter(torch.zeros(8))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, _y, _index = batch
+        return (x @ self.weight).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", (batch[0] @ self.weight).mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([self.weight], lr=0.1)
+
+
+def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    options.update(kwargs)
+    return pl.Trainer(strategy=strategy, **options)
+
+
+def _fit(strategy: Any, model_class: type = AdamRegression, model_kwargs: Any = None, **trainer_kwargs: Any) -> Tensor:
+    pl.seed_everything(7)
+    model = model_class(**(model_kwargs or {"size": 256, "batch_size": 8}))
+    _trainer(strategy, **trainer_kwargs).fit(model)
+    return flat_parameters(model)
+
+
+def _gradients(**options: Any) -> AdaptiveElasticStrategy:
+    return AdaptiveElasticStrategy(sync="gradients", start_method="fork", timeout=TIMEOUT, **options)
+
+
+class _PlanWriter(pl.Callback):
+    def __init__(self, path: Any) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(trainer.strategy.router.plan_book.state_dict()))
+
+
+# --- equivalence with DDP -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum"])
+@multiprocess
+def test_gradient_sync_follows_ddp_at_uneven_changing_plans(tmp_path, optimizer):
+    """Replica 1's hooks take 3× as long per sample: the plan moves from 8:8 towards 12:4, and every step's update
+    is still DDP's, Σ (bᵢ/M)·gᵢ over the same M samples, so Adam's trajectory is DDP's (models mode misses it)."""
+    model_class = AdamRegression if optimizer == "adam" else RegressionModel
+    model_kwargs: dict[str, Any] = {"size": 256, "batch_size": 8}
+    if optimizer == "sgd_momentum":
+        model_kwargs["momentum"] = 0.9
+    slow = {"factors": [1, 3], "mode": "hook", "seconds_per_sample": 0.004}
+    steps = 30
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), model_class, model_kwargs, max_steps=steps,
+               callbacks=[SlowdownCallback(slow)])  # fmt: skip
+    ours = _fit(_gradients(), model_class, model_kwargs, max_steps=steps,
+                callbacks=[SlowdownCallback(slow), _PlanWriter(tmp_path / "plans.json")])  # fmt: skip
+    plans = json.loads((tmp_path / "plans.json").read_text())
+    assert plans["sizes"][-1][0] >= 10, f"the plan must favour the faster replica (ideal 12:4), got {plans}"
+    initial = (pl.seed_everything(7), flat_parameters(model_class(**model_kwargs)))[1]
+    assert (ddp - initial).abs().max() > 1e-2, "training must have moved the parameters"
+    torch.testing.assert_close(ours, ddp, atol=1e-5, rtol=0)
+
+
+@multiprocess
+def test_models_mode_is_not_ddp_under_adam():
+    """The contrast that motivates sync='gradients': merging Adam replicas after every step is not DDP."""
+    shares = {"planner": "static", "shares": [3, 1]}
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), max_steps=20)
+    models = _fit(AdaptiveElasticStrategy(start_method="fork", timeout=TIMEOUT, **shares), max_steps=20)
+    gradients = _fit(_gradients(**shares), max_steps=20)
+    assert (models - ddp).abs().max() > 1e-3
+    torch.testing.assert_close(gradients, ddp, atol=1e-5, rtol=0)
+
+
+@multiprocess
+def test_sparse_gradients_follow_ddp():
+    """The XMC model's EmbeddingBag sends sparse gradients through DDP's reducer, weighted like dense ones."""
+    from lightning_aesgd.workloads import XMCDataModule, XMCModule
+
+    def fit(strategy: Any) -> Tensor:
+        pl.seed_everything(3)
+        data = XMCDataModule(preset="mini", batch_size=64)
+        data.setup("fit")
+        model = XMCModule(**data.model_dimensions(), optimizer="sgd", lr=0.5, sparse_gradients=True)
+        _trainer(strategy, max_steps=6).fit(model, datamodule=data)
+        return flat_parameters(model)
+
+    ddp = fit(DDPStrategy(start_method="fork", timeout=TIMEOUT))
+    ours = fit(_gradients(planner="static", shares=[5, 3]))
+    torch.testing.assert_close(ours, ddp, atol=1e-5, rtol=0)
+
+
+# --- ABS-SGD: every reduced gradient applied exactly once -----------------------------------------------------
+
+
+@multiprocess
+@pytest.mark.parametrize("validate", [False, True])
+def test_delayed_sums_are_each_applied_exactly_once(validate):
+    """With a gradient independent of the parameters, one-step-stale updates end where DDP ends, exactly: the
+    first step applies nothing, validation (a flush) and the end of fit apply what is in flight, none twice."""
+    kwargs: dict[str, Any] = {"max_steps": 12}
+    if validate:
+        kwargs.update(limit_val_batches=2, val_check_interval=5)
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParameters, **kwargs)
+    ours = _fit(_gradients(gradient_delay=1, planner="static", shares=[3, 1]), LinearInParameters, **kwargs)
+    torch.testing.assert_close(ours, ddp, atol=1e-6, rtol=0)
+    undelayed = _fit(_gradients(planner="static", shares=[3, 1]), LinearInParameters, **kwargs)
+    torch.testing.assert_close(undelayed, ddp, atol=1e-6, rtol=0)
+
+
+@multiprocess
+def test_delay_changes_the_trajectory_of_a_nonlinear_model_by_one_step_of_staleness():
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), max_steps=20)
+    delayed = _fit(_gradients(gradient_delay=1), max_steps=20)
+    initial = (pl.seed_everything(7), flat_parameters(AdamRegression(size=256, batch_size=8)))[1]
+    assert (delayed - ddp).abs().max() > 1e-6, "a stale gradient is not the fresh one"
+    # Both trained: the delayed run moved as far as DDP's, within a factor.
+    moved, moved_ddp = (delayed - initial).norm(), (ddp - initial).norm()
+    assert 0.5 * moved_ddp < moved < 2 * moved_ddp
+
+
+@multiprocess
+@pytest.mark.parametrize("delay", [0, 1])
+def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay):
+    """A checkpoint written mid-epoch holds the plans and (ABS-SGD) the sum the next step applies: resuming from
+    it continues exactly as the run that wrote it (writing it does not change that run either)."""
+    strategy_options = {"gradient_delay": delay, "planner": "static", "shares": [3, 1]}
+    steps, every = 24, 10  # 256 / 16 = 16 steps per epoch: the checkpoint falls mid-epoch 0
+    uninterrupted = _fit(_gradients(**strategy_options), max_steps=steps)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1)
+    with_checkpoint = _fit(_gradients(**strategy_options), max_steps=steps, enable_checkpointing=True,
+                           callbacks=[checkpoint])  # fmt: skip
+    torch.testing.assert_close(with_checkpoint, uninterrupted, atol=0, rtol=0)
+    path = next(tmp_path.glob(f"*step={every}.ckpt"))
+    pl.seed_everything(7)
+    model = AdamRegression(size=256, batch_size=8)
+    _trainer(_gradients(**strategy_options), max_steps=steps).fit(model, ckpt_path=str(path))
+    torch.testing.assert_close(flat_parameters(model), uninterrupted, atol=1e-7, rtol=0)
+
+
+# --- options --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"sync": "gradients", "period": 4}, "period"),
+        ({"sync": "gradients", "merge_rule": ElasticAverage(alpha=0.5)}, "merge_rule"),
+        ({"sync": "gradients", "lr_scaling": True}, "lr_scaling"),
+        ({"gradient_delay": 1}, "sync='gradients'"),
+        ({"sync": "gradients", "gradient_delay": 2}, "0 .synchronous. or 1"),
+        ({"sync": "weights"}, "not one of"),
+        ({"find_unused_parameters": True}, "sync='gradients'"),
+    ],
+)
+def test_options_that_do_not_apply_to_the_sync_mode_fail_early(options, message):
+    with pytest.raises(ValueError, match=message):
+        AdaptiveElasticStrategy(**options)
+
+
+def test_delayed_sums_refuse_a_grad_scaler():
+    class Delayed:
+        delay = 1
+
+    class WithScaler:
+        scaler = object()
+
+    with pytest.raises(UnsupportedSettingError, match="bf16-mixed"):
+        check_gradient_settings(Delayed(), None, WithScaler())
+    check_gradient_settings(Delayed(), None, object())  # no scaler: fine
