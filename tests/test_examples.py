@@ -16,7 +16,7 @@ from lightning_aesgd.workloads.images import fashion_mnist
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TESTED = {"existing_project.py", "plain_python.py", "compare_with_ddp.py", "fashion_mnist.py"}
+TESTED = {"existing_project.py", "plain_python.py", "compare_with_ddp.py", "fashion_mnist.py", "same_as_ddp.py"}
 # Launcher variables a surrounding run may have exported; an example must start as a fresh program.
 _LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SUMMARY = "adaptive_elastic: replicas at the end of fit"
@@ -102,6 +102,15 @@ def test_compare_with_ddp_times_both_strategies(tmp_path):
         assert throughput > 0
     (ratio,) = metric(rf"throughput ratio adaptive_elastic / ddp: {NUMBER}x", output)
     assert ratio > 0
+
+
+@pytest.mark.timeout(150)
+def test_same_as_ddp_matches_ddps_weights_with_gradient_sync(tmp_path):
+    output = run_ok("same_as_ddp.py", tmp_path, timeout=140)
+    (gradients,) = metric(r'sync="gradients": largest weight difference from DDP ([0-9.e+-]+);', output)
+    (models,) = metric(r'sync="models": largest weight difference from DDP ([0-9.e+-]+);', output)
+    assert gradients < 1e-5, output[-3000:]
+    assert models > 1e-4  # Adam: averaging models after two steps is not averaging gradients
 
 
 @pytest.mark.timeout(120)

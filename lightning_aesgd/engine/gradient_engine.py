@@ -11,8 +11,8 @@ under DDP, so evaluation and checkpoints need no merged model.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -185,13 +185,8 @@ class GradientEngine(ReplicaEngine):
                 rows = future.wait()[0]
             self.router.receive(rows.cpu().tolist(), self._step_key, released=not self.delay)
 
-    @contextmanager
-    def _waiting_for_peers(self) -> Iterator[None]:
-        self.router.pause()
-        try:
-            yield
-        finally:
-            self.router.resume()
+    def _waiting_for_peers(self) -> AbstractContextManager[None]:
+        return self.router.waiting()
 
     def flush(self) -> None:
         """Apply the delayed sum still in flight (ABS-SGD), so that none is lost: before evaluation and at the end."""

@@ -256,6 +256,7 @@ class Router:
         self._active_before = 0.0  # active seconds of this period before a pause
         self._arrival = 0.0
         self._wait_fraction = 0.0
+        self._waited = 0.0  # seconds blocked on peers this period, under overlapped synchronisation
         self._next_plan = 0
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -364,9 +365,24 @@ class Router:
         For overlapped synchronisation (a delayed gradient sum), where the replica blocks on peers later, inside
         :meth:`pause`/:meth:`resume`; the reports then come back through ``receive(..., released=False)``.
         """
+        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
+        wall = active + self._waited
+        self._wait_fraction = self._waited / wall if wall > 0 else 0.0
         self._release = self._arrival
         self._active_before = 0.0
+        self._waited = 0.0
         self._period = _Period()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Time blocked on peers outside a merge (overlapped synchronisation): not active, counted as waiting."""
+        start = self.clock()
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+            self._waited += self.clock() - start
 
     def receive(self, rows: Sequence[Sequence[float]], step: int, released: bool = True) -> None:
         """Take every replica's report (rank order) after the merge; update the models and schedule a plan.

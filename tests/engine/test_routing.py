@@ -243,6 +243,31 @@ def test_a_pause_keeps_the_time_before_it_and_skips_the_time_during_it():
     assert router.report(1.0).wait_fraction == pytest.approx(0.05 / 0.55)
 
 
+def test_overlapped_reports_count_work_until_arrival_and_waiting_only_inside_waits():
+    """Delayed gradient sums: a replica reports at its arrival and works on; its reports come back a step later
+    (``released=False``), and only the time it blocks on peers (``waiting``) is left out of its active time."""
+    (router,) = _group(1)
+    router.clock.now = 0.0
+    router.interrupt()
+    with router.timing(StepRecord(num_samples=10, cost=10.0, planned=10)):
+        router.clock.now = 0.4  # the step's last gradient bucket is ready: arrival, mid-step
+        first = router.report(1.0)
+        router.continue_after_arrival()
+    assert (first.work, first.steps, first.active) == (10.0, 1.0, pytest.approx(0.4))
+    with router.timing(StepRecord(num_samples=12, cost=12.0, planned=12)):
+        router.clock.now = 0.5
+        with router.waiting():  # the previous step's sums are not complete yet
+            router.clock.now = 0.8
+        router.clock.now = 1.0
+        second = router.report(1.0)
+        router.continue_after_arrival()
+        router.receive([first.as_row()], step=1, released=False)  # the first report, back while step 2 ran
+    assert (second.work, second.active) == (12.0, pytest.approx(0.3))
+    assert router.latest_reports[0].work == 10.0
+    third = router.report(1.0)
+    assert third.wait_fraction == pytest.approx(0.3 / 0.6)  # the second period: 0.3 active, 0.3 waiting
+
+
 def test_the_history_is_a_ring_so_memory_stays_flat():
     (router,) = _group(1)
     for step in range(HISTORY_LENGTH + 10):
