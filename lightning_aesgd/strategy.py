@@ -355,6 +355,7 @@ class AdaptiveElasticMixin(_Base):
             optimizer,
             lambda: super(AdaptiveElasticMixin, self).optimizer_step(optimizer, closure, model, **kwargs),
             lambda: bool(getattr(trainer, "received_sigterm", False)),
+            grad_scaler=getattr(self.precision_plugin, "scaler", None),
         )
         if self.telemetry and self.is_global_zero and _logs_this_step(trainer):
             self._log_telemetry(trainer)

@@ -113,6 +113,7 @@ class ElasticAverager:
         self.merges = 0
         self.samples_since_merge = 0.0
         self.updates_since_merge = 0
+        self.skipped_since_merge = 0
         self.last_weight = 1.0
         self._snapshot: Tensor | None = None
         self._snapshot_buffer: Tensor | None = None
@@ -138,10 +139,24 @@ class ElasticAverager:
         self.updates_since_merge += 1
         return due
 
+    def discount_skipped(self, num_samples: float) -> None:
+        """Take back a finished local step that applied no update (a GradScaler skipped it for inf/NaN gradients).
+
+        Its samples and its update then count for nothing in this replica's merge weight.
+        """
+        self.samples_since_merge -= num_samples
+        self.updates_since_merge -= 1
+        self.skipped_since_merge += 1
+
+    def skip_merge(self) -> None:
+        """No replica updated its model since the last merge (every step skipped): nothing to merge, start anew."""
+        self.samples_since_merge, self.updates_since_merge, self.skipped_since_merge = 0.0, 0, 0
+        self._snapshot = None
+
     def own_weight(self) -> float:
-        """This replica's merge weight for the work done since the last merge."""
+        """This replica's merge weight for the work done since the last merge (0 if every update was skipped)."""
         if self.updates_since_merge == 0:
-            return self.last_weight
+            return 0.0 if self.skipped_since_merge else self.last_weight
         return replica_weight(self.weights, self.samples_since_merge, self.updates_since_merge)
 
     @torch.no_grad()
@@ -173,7 +188,7 @@ class ElasticAverager:
         self._snapshot = None
         self.merges += 1
         self.last_weight = weight
-        self.samples_since_merge, self.updates_since_merge = 0.0, 0
+        self.samples_since_merge, self.updates_since_merge, self.skipped_since_merge = 0.0, 0, 0
         return center, reports
 
     @torch.no_grad()

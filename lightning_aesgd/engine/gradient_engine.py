@@ -145,9 +145,16 @@ class GradientEngine(ReplicaEngine):
         return closure_then_reports
 
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T], stop_requested: Callable[[], bool]
+        self,
+        optimizer: torch.optim.Optimizer,
+        run_step: Callable[[], T],
+        stop_requested: Callable[[], bool],
+        grad_scaler: Any = None,
     ) -> T:
-        """Run one step whose gradient the hook weights by this replica's share of the step's samples."""
+        """Run one step whose gradient the hook weights by this replica's share of the step's samples.
+
+        A step the ``grad_scaler`` skips is skipped on every replica alike (they all see the same summed gradient).
+        """
         sampler = self.sampler
         assert sampler is not None, "the training loader was not built by training_loader()"
         record = sampler.pop_record(self._step_key)

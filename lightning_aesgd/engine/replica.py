@@ -117,6 +117,7 @@ class ReplicaEngine:
         self._first_step = True
         self._saved_step_batch_size: int | None = None  # the checkpoint's, when resuming
         self._center_norm = -1.0  # the merged model's norm after the latest merge, for adaptive normalization
+        self._maybe_skipped: list[tuple[Any, float]] = []  # (skipped?, samples) of the steps since the last merge
         if lr_scaling and merging.weights == "samples":
             # Both favour large batches: together they count a sample of a large batch twice.
             warnings.warn(
@@ -244,12 +245,17 @@ class ReplicaEngine:
         return closure
 
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T], stop_requested: Callable[[], bool]
+        self,
+        optimizer: torch.optim.Optimizer,
+        run_step: Callable[[], T],
+        stop_requested: Callable[[], bool],
+        grad_scaler: Any = None,
     ) -> T:
         """Run one local step (``run_step``: Lightning's optimizer step), then merge when one is due.
 
         ``stop_requested``: whether this replica received SIGTERM, asked at the merge; the flag travels in the
-        merge to every replica.
+        merge to every replica. ``grad_scaler``: the precision plugin's ``GradScaler`` (16-bit mixed precision),
+        whose skipped steps carry no merge weight.
         """
         averager, sampler = self._running_averager(), self.sampler
         assert sampler is not None, "the training loader was not built by training_loader()"
@@ -262,9 +268,12 @@ class ReplicaEngine:
         if self.lr_schedule is not None:
             factor *= float(self.lr_schedule(self._global_step))
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
+        scale_before = _loss_scale(grad_scaler)
         with _scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds), self._emulated():
             output = run_step()
         self.merged_last_step = averager.after_local_step(record.num_samples)
+        if scale_before is not None:
+            self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
         if self.merged_last_step:
             self._merge(averager, optimizer, stop_requested())
         return output
@@ -275,8 +284,16 @@ class ReplicaEngine:
         rank = self._comm().rank
         return emulated_slowdown(self._compute_clock, self.slowdown.factor(rank, self._global_step))
 
+    def _discount_skipped_steps(self, averager: ElasticAverager) -> None:
+        # The scaler lowers its scale exactly when it skips a step; read once per merge (no per-step host sync).
+        for skipped, num_samples in self._maybe_skipped:
+            if bool(skipped):
+                averager.discount_skipped(num_samples)
+        self._maybe_skipped.clear()
+
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer, stop_requested: bool) -> None:
         rank = averager.comm.rank
+        self._discount_skipped_steps(averager)
         # A replica whose model is not finite (a NaN loss or gradient) is left out with weight 0 and restored from
         # the merged model: replicas are whole models, so the others carry on. Its flag rides in its report.
         finite = averager.is_finite()
@@ -288,6 +305,10 @@ class ReplicaEngine:
             center, rows = averager.merge(report.merge_weight, optimizer, report.as_row())
         except NoMergeWeightError as error:
             lost = [r for r, row in enumerate(error.rows) if not PeriodReport.from_row(row).finite]
+            if not lost:  # every replica's updates since the last merge were skipped: its model is unchanged
+                averager.skip_merge()
+                self.router.receive(error.rows, self._step_key)
+                return
             if len(lost) == averager.comm.world_size:
                 raise NonFiniteReplicasError(
                     f"Every replica's model ({lost}) is not finite at step {self._global_step}: nothing is left to "
@@ -462,6 +483,16 @@ def _scaled_learning_rate(optimizer: torch.optim.Optimizer, factor: float) -> It
     finally:
         for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr
+
+
+def _loss_scale(grad_scaler: Any) -> Any:
+    """The scaler's current loss scale (a tensor on its device, read without a host sync), or None without one."""
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return None
+    scale = getattr(grad_scaler, "_scale", None)
+    if scale is None:  # before the first scaled loss: the scale it will start from
+        return torch.tensor(float(grad_scaler.get_scale()))
+    return scale.clone()
 
 
 def _on_cpu(state: Any) -> Any:

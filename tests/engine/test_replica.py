@@ -171,3 +171,40 @@ def test_the_l2_gate_follows_rank_zeros_gathered_norm_and_is_judged_afresh_each_
         active.append(engine.normalization.trend.active)
     assert active == [True, True, False, False, True, True, True, True]
     assert engine.normalization.trend.previous_norm == 5.0  # the gathered value, not this replica's own norm
+
+
+class _ScriptedScaler:
+    """A GradScaler's interface as the engine reads it: the loss scale halves on the steps it skips."""
+
+    def __init__(self, skip_at: set[int]) -> None:
+        self._scale = torch.tensor(1024.0)
+        self.skip_at = skip_at
+        self.steps = 0
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return float(self._scale)
+
+    def step_body(self) -> None:
+        if self.steps in self.skip_at:
+            self._scale = self._scale / 2
+        self.steps += 1
+
+
+def test_a_step_the_grad_scaler_skipped_carries_no_merge_weight():
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module, merging=MergeSettings(ElasticAverage(), period=2))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    scaler = _ScriptedScaler(skip_at={0, 2, 5, 6})
+    weights = []
+    for index, _ in enumerate(loader):
+        engine.begin_step(0, index, index)
+        engine.optimizer_step(optimizer, scaler.step_body, lambda: False, grad_scaler=scaler)
+        if engine.merged_last_step and engine.router.latest_reports:
+            weights.append(engine.router.latest_reports[0].merge_weight)
+    # Steps of 4 samples, merges after steps 0, 2, 4 and 6. Step 0 alone, skipped: nothing to merge (skipped, not
+    # an error). Steps 1-2 with 2 skipped: 4 samples of weight. Steps 3-4: 8. Steps 5-6, both skipped: nothing.
+    assert weights == [0.0, 4.0, 8.0, 0.0]
+    assert engine.averager.merges == 2
