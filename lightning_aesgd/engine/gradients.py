@@ -177,11 +177,16 @@ def update_skipped(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     def closure_only(closure: Callable[[], Any] | None = None, **_: Any) -> Any:
         return closure() if closure is not None else None
 
+    # A learning-rate scheduler may have wrapped the step on the instance: that wrapper comes back afterwards.
+    own = vars(optimizer).get("step")
     optimizer.step = closure_only  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del optimizer.step  # the class's own step again
+        if own is not None:
+            optimizer.step = own  # type: ignore[method-assign]
+        else:
+            del optimizer.step  # the class's own step again
 
 
 def _per_parameter(launched: list[tuple[list[nn.Parameter], torch.futures.Future[Tensor]]]) -> Pending:

@@ -1,0 +1,134 @@
+"""The weighted (and delayed) gradient sum of sync="gradients", driven with a one-process gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_aesgd.engine.gradients import (
+    WeightedGradientReduce,
+    apply_gradients,
+    pending_from_list,
+    pending_to_list,
+    update_skipped,
+)
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class FakeBucket:
+    """DDP's GradBucket as a hook sees it: a flat buffer of its parameters' gradients, in order."""
+
+    def __init__(self, params: list[nn.Parameter], grads: list[torch.Tensor], last: bool = True) -> None:
+        self.params = params
+        self.flat = torch.cat([g.reshape(-1) for g in grads])
+        self.last = last
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def is_last(self) -> bool:
+        return self.last
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.params
+
+
+def _params() -> list[nn.Parameter]:
+    return [nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(3))]
+
+
+def _grads(value: float) -> list[torch.Tensor]:
+    return [torch.full((2, 2), value), torch.full((3,), value)]
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_the_sum_is_weighted_by_the_replicas_share():
+    arrivals = []
+    reduce = WeightedGradientReduce(on_last_bucket=lambda: arrivals.append(True))
+    reduce.begin_step(0.25)
+    assert reduce.applies_update
+    summed = reduce.reduce(FakeBucket(_params(), _grads(4.0))).wait()
+    torch.testing.assert_close(summed, torch.full((7,), 1.0))
+    assert arrivals == [True]
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_delayed_sum_is_applied_by_the_next_step_once():
+    params = _params()
+    reduce = WeightedGradientReduce(delay=1)
+    reduce.begin_step(0.5)
+    assert not reduce.applies_update  # the first step has nothing to apply yet
+    reduce.reduce(FakeBucket(params, _grads(2.0))).wait()
+    reduce.end_step()
+    reduce.begin_step(1.0)
+    assert reduce.applies_update
+    returned = reduce.reduce(FakeBucket(params, _grads(3.0))).wait()
+    torch.testing.assert_close(returned, torch.full((7,), 1.0))  # step 0's sum, 0.5 × 2
+    reduce.end_step()
+    pending = reduce.take_pending()  # the flush: step 1's sum, once
+    assert pending is not None
+    torch.testing.assert_close(pending[id(params[1])], torch.full((3,), 3.0))
+    assert reduce.take_pending() is None
+    reduce.begin_step(1.0)
+    assert not reduce.applies_update  # after a flush the next step starts afresh
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_checkpoint_peeks_at_the_pending_sum_without_consuming_it():
+    params = _params()
+    reduce = WeightedGradientReduce(delay=1)
+    reduce.begin_step(1.0)
+    reduce.reduce(FakeBucket(params, _grads(5.0))).wait()
+    reduce.end_step()
+    saved = pending_to_list(params, reduce.peek_pending())
+    reduce.begin_step(1.0)
+    assert reduce.applies_update
+    returned = reduce.reduce(FakeBucket(params, _grads(0.0))).wait()
+    torch.testing.assert_close(returned, torch.full((7,), 5.0))
+    restored = WeightedGradientReduce(delay=1)
+    restored.hold(pending_from_list(params, saved))
+    restored.begin_step(1.0)
+    torch.testing.assert_close(restored.reduce(FakeBucket(params, _grads(0.0))).wait(), returned)
+
+
+def test_apply_gradients_writes_each_parameters_sum():
+    params = _params()
+    apply_gradients(params, {id(params[0]): torch.ones(4)})
+    torch.testing.assert_close(params[0].grad, torch.ones(2, 2))
+    assert params[1].grad is None
+
+
+def test_a_skipped_update_runs_the_closure_and_leaves_a_schedulers_wrapper_in_place():
+    param = nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)  # wraps optimizer.step on the instance
+    wrapped = vars(optimizer).get("step")
+    assert wrapped is not None
+    calls = []
+
+    def closure() -> torch.Tensor:
+        calls.append(True)
+        loss = (param * 2).sum()
+        loss.backward()
+        return loss
+
+    with update_skipped(optimizer):
+        optimizer.step(closure=closure)
+    assert calls == [True]
+    assert float(param.detach()) == 1.0  # no update
+    assert vars(optimizer).get("step") is wrapped
+    optimizer.step()
+    assert float(param.detach()) == -1.0  # the real step again
+
+
+def test_delay_must_be_zero_or_one():
+    with pytest.raises(ValueError, match="0 or 1"):
+        WeightedGradientReduce(delay=2)
