@@ -32,7 +32,7 @@ from lightning_aesgd.engine.gradients import (
 )
 from lightning_aesgd.engine.replica import ReplicaEngine, _scaled_learning_rate
 from lightning_aesgd.engine.routing import Router, SampleCosts
-from lightning_aesgd.engine.timing import ComputeClock
+from lightning_aesgd.engine.timing import ComputeClock, stretch
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class GradientEngine(ReplicaEngine):
         self._stop_requested: Callable[[], bool] = lambda: False
         self._rows_in_flight: list[torch.futures.Future[Any]] = []
         self._device = torch.device("cpu")
+        self._emulation_started: float | None = None
 
     @property
     def delay(self) -> int:
@@ -165,7 +166,9 @@ class GradientEngine(ReplicaEngine):
         factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
         timing = self.router.timing(record, loader_seconds)
-        with _scaled_learning_rate(optimizer, factor), timing, self._emulated(), skip:
+        clock = self._compute_clock if self.slowdown is not None else None
+        self._emulation_started = clock.now() if clock is not None else None
+        with _scaled_learning_rate(optimizer, factor), timing, skip:
             output = run_step()
         self.reduce.end_step()
         self.syncs += 1
@@ -173,7 +176,15 @@ class GradientEngine(ReplicaEngine):
         return output
 
     def _arrive(self) -> None:
-        """The last bucket is on its way: report this replica's period in a small all-reduce beside it."""
+        """The last bucket is ready: report this replica's period in a small all-reduce launched before it.
+
+        An emulated slower device (``step`` mode) finishes its forward and backward later: it sleeps here, before
+        its arrival, for ``(f − 1) ×`` the compute time so far. The sums' own work is not stretched.
+        """
+        if self._emulation_started is not None and self.slowdown is not None and self._compute_clock is not None:
+            factor = self.slowdown.factor(self._comm().rank, self._global_step)
+            stretch(self._compute_clock, self._emulation_started, factor)
+            self._emulation_started = None
         comm = self._comm()
         report = self.router.report(self._share, stop=self._stop_requested())
         row = torch.tensor(report.as_row(), dtype=torch.float64, device=self._device)

@@ -39,8 +39,8 @@ class WeightedGradientReduce:
 
     Args:
         delay: steps between computing a gradient and applying it: 0 (synchronous) or 1 (ABS-SGD).
-        on_last_bucket: called once per backward, right after the last bucket's sum is launched: this replica has
-            finished its step's computation (its arrival).
+        on_last_bucket: called once per backward, when the last bucket is ready, before its sum is launched: this
+            replica has finished its step's computation (its arrival).
         waiting: a context manager around time spent blocked on peers (the previous step's sums, with ``delay``).
         group: the process group (the default one when ``None``).
     """
@@ -80,6 +80,8 @@ class WeightedGradientReduce:
 
     def reduce(self, bucket: Any) -> torch.futures.Future[Tensor]:
         """DDP's hook body: weight the bucket, sum it over replicas; return this step's sum or the previous one's."""
+        if bucket.is_last() and self.on_last_bucket is not None:
+            self.on_last_bucket()
         buffer = bucket.buffer()
         if self.delay:
             # The sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
@@ -91,8 +93,6 @@ class WeightedGradientReduce:
             contribution, group=self.group, async_op=True
         ).get_future()
         result: torch.futures.Future[Tensor] = summed.then(lambda future: future.value()[0])
-        if bucket.is_last() and self.on_last_bucket is not None:
-            self.on_last_bucket()
         if not self.delay:
             return result
         params = list(bucket.parameters())
