@@ -14,7 +14,6 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 import lightning_aesgd
 import lightning_aesgd.unified
 
-
 NAMES = (
     ("adaptive_elastic", "popen"),
     ("adaptive_elastic_spawn", "spawn"),

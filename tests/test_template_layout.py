@@ -190,7 +190,9 @@ def test_an_optuna_search_runs_its_trials_and_writes_the_best_parameters(tmp_pat
 @pytest.mark.timeout(300)
 def test_a_submitit_local_sweep_runs_each_job_in_a_process_of_its_own(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    output = _train("-m", "hydra/launcher=submitit_local", "algorithm=adaptive_sgd,ddp", *TINY, f"hydra.sweep.dir={tmp_path}")
+    output = _train(
+        "-m", "hydra/launcher=submitit_local", "algorithm=adaptive_sgd,ddp", *TINY, f"hydra.sweep.dir={tmp_path}"
+    )
     assert "Submitit 'local' sweep output dir" in output
     assert "validated against ConfigStore schema" not in output  # the known deprecation is hidden
     for job in ("0", "1"):

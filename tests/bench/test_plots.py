@@ -38,10 +38,17 @@ def _plans(steps: int = 28) -> RunRecord:
 
 def _metric_records() -> dict:
     def record(values: list[float]) -> RunRecord:
-        return RunRecord(validations=[Validation(clock=i + 1.0, step=i, epoch=i, metrics={TARGET.metric: v}) for i, v in enumerate(values)])
+        return RunRecord(
+            validations=[
+                Validation(clock=i + 1.0, step=i, epoch=i, metrics={TARGET.metric: v}) for i, v in enumerate(values)
+            ]
+        )
 
     # Noise of ±0.005 around 0.61: auto-scaling would stretch it over the whole axis.
-    return {("strong", "adaptive_sgd", 0): record([0.610, 0.612, 0.608]), ("strong", "ddp", 0): record([0.607, 0.611, 0.609])}
+    return {
+        ("strong", "adaptive_sgd", 0): record([0.610, 0.612, 0.608]),
+        ("strong", "ddp", 0): record([0.607, 0.611, 0.609]),
+    }
 
 
 def _legend_labels(figure: Figure) -> list[str]:

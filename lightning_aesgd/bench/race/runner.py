@@ -68,7 +68,12 @@ def _add_bench_outputs(cfg: DictConfig, run_dir: Path, record_path: Path, thread
     """Log into ``run_dir``, record into ``record_path`` and, when given, set ``threads`` torch threads per replica."""
     with open_dict(cfg):
         # The main job logs into Hydra's output directory, which the compose API does not create.
-        csv = {"_target_": "pytorch_lightning.loggers.CSVLogger", "save_dir": str(run_dir), "name": "logs", "version": ""}
+        csv = {
+            "_target_": "pytorch_lightning.loggers.CSVLogger",
+            "save_dir": str(run_dir),
+            "name": "logs",
+            "version": "",
+        }
         cfg.logger = {"csv": csv}
         recorder = {"_target_": "lightning_aesgd.bench.race.recorder.BenchRecorder", "path": str(record_path)}
         callbacks: dict[str, Any] = {"bench_recorder": recorder}
