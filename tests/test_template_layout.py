@@ -66,7 +66,7 @@ def _compose(tmp_path: Path, *overrides: str):
         ("callbacks", ["default", "early_stopping", "lr_monitor", "model_checkpoint", "none", "rich_progress_bar"]),
         ("paths", ["default"]),
         ("debug", ["default", "fdr", "limit", "overfit"]),
-        ("hparams_search", ["xmc_mini_optuna"]),
+        ("hparams_search", ["digits_optuna", "xmc_mini_optuna"]),
         ("hydra/launcher", ["submitit_local", "submitit_slurm"]),
     ],
 )
@@ -138,9 +138,10 @@ def test_the_debug_configs_build_a_trainer_without_loggers(tmp_path, debug, sett
     assert not any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks)
 
 
-def test_the_search_maximises_a_metric_the_job_returns(tmp_path):
-    cfg = _compose(tmp_path, "hparams_search=xmc_mini_optuna")
-    assert cfg.optimized_metric == "val/p@1"
+@pytest.mark.parametrize(("search", "metric"), [("xmc_mini_optuna", "val/p@1"), ("digits_optuna", "val/acc")])
+def test_the_search_maximises_a_metric_the_job_returns(tmp_path, search, metric):
+    cfg = _compose(tmp_path, f"hparams_search={search}")
+    assert cfg.optimized_metric == metric
     assert cfg.hydra.sweeper.direction == "maximize"
     assert cfg.hydra.sweeper.storage is None  # in memory: optuna 2's database storage predates SQLAlchemy 2
     assert set(cfg.hydra.sweeper.params) == {"model.lr", "algorithm.period", "algorithm.merge_rule.alpha"}
