@@ -458,14 +458,25 @@ class AdaptiveElasticMixin(_Base):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``adaptive_elastic`` (popen launcher) and ``adaptive_elastic_spawn``, idempotently."""
-        entries = ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn"))
-        for name, start_method in entries:
+        """Register the strategy's names, idempotently, as Lightning registers DDP's.
+
+        ``adaptive_elastic`` (popen launcher: the script runs again per replica), ``adaptive_elastic_spawn``, and
+        ``adaptive_elastic_fork`` and ``adaptive_elastic_notebook`` (forked replicas, as ``ddp_fork`` and
+        ``ddp_notebook``: the only kind that works from a notebook or an interactive session, on Linux and macOS,
+        with nothing initialised on CUDA before the fork).
+        """
+        entries = (
+            (cls.strategy_name, "popen", ""),
+            (f"{cls.strategy_name}_spawn", "spawn", ""),
+            (f"{cls.strategy_name}_fork", "fork", ""),
+            (f"{cls.strategy_name}_notebook", "fork", " (for notebooks and interactive sessions)"),
+        )
+        for name, start_method, use in entries:
             if name not in strategy_registry:
                 strategy_registry.register(
                     name,
                     cls,
-                    description=f"Adaptive elastic model-averaging SGD with start_method '{start_method}'",
+                    description=f"Adaptive elastic model-averaging SGD with start_method '{start_method}'{use}",
                     start_method=start_method,
                 )
 

@@ -2,7 +2,9 @@
 
 Hydra composes ``configs/train.yaml``: a workload (``data`` and ``model``), an ``algorithm`` (this project's
 strategy configured as Adaptive SGD, SMA, EASGD or local SGD, or Lightning's own DDP), a ``trainer`` and a
-``devices`` profile. Any group can be swapped on the command line, and ``-m`` sweeps over several.
+``devices`` profile; and the groups of the lightning-hydra-template layout: ``logger``, ``callbacks``, ``paths``,
+``debug`` and ``hparams_search``. Any group can be swapped on the command line, and ``-m`` sweeps over several
+(with Optuna under ``hparams_search``, or on SLURM through ``hydra/launcher=submitit_slurm``).
 """
 
 from __future__ import annotations
@@ -55,15 +57,33 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, **_dimensions(datamodule))
     strategy = instantiate(cfg.algorithm)
-    callbacks: list[pl.Callback] = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    callbacks: list[pl.Callback] = _instantiate_group(cfg.get("callbacks"))
+    # The Trainer's switches win over the callbacks group: no checkpoints, or no bar, means none of the group's.
+    if cfg.trainer.get("enable_checkpointing") is False:
+        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.ModelCheckpoint)]
+    if cfg.trainer.get("enable_progress_bar") is False:
+        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.ProgressBar)]
     callbacks += [FirstValidation(), LogHyperparameters(hyperparameters(cfg))]
     profile = as_profile(cfg.devices.slowdown)
     if profile is not None and (profile.mode != "step" or not isinstance(strategy, AdaptiveElasticMixin)):
         # Every strategy gets the same emulated devices through a callback, except in the `step` mode, which
         # this project's strategy applies inside its own optimizer step.
         callbacks.append(SlowdownCallback(profile))
-    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks)
+    options: dict[str, Any] = {"strategy": strategy, "callbacks": callbacks}
+    if "logger" not in cfg.trainer:  # a trainer config with a logger of its own keeps it
+        options["logger"] = _instantiate_group(cfg.get("logger")) or False
+    trainer = instantiate(cfg.trainer, **options)
     return trainer, model, datamodule
+
+
+def _instantiate_group(group: DictConfig | None) -> list[Any]:
+    """The objects of a ``logger`` or ``callbacks`` group: one per entry with a ``_target_``, in order.
+
+    Entries without one (a user's switch such as ``callbacks.early_stopping=null``) are left out.
+    """
+    if not group:
+        return []
+    return [instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
 
 
 def _dimensions(datamodule: Any) -> dict[str, int]:
@@ -84,10 +104,14 @@ def hyperparameters(cfg: DictConfig) -> dict[str, Any]:
     assert isinstance(algorithm, dict)
     assert isinstance(devices, dict)
     target = str(algorithm.pop("_target_", ""))
-    return {
+    params: dict[str, Any] = {
         "algorithm": {"name": choices.get("algorithm") or target.rsplit(".", 1)[-1], "class": target, **algorithm},
         "devices": {"name": choices.get("devices") or "custom", **devices},
     }
+    tags = cfg.get("tags")
+    if tags:
+        params["tags"] = [str(tag) for tag in tags]
+    return params
 
 
 class LogHyperparameters(pl.Callback):
@@ -120,10 +144,23 @@ class FirstValidation(pl.Callback):
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test the final (merged) model; returns the test metrics and the first validation metrics."""
+    results, _metrics = fit_and_test(cfg)
+    return results
+
+
+def fit_and_test(cfg: DictConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """Fit (resuming from ``cfg.ckpt_path`` where set), then test the final (merged) model.
+
+    Returns:
+        The results :func:`run` returns (the test metrics and the first validation's), and every metric the job
+        knows: the results and fit's ``trainer.callback_metrics`` (the last validation's ``val/...`` among them),
+        from which :func:`optimized_value` reads the value a sweeper optimises.
+    """
     trainer, model, datamodule = build(cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model: %s, %s trainable parameters", type(model).__name__, f"{trainable:,}")
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    fitted = {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
     results: dict[str, float] = {}
     if cfg.test:
         # Every replica holds the same merged model after fit: one process tests it, each sample exactly once.
@@ -140,7 +177,23 @@ def run(cfg: DictConfig) -> dict[str, float]:
     first = {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("first_val/")}
     results.update(first)
     log.info("%s", _report(results))
-    return results
+    return results, {**fitted, **results}
+
+
+def optimized_value(name: str | None, metrics: dict[str, float]) -> float:
+    """The value of the metric ``name`` (``optimized_metric``) that the job returns to Hydra's sweepers.
+
+    Without a name, the first test metric that is not a loss (``test/p@1``, ``test/acc``), NaN if there is none.
+    """
+    if name is None:
+        return next((v for k, v in metrics.items() if k.startswith("test/") and "loss" not in k), math.nan)
+    if name not in metrics:
+        known = ", ".join(sorted(metrics)) or "none"
+        raise KeyError(
+            f"optimized_metric={name!r} is not among the job's metrics ({known}). HINT: name one of them, e.g. "
+            "optimized_metric=val/p@1; test/ metrics need test=true."
+        )
+    return metrics[name]
 
 
 def _report(results: dict[str, float]) -> str:
@@ -151,13 +204,14 @@ def _report(results: dict[str, float]) -> str:
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def _main(cfg: DictConfig) -> float:
     quiet_known_noise()
-    results = run(cfg)
-    # The value Hydra sweepers optimise: the first test metric, e.g. test/p@1 or test/acc.
-    return next((v for k, v in results.items() if k.startswith("test/") and "loss" not in k), math.nan)
+    _results, metrics = fit_and_test(cfg)
+    # The value Hydra's sweepers optimise (Optuna under hparams_search): optimized_metric, or the first test metric.
+    return optimized_value(cfg.get("optimized_metric"), metrics)
 
 
 def main() -> None:
     """Console entry point (``aesgd-train``): Hydra parses the command line."""
+    quiet_known_noise()  # before Hydra composes the configuration, whose known warnings it hides too
     _main()
 
 

@@ -9,9 +9,17 @@ import pytest
 import pytorch_lightning as pl
 from lightning.pytorch.strategies import StrategyRegistry as UnifiedRegistry
 from pytorch_lightning.strategies import StrategyRegistry
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 import lightning_aesgd
 import lightning_aesgd.unified
+
+NAMES = (
+    ("adaptive_elastic", "popen"),
+    ("adaptive_elastic_spawn", "spawn"),
+    ("adaptive_elastic_fork", "fork"),
+    ("adaptive_elastic_notebook", "fork"),
+)
 
 
 @pytest.mark.parametrize(
@@ -22,7 +30,7 @@ import lightning_aesgd.unified
     ],
 )
 def test_both_namespaces_accept_the_name_and_the_class(trainer_cls, registry, strategy_cls):
-    for name, start_method in (("adaptive_elastic", "popen"), ("adaptive_elastic_spawn", "spawn")):
+    for name, start_method in NAMES:
         assert registry[name]["strategy"] is strategy_cls
         trainer = trainer_cls(strategy=name, accelerator="cpu", devices=1, logger=False)
         assert type(trainer.strategy) is strategy_cls
@@ -49,3 +57,23 @@ def test_device_parsing_gives_one_replica_per_device(monkeypatch):
     assert [d.index for d in trainer.strategy.parallel_devices] == [1, 3]
     assert trainer.strategy.world_size == 4
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 4, "rank": 0}
+
+
+@pytest.mark.parametrize("registry", [StrategyRegistry, UnifiedRegistry])
+def test_the_fork_names_launch_as_lightnings_ddp_fork_and_ddp_notebook(registry):
+    for name, lightning_name in (("adaptive_elastic_fork", "ddp_fork"), ("adaptive_elastic_notebook", "ddp_notebook")):
+        assert registry[name]["init_params"] == {"start_method": "fork"}
+        assert registry[name]["init_params"] == registry[lightning_name]["init_params"]
+    assert "notebook" in registry["adaptive_elastic_notebook"]["description"]
+
+
+def test_the_notebook_name_is_the_one_an_interactive_session_accepts(monkeypatch):
+    # In a notebook, Lightning refuses launchers that would re-run the script or spawn; it accepts fork.
+    from pytorch_lightning.trainer.connectors import accelerator_connector
+
+    monkeypatch.setattr(accelerator_connector, "_IS_INTERACTIVE", True)
+    for name in ("adaptive_elastic_notebook", "adaptive_elastic_fork"):
+        trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+        assert trainer.strategy.launcher.is_interactive_compatible
+    with pytest.raises(MisconfigurationException, match="interactive"):
+        pl.Trainer(strategy="adaptive_elastic", accelerator="cpu", devices=2, logger=False)

@@ -117,6 +117,7 @@ def test_the_installed_wheel_runs_its_commands_outside_the_checkout(tmp_path):
         names = archive.namelist()
     assert "lightning_aesgd/configs/train.yaml" in names
     assert "lightning_aesgd/configs/algorithm/adaptive_sgd.yaml" in names
+    assert "lightning_aesgd/configs/hydra/launcher/submitit_local.yaml" in names  # nested groups too
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
 
     venv = _environment(tmp_path, wheel)

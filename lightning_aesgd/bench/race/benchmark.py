@@ -123,9 +123,8 @@ def _plots(settings: BenchSettings, records: dict[RunKey, RunRecord], configs: d
     files = [plot_metric_curves(records, profile, settings.target, settings.out) for profile in settings.profiles]
     for profile in settings.profiles:
         record = records.get((profile, ADAPTIVE, 0))
-        profile_factors = as_profile(configs[profile].devices.slowdown)
-        factors = profile_factors.factors if profile_factors is not None else None
-        path = plot_batch_sizes(record, profile, ADAPTIVE, settings.out, factors) if record is not None else None
+        slowdown = as_profile(configs[profile].devices.slowdown)  # with its changes: the targets follow them
+        path = plot_batch_sizes(record, profile, ADAPTIVE, settings.out, slowdown) if record is not None else None
         if path is not None:
             files.append(path)
     return files

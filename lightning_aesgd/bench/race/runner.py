@@ -27,6 +27,8 @@ RECORD_FILE = "record.json"
 # Applied before the user's overrides, so that those can still change them.
 BENCH_OVERRIDES = (
     "test=false",
+    # No checkpoints: the job's own callbacks and the recorder only.
+    "callbacks=none",
     "++trainer.enable_checkpointing=false",
     "++trainer.enable_progress_bar=false",
     "++trainer.enable_model_summary=false",
@@ -66,12 +68,13 @@ def _add_bench_outputs(cfg: DictConfig, run_dir: Path, record_path: Path, thread
     """Log into ``run_dir``, record into ``record_path`` and, when given, set ``threads`` torch threads per replica."""
     with open_dict(cfg):
         # The main job logs into Hydra's output directory, which the compose API does not create.
-        cfg.trainer.logger = {
+        csv = {
             "_target_": "pytorch_lightning.loggers.CSVLogger",
             "save_dir": str(run_dir),
             "name": "logs",
             "version": "",
         }
+        cfg.logger = {"csv": csv}
         recorder = {"_target_": "lightning_aesgd.bench.race.recorder.BenchRecorder", "path": str(record_path)}
         callbacks: dict[str, Any] = {"bench_recorder": recorder}
         if threads is not None:
