@@ -1,4 +1,4 @@
-"""The project's benchmarks, three programs behind one command (``python -m lightning_aesgd.bench`` or ``aesgd-bench``).
+"""The project's benchmarks, four programs behind one command (``python -m lightning_aesgd.bench`` or ``aesgd-bench``).
 
 * :mod:`~lightning_aesgd.bench.race`, ``python -m lightning_aesgd.bench [options]``: trains one workload with
   every chosen algorithm under every chosen device profile (emulated heterogeneity) and reports per (profile,
@@ -11,6 +11,9 @@
 * :mod:`~lightning_aesgd.bench.slowness`, ``python -m lightning_aesgd.bench slowness [options]``: DDP and
   ``adaptive_elastic`` against slowness the strategy did not create (in the user's ``training_step``, data
   loading, a hook, a CPU quota), and each strategy's own per-step cost.
+* :mod:`~lightning_aesgd.bench.seeds`, ``python -m lightning_aesgd.bench seeds [options]``: the seed papers'
+  claims, each a small race with the paper's statement and a verdict ("claim | paper says | we measured |
+  verdict").
 
 :mod:`~lightning_aesgd.bench.cli` dispatches on the first argument; :mod:`~lightning_aesgd.bench.common` holds
 what the programs share. Each program's ``--help`` lists its options.

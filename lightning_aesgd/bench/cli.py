@@ -1,6 +1,6 @@
 """Command line: ``python -m lightning_aesgd.bench [PROGRAM] [options]``, where PROGRAM picks the benchmark.
 
-``overhead`` and ``slowness`` name their programs; without a program name, the arguments are the race's.
+``overhead``, ``slowness`` and ``seeds`` name their programs; without a program name, the arguments are the race's.
 """
 
 from __future__ import annotations
@@ -8,9 +8,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from lightning_aesgd.bench import overhead, race, slowness
+from lightning_aesgd.bench import overhead, race, seeds, slowness
 
-PROGRAMS: dict[str, Callable[[Sequence[str]], int]] = {"overhead": overhead.main, "slowness": slowness.main}
+PROGRAMS: dict[str, Callable[[Sequence[str]], int]] = {
+    "overhead": overhead.main,
+    "slowness": slowness.main,
+    "seeds": seeds.main,
+}
 """The programs run by name; the race is the default."""
 
 

@@ -57,13 +57,17 @@ def balance_step_times(
     (water filling, by bisection on ``T``: the left side grows with ``T``); the real-valued sizes are then
     rounded by :func:`apportion`. Without overheads this is the speed-proportional split; with them, a replica
     whose fixed cost alone exceeds ``T`` gets the minimum, and the others share the rest so that they finish
-    together.
+    together. Where that replica's step at the minimum outlasts ``T``, it sets the step time whatever the plan:
+    the others then get batches as equal as they can take without outlasting it (more work on the fastest
+    would buy nothing, and split fixed-cost steps, as digits' are, to a single replica).
 
     Example:
         >>> balance_step_times(100, [StepTime(0.0, 1.0), StepTime(0.0, 3.0)])
         [75, 25]
         >>> balance_step_times(100, [StepTime(0.0, 1.0), StepTime(120.0, 1.0)], min_size=2)
         [98, 2]
+        >>> balance_step_times(120, [StepTime(30.0, 0.1), StepTime(45.0, 0.1), StepTime(80.0, 0.1)], min_size=4)
+        [58, 58, 4]
     """
     _check_feasible(total, len(step_times), min_size, max_size)
     high = max_size if max_size is not None else total
@@ -76,7 +80,19 @@ def balance_step_times(
     for _ in range(100):
         middle = (low_time + high_time) / 2
         low_time, high_time = (middle, high_time) if sum(sizes_at(middle)) < total else (low_time, middle)
-    return apportion(total, sizes_at(high_time), min_size, max_size)
+    # A replica whose step at the smallest batch already outlasts T sets the step time itself: every replica
+    # may then take up to what it does in that time, and more work on the others buys nothing. Of those plans,
+    # the one closest to equal batches is kept (what a replica's fixed cost alone cannot change, no plan fixes).
+    slowest = max(t.seconds(min_size) for t in step_times)
+    if slowest <= high_time:
+        return apportion(total, sizes_at(high_time), min_size, max_size)
+    capacities = sizes_at(slowest)
+    low_level, high_level = float(min_size), float(high)
+    for _ in range(100):
+        level = (low_level + high_level) / 2
+        filled = sum(min(level, capacity) for capacity in capacities)
+        low_level, high_level = (level, high_level) if filled < total else (low_level, level)
+    return apportion(total, [min(high_level, capacity) for capacity in capacities], min_size, max_size)
 
 
 @dataclass(frozen=True)

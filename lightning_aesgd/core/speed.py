@@ -151,7 +151,12 @@ class StepTimeEstimator:
     * ``k = a/c'`` from a weighted least-squares line ``t = a + c'·b`` over the same averages, refitted only while
       the sizes vary (relative spread ``sd(b)/b̄ ≥ min_spread``) and the line explains them (``R² ≥ 0.9``) — not
       while plans have settled, nor while a change of speed mixes two regimes. Until then ``k = 0``, which is
-      plain speed-proportional planning. ``a`` is kept within ``[0, 0.95·t̄]``.
+      plain speed-proportional planning. ``a`` is kept within ``[0, 0.95·t̄]``;
+    * where the sizes vary but no line explains the times, ``a`` is raised to the least fixed cost the spread of
+      the times allows, ``(1 − ρ)·t̄`` with ``ρ = (sd(t)/t̄) / (sd(b)/b̄)``: steps that barely change with the
+      batch (tiny batches, launch-bound steps) are fixed-cost steps, and reading them as per-sample work made
+      every plan shrink the batches that looked slow until they reached the floor. A change of speed moves the
+      times as much as the sizes (``ρ ≥ 1``) and teaches nothing.
 
     Args:
         smoothing: ``β`` in [0, 1).
@@ -185,14 +190,23 @@ class StepTimeEstimator:
 
     def _refit_fixed_cost(self) -> None:
         size, seconds, size2, size_seconds, seconds2 = (m / self._moments[5] for m in self._moments[:5])
-        size_var, seconds_var = size2 - size * size, seconds2 - seconds * seconds
+        size_var, seconds_var = size2 - size * size, max(seconds2 - seconds * seconds, 0.0)
         covariance = size_seconds - size * seconds
-        if size_var <= (self.min_spread * size) ** 2 or seconds_var <= 0 or covariance <= 0:
+        if size_var <= (self.min_spread * size) ** 2:
             return
-        if covariance * covariance < 0.9 * size_var * seconds_var:  # R² < 0.9
-            return
-        slope = covariance / size_var
-        overhead = min(max(seconds - slope * size, 0.0), 0.95 * seconds)
+        if covariance > 0 and covariance * covariance >= 0.9 * size_var * seconds_var:  # the line explains it
+            overhead = seconds - covariance / size_var * size
+        else:
+            # No line explains the steps, yet the sizes varied: the per-sample part can be no larger than the
+            # times' spread allows (|slope| ≤ sd(t)/sd(b)), so at least (1 − ρ)·t̄ is fixed, with
+            # ρ = (sd(t)/t̄) / (sd(b)/b̄). Steps that hardly change with the batch are fixed-cost steps; taking
+            # them as per-sample work makes every plan shrink the batches that look slow, down to the floor.
+            # Where the times vary as much as the sizes (a change of speed), ρ ≥ 1 and nothing is learnt.
+            ratio = math.sqrt(seconds_var / size_var) * size / seconds
+            if ratio >= 1.0 or (1.0 - ratio) * seconds <= self.fixed_samples * seconds / (self.fixed_samples + size):
+                return
+            overhead = (1.0 - ratio) * seconds
+        overhead = min(max(overhead, 0.0), 0.95 * seconds)
         self.fixed_samples = overhead / ((seconds - overhead) / size)
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from lightning_aesgd.bench import main
         (["--help"], "usage: aesgd-bench [-h] [--workload"),
         (["overhead", "--help"], "usage: aesgd-bench overhead"),
         (["slowness", "--help"], "usage: aesgd-bench slowness"),
+        (["seeds", "--help"], "usage: aesgd-bench seeds"),
     ],
 )
 def test_each_program_has_its_own_help(argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]):

@@ -166,11 +166,28 @@ def test_balanced_sizes_sum_to_total_and_equalise_predicted_step_times(
     # Replicas above the minimum finish within one sample's time of each other; one at the minimum only
     # because its fixed cost alone reaches that common time.
     unclamped = [i for i, size in enumerate(sizes) if size > 1]
-    if unclamped:
-        common = max(times[i] for i in unclamped)
-        slack = max(step_times[i].per_sample for i in range(len(sizes)))
-        assert all(times[i] >= common - 2 * slack for i in unclamped)
-        assert all(times[i] >= common - 2 * slack for i in range(len(sizes)) if sizes[i] == 1)
+    if not unclamped:
+        return
+    slack = max(step_times[i].per_sample for i in range(len(sizes)))
+    common = max(times[i] for i in unclamped)
+    equal_times = all(times[i] >= common - 2 * slack for i in unclamped) and all(
+        times[i] >= common - 2 * slack for i in range(len(sizes)) if sizes[i] == 1
+    )
+    # Or a replica's fixed cost alone sets the step time: nobody else takes longer, and batches are as equal as
+    # that allows (a batch below the largest only where two more samples would outlast that time).
+    slowest_at_minimum = max(t.seconds(1) for t in step_times)
+    largest = max(sizes)
+    level = max(times) <= slowest_at_minimum + 2 * slack and all(
+        sizes[i] >= largest - 1 or step_times[i].seconds(sizes[i] + 2) > slowest_at_minimum for i in unclamped
+    )
+    assert equal_times or level
+
+
+def test_balanced_keeps_batches_equal_where_a_fixed_cost_sets_the_step_time() -> None:
+    # Digits on 4 emulated replicas (experiment=digits): steps of a few ms of work and 30-80 ms of fixed cost,
+    # one replica slower at its smallest batch than the others at any. Before, all work went to the fastest.
+    times = [StepTime(0.030, 2e-5), StepTime(0.045, 2e-5), StepTime(0.040, 4e-5), StepTime(0.080, 8e-5)]
+    assert BalancedPlanner(min_batch=4).plan([32] * 4, times, 128) == [42, 41, 41, 4]
 
 
 def test_balanced_equals_proportional_without_fixed_costs() -> None:

@@ -83,3 +83,26 @@ def test_the_floor_is_a_share_of_the_equal_batch_and_never_below_min_batch():
 def test_damping_settings_are_checked_with_the_fix(min_share, gain, dead_band, match):
     with pytest.raises(ValueError, match=match):
         check_plan_damping(min_share, gain, dead_band)
+
+
+def test_plans_do_not_collapse_when_steps_are_mostly_fixed_cost() -> None:
+    # experiment=digits: 32 rows per replica, steps of 30-80 ms that hardly grow with the batch (its measured
+    # fixed costs), the slowest replica's alone longer than the others' steps. Before, k stayed 0, each plan
+    # moved work to the replica that looked fastest per sample, and the plan ended at [116, 4, 4, 4].
+    from lightning_aesgd.core.planners import BalancedPlanner
+
+    fixed, per_sample = [0.030, 0.045, 0.040, 0.080], [2e-5, 2e-5, 4e-5, 8e-5]
+    jitter = [1.0, 1.06, 0.95, 1.03, 0.97, 1.08, 0.92, 1.01]
+    total, floor = 128, batch_floor(128, 4, min_share=0.1)
+    model, planner, plan = ArrivalModel(4), BalancedPlanner(min_batch=floor), [32] * 4
+    for step in range(60):
+        seconds = [
+            (a + c * b) * jitter[(step + i) % len(jitter)]
+            for i, (a, c, b) in enumerate(zip(fixed, per_sample, plan, strict=True))
+        ]
+        model.update([_report(size, s) for size, s in zip(plan, seconds, strict=True)])
+        models = model.models()
+        assert models is not None
+        plan = damped_plan(plan, planner.plan(plan, models, total), 0.5, 0.03, floor)
+    assert plan[3] == floor, "the replica whose fixed cost alone outlasts the others' steps gets the floor"
+    assert max(plan[:3]) - min(plan[:3]) <= 4, f"the others keep about equal batches: {plan}"

@@ -181,6 +181,27 @@ def test_step_time_model_keeps_its_fixed_cost_ratio_when_the_device_slows_down()
     assert model.per_sample == pytest.approx(2e-4, rel=1e-3)
 
 
+def test_step_time_model_learns_a_fixed_cost_from_steps_that_do_not_grow_with_the_batch() -> None:
+    # Digits at 32 rows per replica: shrinking the batch from 32 to 16 leaves the step at 35 ms ± 3 %. No line
+    # explains that noise (R² ≈ 0), and before, k stayed 0: the step counted as per-sample work, so a replica
+    # that looked slow got ever smaller batches.
+    estimator = StepTimeEstimator(smoothing=0.8)
+    for size, jitter in zip([32, 28, 24, 20, 16, 16, 16], [1.0, 1.03, 0.98, 1.02, 0.97, 1.01, 1.0], strict=True):
+        estimator.update(size, 0.035 * jitter)
+    model = estimator.model()
+    assert model is not None
+    assert model.overhead > 0.8 * model.seconds(16), "most of a step is fixed cost"
+    assert model.seconds(32) < 1.2 * model.seconds(16)
+
+
+def test_step_time_model_learns_no_fixed_cost_from_a_change_of_speed() -> None:
+    # A device that becomes 3× slower while the plans cut its batch: the times move more than the sizes.
+    estimator = StepTimeEstimator(smoothing=0.8)
+    for size, per_sample in [(64, 1e-3), (64, 1e-3), (64, 3e-3), (48, 3e-3), (36, 3e-3), (30, 3e-3), (26, 3e-3)]:
+        estimator.update(size, per_sample * size)
+    assert estimator.fixed_samples == 0.0
+
+
 def test_step_time_model_without_size_variation_is_speed_proportional() -> None:
     estimator = StepTimeEstimator()
     for _ in range(5):

@@ -7,6 +7,7 @@ behind the efficiency figures.
 
 from __future__ import annotations
 
+import math
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,11 @@ class BenchSettings:
     out: Path
     overrides: list[str] = field(default_factory=list)
     tiny: bool = False
+    variants: dict[str, list[str]] = field(default_factory=dict)
+    """Entrants that are not a plain ``configs/algorithm`` name: the name raced, and the overrides that stand for
+    ``algorithm=<name>`` (e.g. ``{"sma_b64": ["algorithm=sma", "data.batch_size=64"]}``)."""
+    measure_solo: bool = True
+    """Whether to measure the solo speed first; without it, efficiency figures are NaN."""
 
 
 @dataclass
@@ -56,8 +62,9 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
     """Measure the solo speed, run the interleaved matrix, then write the table, the JSON and the plots."""
     base = get_workload(settings.workload).overrides(settings.tiny)
     configs = {profile: _profile_config(settings, base, profile) for profile in settings.profiles}
-    solo = _solo_speed(settings, base, configs)
-    print(f"solo speed (one replica, no emulation): {solo:.1f} samples/s")
+    solo = _solo_speed(settings, base, configs) if settings.measure_solo else math.nan
+    if settings.measure_solo:
+        print(f"solo speed (one replica, no emulation): {solo:.1f} samples/s")
     runs: list[RunFigures] = []
     records: dict[RunKey, RunRecord] = {}
     total = settings.repeats * len(settings.profiles) * len(settings.algorithms)
@@ -78,7 +85,8 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
 
 
 def _profile_config(settings: BenchSettings, base: list[str], profile: str, algorithm: str = "ddp") -> DictConfig:
-    overrides = [*base, f"algorithm={algorithm}", f"devices={profile}", f"trainer.max_epochs={settings.epochs}"]
+    chosen = settings.variants.get(algorithm, [f"algorithm={algorithm}"])
+    overrides = [*base, *chosen, f"devices={profile}", f"trainer.max_epochs={settings.epochs}"]
     cfg = compose_config([*overrides, *settings.overrides])
     if settings.tiny:
         shrink_replicas(cfg, TINY_REPLICAS)
@@ -141,7 +149,8 @@ def _settings_dict(settings: BenchSettings, solo: float, configs: dict[str, Dict
         "target": str(settings.target),
         "overrides": settings.overrides,
         "tiny": settings.tiny,
-        "solo_samples_per_second": solo,
+        "variants": settings.variants,
+        "solo_samples_per_second": solo if math.isfinite(solo) else None,
         "devices": devices,
     }
 
@@ -151,4 +160,5 @@ def _progress(figures: RunFigures) -> str:
     if figures.error is not None:
         return f"{name}: FAILED ({figures.error})"
     reached = "not reached" if figures.time_to_target is None else f"{figures.time_to_target:.1f} s"
-    return f"{name}: {figures.throughput:.1f} samples/s, efficiency {figures.efficiency:.0%}, target {reached}"
+    efficiency = f", efficiency {figures.efficiency:.0%}" if math.isfinite(figures.efficiency) else ""
+    return f"{name}: {figures.throughput:.1f} samples/s{efficiency}, target {reached}"

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare the algorithms on emulated heterogeneous devices: throughput, efficiency against "
         "the ideal, time to a target metric, ratios to DDP. Subcommand `overhead` measures merge, planner and "
         "sampler costs (see `aesgd-bench overhead --help`); `slowness` races both strategies against slowness "
-        "in user code, data loading, hooks and CPU quotas (see `aesgd-bench slowness --help`).",
+        "in user code, data loading, hooks and CPU quotas (see `aesgd-bench slowness --help`); `seeds` measures "
+        "the seed papers' claims (see `aesgd-bench seeds --help`).",
     )
     parser.add_argument("--workload", default="xmc_mini", choices=sorted(WORKLOADS), help="what to train")
     parser.add_argument("--profiles", default=DEFAULT_PROFILES, help="comma list of configs/devices profiles")
