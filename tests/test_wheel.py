@@ -140,7 +140,7 @@ def test_the_installed_wheel_runs_its_commands_outside_the_checkout(tmp_path):
     assert not imported.is_relative_to(ROOT)
 
     help_text = _run([str(bin_dir / "aesgd-train"), "--help"], elsewhere, env, 120)
-    assert "algorithm: adaptive_elastic, adaptive_sgd" in help_text
+    assert "algorithm: abs_sgd, adaptive_elastic, adaptive_sgd" in help_text
 
     # A config directory of the user's own adds an option to a built-in group.
     user_configs = tmp_path / "my_configs"
