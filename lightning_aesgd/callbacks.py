@@ -11,6 +11,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.data import extract_batch_size
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_aesgd.core.slowdown import SlowdownProfile, as_profile
 from lightning_aesgd.engine.cpu_quota import CpuQuota
@@ -20,10 +22,13 @@ from lightning_aesgd.engine.timing import ComputeClock, stretch
 class SlowdownCallback(pl.Callback):
     """Emulate slower devices under any strategy, with the slowness where the profile's ``mode`` puts it.
 
-    * ``step``: replica ``r`` sleeps ``(f_r − 1) × c`` at the end of each step, ``c`` the step's compute time as
+    * ``step``: replica ``r`` sleeps ``(f_r − 1) × c`` per step, ``c`` the step's compute time as
       :class:`~lightning_aesgd.engine.timing.ComputeClock` measures it (CPU time on CPU, which excludes time DDP's
-      gradient all-reduce spends waiting for slower peers). ``adaptive_elastic`` applies this mode itself,
-      inside its optimizer step, through its ``slowdown`` argument.
+      gradient all-reduce spends waiting for slower peers). Under DistributedDataParallel the sleep comes when
+      the last gradient bucket is ready, before its all-reduce (a slower device finishes its backward later, and
+      the all-reduce's own work is not the device's compute), through a communication hook that otherwise is
+      DDP's default; where the strategy has a hook of its own, at the end of the step. ``adaptive_elastic``
+      applies this mode itself, through its ``slowdown`` argument, in the same places.
     * ``user``: the LightningModule's ``training_step`` takes ``f_r × s`` more seconds per sample.
     * ``data``: the training DataLoader's collate function takes ``f_r × s`` seconds per sample.
     * ``hook``: ``on_train_batch_end`` takes ``f_r × s`` seconds per sample.
@@ -46,6 +51,7 @@ class SlowdownCallback(pl.Callback):
         self.replicas_sharing = replicas_sharing
         self._clock: ComputeClock | None = None
         self._started = 0.0
+        self._stretched_before_sync = False
         self._quota: CpuQuota | None = None
         self._restore: list[Callable[[], None]] = []
 
@@ -82,15 +88,34 @@ class SlowdownCallback(pl.Callback):
         """Release the CPU quota and the wrapped hooks when fit fails, as when it ends."""
         self.teardown(trainer, pl_module, "fit")
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
+        model = trainer.strategy.model
+        if self._clock is None or not isinstance(model, DistributedDataParallel):
+            return
+        self._trainer = trainer
+        try:
+            model.register_comm_hook(self, _stretch_then_allreduce)
+        except RuntimeError:  # the strategy registered a hook of its own: stretch at the end of the step
+            return
+
+    def stretch_before_sync(self) -> None:
+        """The last gradient bucket is ready: the emulated device's forward and backward end now."""
+        if self._clock is None or self._stretched_before_sync:
+            return
+        trainer = self._trainer
+        stretch(self._clock, self._started, self.profile.factor(trainer.global_rank, trainer.global_step))
+        self._stretched_before_sync = True
+
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: D102
         if self._clock is not None:
             self._started = self._clock.now()
+            self._stretched_before_sync = False
 
     def on_train_batch_end(  # noqa: D102
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step - 1
-        if self._clock is not None:
+        if self._clock is not None and not self._stretched_before_sync:
             stretch(self._clock, self._started, self.profile.factor(trainer.global_rank, step))
         elif self.mode == "hook":
             time.sleep(self.profile.extra_seconds(trainer.global_rank, step, _batch_size(batch)))
@@ -147,6 +172,21 @@ class SlowCollate:
         batch = self.collate(samples)
         time.sleep(self.seconds_per_sample * len(samples))
         return batch
+
+
+def _stretch_then_allreduce(state: SlowdownCallback, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default all-reduce, after the emulated device's compute has been stretched at the last bucket."""
+    if bucket.is_last():
+        state.stretch_before_sync()
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (postponed evaluation).
+_stretch_then_allreduce.__annotations__ = {
+    "state": SlowdownCallback,
+    "bucket": torch.distributed.GradBucket,  # type: ignore[attr-defined]
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
 def _batch_size(batch: Any) -> int:

@@ -108,3 +108,54 @@ def test_a_batch_object_is_counted_by_its_own_length(monkeypatch):
     callback.setup(_trainer(0, 0), None, "fit")
     callback.on_train_batch_end(_trainer(0, 1), None, None, SparseRows(), 0)
     assert sleeps == [pytest.approx(0.01 * 4)]
+
+
+class _RecordingSlowdown(SlowdownCallback):
+    """Counts the stretches taken at DDP's last gradient bucket, per rank, into a file."""
+
+    def __init__(self, profile, path) -> None:
+        super().__init__(profile)
+        self.path = path
+        self.before_sync = 0
+
+    def stretch_before_sync(self) -> None:
+        self.before_sync += 1
+        super().stretch_before_sync()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        (self.path / f"rank{trainer.global_rank}").write_text(str(self.before_sync))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_under_ddp_the_step_mode_stretches_before_the_gradient_all_reduce_and_keeps_ddps_result(tmp_path):
+    """The stretch belongs to the device's compute, not to the all-reduce's work; the hook is otherwise DDP's."""
+    from datetime import timedelta
+
+    import pytorch_lightning as pl
+    from helpers import RegressionModel, flat_parameters
+    from pytorch_lightning.strategies import DDPStrategy
+
+    def fit(callbacks):
+        pl.seed_everything(7)
+        model = RegressionModel()
+        trainer = pl.Trainer(
+            strategy=DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)),
+            accelerator="cpu",
+            devices=2,
+            max_steps=6,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        trainer.fit(model)
+        return flat_parameters(model)
+
+    plain = fit([])
+    slowed = fit([_RecordingSlowdown([1.0, 3.0], tmp_path)])
+    assert [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1)] == [6, 6]
+    torch.testing.assert_close(slowed, plain, atol=1e-6, rtol=0)
