@@ -24,11 +24,12 @@ class SlowdownCallback(pl.Callback):
 
     * ``step``: replica ``r`` sleeps ``(f_r − 1) × c`` per step, ``c`` the step's compute time as
       :class:`~lightning_aesgd.engine.timing.ComputeClock` measures it (CPU time on CPU, which excludes time DDP's
-      gradient all-reduce spends waiting for slower peers). Under DistributedDataParallel the sleep comes when
-      the last gradient bucket is ready, before its all-reduce (a slower device finishes its backward later, and
-      the all-reduce's own work is not the device's compute), through a communication hook that otherwise is
-      DDP's default; where the strategy has a hook of its own, at the end of the step. ``adaptive_elastic``
-      applies this mode itself, through its ``slowdown`` argument, in the same places.
+      gradient all-reduce spends waiting for slower peers). Under DistributedDataParallel the compute is the
+      forward and backward, stretched when the last gradient bucket is ready and before its all-reduce (a slower
+      device finishes its backward later), and the optimizer's update, stretched at the end of the step: the
+      all-reduce's own work is not the device's compute. The hook doing this is otherwise DDP's default; where the
+      strategy has a hook of its own, the whole step is stretched at its end. ``adaptive_elastic`` applies this
+      mode itself, through its ``slowdown`` argument, to the same compute.
     * ``user``: the LightningModule's ``training_step`` takes ``f_r × s`` more seconds per sample.
     * ``data``: the training DataLoader's collate function takes ``f_r × s`` seconds per sample.
     * ``hook``: ``on_train_batch_end`` takes ``f_r × s`` seconds per sample.
@@ -52,6 +53,7 @@ class SlowdownCallback(pl.Callback):
         self._clock: ComputeClock | None = None
         self._started = 0.0
         self._stretched_before_sync = False
+        self._update_started: float | None = None
         self._quota: CpuQuota | None = None
         self._restore: list[Callable[[], None]] = []
 
@@ -110,13 +112,21 @@ class SlowdownCallback(pl.Callback):
         if self._clock is not None:
             self._started = self._clock.now()
             self._stretched_before_sync = False
+            self._update_started = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """After the gradient all-reduce: the update's compute is timed from here."""
+        if self._clock is not None and self._stretched_before_sync:
+            self._update_started = self._clock.now()
 
     def on_train_batch_end(  # noqa: D102
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step - 1
-        if self._clock is not None and not self._stretched_before_sync:
-            stretch(self._clock, self._started, self.profile.factor(trainer.global_rank, step))
+        if self._clock is not None:
+            started = self._update_started if self._stretched_before_sync else self._started
+            if started is not None:
+                stretch(self._clock, started, self.profile.factor(trainer.global_rank, step))
         elif self.mode == "hook":
             time.sleep(self.profile.extra_seconds(trainer.global_rank, step, _batch_size(batch)))
 

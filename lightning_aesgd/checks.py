@@ -85,6 +85,12 @@ def check_sync(sync: Any, gradient_delay: Any, merge_options: dict[str, tuple[An
                 "model merging needs no such search. HINT: remove it, or add sync='gradients'."
             )
         return
+    if gradient_delay and merge_options["find_unused_parameters"][0]:
+        raise ValueError(
+            "gradient_delay=1 with find_unused_parameters=True: DDP writes no gradient for a parameter unused in a "
+            "step, which would drop the delayed sum it should apply there. HINT: use gradient_delay=0, or make "
+            "every parameter take part in every step."
+        )
     given = sorted(name for name, (value, default) in merge_options.items() if _differs(value, default))
     given = [name for name in given if name != "find_unused_parameters"]
     if given:

@@ -36,23 +36,26 @@ class AdamRegression(RegressionModel):
 
 
 class LinearInParameters(RegressionModel):
-    """loss = mean(x)·w: its gradient does not depend on w, so θ_T = θ_0 − η·Σ_t (mean of step t's x), in closed
-    form whatever the order or staleness in which the step gradients are applied, as long as each once."""
+    """A loss linear in the parameters: its gradient does not depend on them, so θ_T = θ_0 − η·Σ_t g_t in closed
+    form whatever the order or staleness in which the step gradients g_t are applied, as long as each once."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         del self.net  # DDP (and sync="gradients", through it) refuses parameters without gradients
         self.weight = nn.Parameter(torch.zeros(8))
+        # Over DDP's 1 MB first bucket: the gradients travel in more than one bucket, as a real model's do.
+        self.wide = nn.Parameter(torch.zeros(300_000))
+        self.register_buffer("slope", torch.linspace(-1, 1, 300_000))
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, _y, _index = batch
-        return (x @ self.weight).mean()
+        return (x @ self.weight).mean() + (self.wide * self.slope).sum() * x[:, 0].mean()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val/loss", (batch[0] @ self.weight).mean(), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([self.weight], lr=0.1)
+        return torch.optim.SGD([self.weight, self.wide], lr=0.1)
 
 
 def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
@@ -205,6 +208,7 @@ def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay):
         ({"sync": "gradients", "gradient_delay": 2}, "0 .synchronous. or 1"),
         ({"sync": "weights"}, "not one of"),
         ({"find_unused_parameters": True}, "sync='gradients'"),
+        ({"sync": "gradients", "gradient_delay": 1, "find_unused_parameters": True}, "unused in a step"),
     ],
 )
 def test_options_that_do_not_apply_to_the_sync_mode_fail_early(options, message):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_aesgd.checks import UnsupportedSettingError
 from lightning_aesgd.core.merge import as_merge_rule
 from lightning_aesgd.core.slowdown import SlowdownProfile
 from lightning_aesgd.engine.averager import MergeSettings
@@ -86,6 +87,7 @@ class GradientEngine(ReplicaEngine):
         self._rows_in_flight: list[torch.futures.Future[Any]] = []
         self._device = torch.device("cpu")
         self._emulation_started: float | None = None
+        self._update_started: float | None = None
 
     @property
     def delay(self) -> int:
@@ -115,6 +117,8 @@ class GradientEngine(ReplicaEngine):
             self.slowdown.check_replicas(comm.world_size)
         self._comm_in_use = comm
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
+        self._rows_in_flight = []
         self.router.attach(comm.world_size, device)
         self._compute_clock = ComputeClock(device)
         self._device = device
@@ -141,6 +145,8 @@ class GradientEngine(ReplicaEngine):
         def closure_then_reports() -> T:
             output = closure()
             self._take_reports()
+            if self._compute_clock is not None and self.slowdown is not None:
+                self._update_started = self._compute_clock.now()  # the update's compute is emulated from here
             return output
 
         return closure_then_reports
@@ -157,7 +163,12 @@ class GradientEngine(ReplicaEngine):
         A step the ``grad_scaler`` skips is skipped on every replica alike (they all see the same summed gradient).
         """
         sampler = self.sampler
-        assert sampler is not None, "the training loader was not built by training_loader()"
+        if sampler is None:
+            raise UnsupportedSettingError(
+                "sync='gradients' needs the training loader to be a torch DataLoader, which it rebuilds so that each "
+                "replica's share of every step is known (its gradient's weight). HINT: return a "
+                "torch.utils.data.DataLoader from train_dataloader(), or use sync='models'."
+            )
         record = sampler.pop_record(self._step_key)
         self._optimizer, self._stop_requested = optimizer, stop_requested
         self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
@@ -168,8 +179,13 @@ class GradientEngine(ReplicaEngine):
         timing = self.router.timing(record, loader_seconds)
         clock = self._compute_clock if self.slowdown is not None else None
         self._emulation_started = clock.now() if clock is not None else None
+        self._update_started = None
         with _scaled_learning_rate(optimizer, factor), timing, skip:
             output = run_step()
+        if self._update_started is not None and self.slowdown is not None and self._compute_clock is not None:
+            stretch(
+                self._compute_clock, self._update_started, self.slowdown.factor(self._comm().rank, self._global_step)
+            )
         self.reduce.end_step()
         self.syncs += 1
         self.merged_last_step = True
@@ -179,8 +195,12 @@ class GradientEngine(ReplicaEngine):
         """The last bucket is ready: report this replica's period in a small all-reduce launched before it.
 
         An emulated slower device (``step`` mode) finishes its forward and backward later: it sleeps here, before
-        its arrival, for ``(f − 1) ×`` the compute time so far. The sums' own work is not stretched.
+        its arrival, for ``(f − 1) ×`` the compute time so far (its update is stretched after the step). The sums'
+        own work is not stretched.
         """
+        if self._device.type == "cuda":
+            # The host queues the backward ahead of the device: the replica arrives when the device is done.
+            torch.cuda.current_stream(self._device).synchronize()
         if self._emulation_started is not None and self.slowdown is not None and self._compute_clock is not None:
             factor = self.slowdown.factor(self._comm().rank, self._global_step)
             stretch(self._compute_clock, self._emulation_started, factor)
@@ -213,7 +233,10 @@ class GradientEngine(ReplicaEngine):
             rows = self._rows_in_flight.pop(0).wait()[0]
             self.router.receive(rows.cpu().tolist(), self._step_key, released=False)
         optimizer = self._optimizer
-        if pending is None or optimizer is None:
+        if pending is None:
+            return
+        if optimizer is None:  # no step has run in this fit: nothing can be in flight, but keep what is held
+            self.reduce.hold(pending)
             return
         apply_gradients(self._params, pending)
         if self._before_flush_update is not None:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 Pending = dict[int, Tensor]
-"""Reduced gradients awaiting their update, keyed by ``id`` of the parameter."""
+"""Reduced gradients awaiting their update, keyed by ``id`` of the parameter: flat chunks in DDP's bucket layout
+(a sparse gradient as it is)."""
 
 
 class WeightedGradientReduce:
@@ -148,7 +149,29 @@ def apply_gradients(params: Sequence[nn.Parameter], pending: Pending) -> None:
     """Write reduced gradients into ``.grad`` of the parameters they belong to (others get none)."""
     for param in params:
         grad = pending.get(id(param))
-        param.grad = None if grad is None else grad.to(param.device).view_as(param) if not grad.is_sparse else grad
+        param.grad = None if grad is None else _in_layout_of(param, grad.to(param.device))
+
+
+def _in_layout_of(param: Tensor, flat: Tensor) -> Tensor:
+    """A bucket's chunk of ``param``'s gradient, read as DDP lays it out.
+
+    In the parameter's own strides where the parameter is dense (channels_last included), else contiguously.
+    """
+    if flat.is_sparse:
+        return flat
+    if _dense(param):
+        return torch.as_strided(flat, param.size(), param.stride(), flat.storage_offset())
+    return flat.view(param.size())
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether the elements fill exactly ``numel`` consecutive slots in some order of the dimensions."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.size(), strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def pending_to_list(params: Sequence[nn.Parameter], pending: Pending | None) -> list[Tensor | None] | None:
@@ -198,8 +221,9 @@ def _per_parameter(launched: list[tuple[list[nn.Parameter], torch.futures.Future
             (param,) = params
             pending[id(param)] = summed
             continue
+        # Each parameter's chunk, kept flat in the bucket's memory order (see _in_layout_of).
         for param, flat in zip(params, torch.split(summed, [p.numel() for p in params]), strict=True):
-            pending[id(param)] = flat.view_as(param)
+            pending[id(param)] = flat
     return pending
 
 

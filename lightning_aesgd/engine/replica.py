@@ -159,6 +159,7 @@ class ReplicaEngine:
         self._first_step = True
         self._saved_step_batch_size = None
         self._center_norm = -1.0
+        self._maybe_skipped.clear()
 
     def stop(self) -> None:
         """End a fit; plans and measurements stay for a later fit of the same strategy."""

@@ -376,6 +376,9 @@ class Router:
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """Time blocked on peers outside a merge (overlapped synchronisation): not active, counted as waiting."""
+        if self._release is None:  # already paused (validation, a checkpoint): the wait is part of that
+            yield
+            return
         start = self.clock()
         self.pause()
         try:

@@ -132,3 +132,12 @@ def test_a_skipped_update_runs_the_closure_and_leaves_a_schedulers_wrapper_in_pl
 def test_delay_must_be_zero_or_one():
     with pytest.raises(ValueError, match="0 or 1"):
         WeightedGradientReduce(delay=2)
+
+
+def test_a_flushed_gradient_keeps_a_channels_last_parameters_layout():
+    """DDP lays a dense parameter's gradient out in the parameter's own strides; a flush must read it so."""
+    param = nn.Parameter(torch.zeros(2, 3, 2, 2).contiguous(memory_format=torch.channels_last))
+    grad = torch.randn(2, 3, 2, 2)
+    in_bucket = grad.permute(0, 2, 3, 1).reshape(-1)  # NHWC: the memory order of a channels_last tensor
+    apply_gradients([param], {id(param): in_bucket})
+    torch.testing.assert_close(param.grad, grad)

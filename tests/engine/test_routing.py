@@ -268,6 +268,21 @@ def test_overlapped_reports_count_work_until_arrival_and_waiting_only_inside_wai
     assert third.wait_fraction == pytest.approx(0.3 / 0.6)  # the second period: 0.3 active, 0.3 waiting
 
 
+def test_waiting_inside_a_pause_leaves_the_clock_paused():
+    """A flush of delayed sums at validation waits on peers while validation has the clock paused."""
+    (router,) = _group(1)
+    router.clock.now = 0.0
+    router.interrupt()
+    router.clock.now = 0.2
+    router.pause()
+    with router.waiting():
+        router.clock.now = 0.5
+    router.clock.now = 3.0  # validation goes on
+    router.resume()
+    router.clock.now = 3.1
+    assert router.report(1.0).active == pytest.approx(0.3)
+
+
 def test_the_history_is_a_ring_so_memory_stays_flat():
     (router,) = _group(1)
     for step in range(HISTORY_LENGTH + 10):
