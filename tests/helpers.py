@@ -72,6 +72,22 @@ class RegressionModel(pl.LightningModule):
         return DataLoader(RegressionData(32, seed=1), batch_size=8)
 
 
+def cpu_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
+    """A quiet Trainer on 2 CPU processes, without validation, logger or checkpoints unless ``kwargs`` ask."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    options.update(kwargs)
+    return pl.Trainer(strategy=strategy, **options)
+
+
 def flat_parameters(module: nn.Module) -> Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionModel, flat_parameters
+from helpers import RegressionModel, cpu_trainer, flat_parameters
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
@@ -58,25 +58,10 @@ class LinearInParameters(RegressionModel):
         return torch.optim.SGD([self.weight, self.wide], lr=0.1)
 
 
-def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 2,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-    }
-    options.update(kwargs)
-    return pl.Trainer(strategy=strategy, **options)
-
-
 def _fit(strategy: Any, model_class: type = AdamRegression, model_kwargs: Any = None, **trainer_kwargs: Any) -> Tensor:
     pl.seed_everything(7)
     model = model_class(**(model_kwargs or {"size": 256, "batch_size": 8}))
-    _trainer(strategy, **trainer_kwargs).fit(model)
+    cpu_trainer(strategy, **trainer_kwargs).fit(model)
     return flat_parameters(model)
 
 
@@ -139,7 +124,7 @@ def test_sparse_gradients_follow_ddp():
         data = XMCDataModule(preset="mini", batch_size=64)
         data.setup("fit")
         model = XMCModule(**data.model_dimensions(), optimizer="sgd", lr=0.5, sparse_gradients=True)
-        _trainer(strategy, max_steps=6).fit(model, datamodule=data)
+        cpu_trainer(strategy, max_steps=6).fit(model, datamodule=data)
         return flat_parameters(model)
 
     ddp = fit(DDPStrategy(start_method="fork", timeout=TIMEOUT))
@@ -191,7 +176,7 @@ def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay):
     path = next(tmp_path.glob(f"*step={every}.ckpt"))
     pl.seed_everything(7)
     model = AdamRegression(size=256, batch_size=8)
-    _trainer(_gradients(**strategy_options), max_steps=steps).fit(model, ckpt_path=str(path))
+    cpu_trainer(_gradients(**strategy_options), max_steps=steps).fit(model, ckpt_path=str(path))
     torch.testing.assert_close(flat_parameters(model), uninterrupted, atol=1e-7, rtol=0)
 
 

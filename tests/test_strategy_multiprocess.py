@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionData, RegressionModel, flat_parameters
+from helpers import RegressionData, RegressionModel, cpu_trainer, flat_parameters
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader
@@ -21,25 +21,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240
 TIMEOUT = timedelta(seconds=90)
 
 
-def _trainer(strategy, **kwargs) -> pl.Trainer:
-    options = {
-        "accelerator": "cpu",
-        "devices": 2,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-    }
-    options.update(kwargs)
-    return pl.Trainer(strategy=strategy, **options)
-
-
 def _fit(strategy, model_kwargs=None, **trainer_kwargs) -> torch.Tensor:
     pl.seed_everything(7)
     model = RegressionModel(**(model_kwargs or {}))
-    _trainer(strategy, **trainer_kwargs).fit(model)
+    cpu_trainer(strategy, **trainer_kwargs).fit(model)
     return flat_parameters(model)
 
 
@@ -119,7 +104,7 @@ def test_resume_from_a_mid_epoch_checkpoint_reaches_the_uninterrupted_parameters
 
     pl.seed_everything(7)
     model = RegressionModel(**model_kwargs)
-    _trainer(strategy(), max_steps=steps).fit(model, ckpt_path=str(path))
+    cpu_trainer(strategy(), max_steps=steps).fit(model, ckpt_path=str(path))
     torch.testing.assert_close(flat_parameters(model), uninterrupted, atol=1e-6, rtol=0)
     assert not torch.allclose(flat_parameters(loaded), uninterrupted)
 
@@ -159,7 +144,7 @@ def test_changing_plans_use_every_index_exactly_once_across_ranks(tmp_path, num_
     strategy = AdaptiveElasticStrategy(planner=_RotatingPlan(), start_method="fork", timeout=TIMEOUT)
     pl.seed_everything(7)
     model = _WorkerModel(num_workers)
-    _trainer(strategy, max_epochs=2, callbacks=[_SeenWriter(tmp_path)]).fit(model)
+    cpu_trainer(strategy, max_epochs=2, callbacks=[_SeenWriter(tmp_path)]).fit(model)
     seen = [json.loads((tmp_path / f"seen_{rank}.json").read_text()) for rank in range(2)]
     steps_per_epoch = 96 // 8
     assert [len(batches) for batches in seen] == [2 * steps_per_epoch] * 2
@@ -203,7 +188,7 @@ def test_cost_aware_batches_and_per_replica_learning_rate_scaling(tmp_path):
     )
     pl.seed_everything(7)
     model = RegressionModel(size=64, batch_size=4, lr=0.05)
-    _trainer(strategy, max_epochs=1, callbacks=[_StepRecorder(tmp_path)]).fit(model)
+    cpu_trainer(strategy, max_epochs=1, callbacks=[_StepRecorder(tmp_path)]).fit(model)
     ranks = [json.loads((tmp_path / f"steps_{rank}.json").read_text()) for rank in range(2)]
     costs = RegressionData(64).sample_costs
     counts = set()
@@ -241,7 +226,7 @@ class _FinalState(pl.Callback):
 def test_a_replica_that_turns_nan_is_left_out_and_restored(tmp_path):
     strategy = AdaptiveElasticStrategy(merge_rule=ElasticAverage(alpha=0.5), start_method="fork", timeout=TIMEOUT)
     pl.seed_everything(7)
-    _trainer(strategy, max_steps=10, callbacks=[_FinalState(tmp_path)]).fit(_NaNOnRankOne())
+    cpu_trainer(strategy, max_steps=10, callbacks=[_FinalState(tmp_path)]).fit(_NaNOnRankOne())
     states = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert all(state["finite"] for state in states), states
     assert all(state["excluded"] == [[5, 1]] for state in states), states  # one exclusion, seen by every rank
@@ -268,6 +253,6 @@ def test_sma_trains_under_a_per_step_cosine_schedule():
     model = _CosineModel()
     before, loss_before = flat_parameters(model), _dataset_loss(model)
     strategy = AdaptiveElasticStrategy(merge_rule="sma", planner="static", start_method="fork", timeout=TIMEOUT)
-    _trainer(strategy, max_steps=200).fit(model)
+    cpu_trainer(strategy, max_steps=200).fit(model)
     assert not torch.allclose(flat_parameters(model), before, atol=1e-3), "the central model must move"
     assert _dataset_loss(model) <= 0.5 * loss_before
