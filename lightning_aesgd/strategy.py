@@ -198,7 +198,14 @@ class AdaptiveElasticMixin(_Base):
                 "find_unused_parameters": (find_unused_parameters, False),
             },
         )
-        ddp_options: dict[str, Any] = {"find_unused_parameters": find_unused_parameters} if sync == "gradients" else {}
+        # Buffers (BatchNorm statistics) go from rank zero at evaluation, checkpoints and the end of fit instead of
+        # at every forward: DDP's per-forward broadcast would be a second synchronisation point per step, which
+        # arrival sensing would count as work and which the delayed sum could not overlap (see GradientEngine).
+        ddp_options: dict[str, Any] = (
+            {"find_unused_parameters": find_unused_parameters, "broadcast_buffers": False}
+            if sync == "gradients"
+            else {}
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

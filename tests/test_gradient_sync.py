@@ -132,6 +132,39 @@ def test_sparse_gradients_follow_ddp():
     torch.testing.assert_close(ours, ddp, atol=1e-5, rtol=0)
 
 
+class BatchNormRegression(AdamRegression):
+    """With running statistics, which DDP broadcasts from rank zero at every forward."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+
+class _BufferWriter(pl.Callback):
+    def __init__(self, path: Any) -> None:
+        self.path = path
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        buffers = [b.tolist() for b in pl_module.buffers()]
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(buffers))
+
+
+@multiprocess
+@pytest.mark.parametrize("delay", [0, 1])
+def test_every_replica_evaluates_with_rank_zeros_buffers(tmp_path, delay):
+    """Buffers travel at evaluation, checkpoints and the end of fit instead of every forward: replicas whose
+    batches differ (so do their running statistics) all evaluate with rank zero's, as under DDP."""
+    pl.seed_everything(7)
+    model = BatchNormRegression(size=256, batch_size=8)
+    strategy = _gradients(planner="static", shares=[3, 1], gradient_delay=delay)
+    cpu_trainer(
+        strategy, max_steps=6, limit_val_batches=1, val_check_interval=5, callbacks=[_BufferWriter(tmp_path)]
+    ).fit(model)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert rank0 == rank1
+    assert rank0[0] != [0.0] * 16  # the running mean moved
+
+
 # --- ABS-SGD: every reduced gradient applied exactly once -----------------------------------------------------
 
 

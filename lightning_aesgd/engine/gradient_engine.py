@@ -86,6 +86,7 @@ class GradientEngine(ReplicaEngine):
         self._stop_requested: Callable[[], bool] = lambda: False
         self._rows_in_flight: list[torch.futures.Future[Any]] = []
         self._device = torch.device("cpu")
+        self._module: nn.Module | None = None
         self._emulation_started: float | None = None
         self._update_started: float | None = None
 
@@ -116,6 +117,7 @@ class GradientEngine(ReplicaEngine):
         if self.slowdown is not None:
             self.slowdown.check_replicas(comm.world_size)
         self._comm_in_use = comm
+        self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
         self._rows_in_flight = []
@@ -248,23 +250,38 @@ class GradientEngine(ReplicaEngine):
 
     # --- evaluation and the end of fit ----------------------------------------------------------------------
 
+    def _share_buffers(self) -> None:
+        """Give every replica rank zero's buffers (a collective), as DDP's broadcast at each forward would have.
+
+        During training a BatchNorm layer normalises with its batch's statistics, so only evaluation, checkpoints
+        and the final model read the running statistics: broadcasting them there gives what DDP gives (rank zero's
+        own running statistics) without a synchronisation point in every step.
+        """
+        if self._module is None:
+            return
+        for buffer in self._module.buffers():
+            self._comm().broadcast_(buffer, src=0)
+
     def begin_evaluation(self) -> None:
         """Apply what is in flight, then evaluate the model every replica shares."""
         self.router.pause()
         self.flush()
+        self._share_buffers()
 
     def end_evaluation(self) -> None:  # noqa: D102
         self.router.resume()
 
     def finish(self) -> None:
-        """Apply the last delayed sum: the module leaves fit holding every update."""
+        """Apply the last delayed sum: the module leaves fit holding every update, and rank zero's buffers."""
         self.flush()
+        self._share_buffers()
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
     def global_model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The module's state: every replica holds the same model."""
+        """The module's state (a collective): every replica holds the same parameters, and gets rank zero's buffers."""
         self.router.pause()
+        self._share_buffers()
         return {name: tensor.clone() for name, tensor in module.state_dict().items()}
 
     def training_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
