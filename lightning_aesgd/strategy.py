@@ -12,6 +12,7 @@ free of namespace imports, so the same code serves ``pytorch_lightning`` (this m
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import logging
 import signal
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pytorch_lightning.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -52,6 +54,13 @@ else:
     _Base = object
 
 log = logging.getLogger(__name__)
+
+# torch 2.13 renamed DDP's per-forward buffer broadcast (`broadcast_buffers`); both keep the broadcast at wrapping.
+_NO_BUFFER_SYNC_AT_FORWARD = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 class AdaptiveElasticMixin(_Base):
@@ -202,7 +211,7 @@ class AdaptiveElasticMixin(_Base):
         # at every forward: DDP's per-forward broadcast would be a second synchronisation point per step, which
         # arrival sensing would count as work and which the delayed sum could not overlap (see GradientEngine).
         ddp_options: dict[str, Any] = (
-            {"find_unused_parameters": find_unused_parameters, "broadcast_buffers": False}
+            {"find_unused_parameters": find_unused_parameters, **_NO_BUFFER_SYNC_AT_FORWARD}
             if sync == "gradients"
             else {}
         )

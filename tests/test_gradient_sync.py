@@ -55,7 +55,8 @@ class LinearInParameters(RegressionModel):
         self.log("val/loss", (batch[0] @ self.weight).mean(), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([self.weight, self.wide], lr=0.1)
+        # With momentum the final weights depend on the order of the gradients too: the delayed sums must keep it.
+        return torch.optim.SGD([self.weight, self.wide], lr=0.1, momentum=0.9)
 
 
 def _fit(strategy: Any, model_class: type = AdamRegression, model_kwargs: Any = None, **trainer_kwargs: Any) -> Tensor:
