@@ -257,6 +257,7 @@ class Router:
         self._arrival = 0.0
         self._wait_fraction = 0.0
         self._waited = 0.0  # seconds blocked on peers this period, under overlapped synchronisation
+        self._wait_started: float | None = None
         self._next_plan = 0
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -372,6 +373,20 @@ class Router:
         self._active_before = 0.0
         self._waited = 0.0
         self._period = _Period()
+
+    def begin_wait(self) -> None:
+        """Start blocking on peers (counted as waiting, not active) until :meth:`end_wait`; see :meth:`waiting`."""
+        self._wait_started = None
+        if self._release is not None:  # not already paused
+            self._wait_started = self.clock()
+            self.pause()
+
+    def end_wait(self) -> None:
+        """Stop blocking on peers (see :meth:`begin_wait`)."""
+        if self._wait_started is not None:
+            self.resume()
+            self._waited += self.clock() - self._wait_started
+            self._wait_started = None
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
