@@ -283,6 +283,22 @@ def test_waiting_inside_a_pause_leaves_the_clock_paused():
     assert router.report(1.0).active == pytest.approx(0.3)
 
 
+def test_a_wait_split_across_calls_is_waiting_not_activity():
+    """Synchronous gradient sums: blocked from the last bucket's arrival until the reducer releases the replica."""
+    (router,) = _group(1)
+    router.clock.now = 0.0
+    router.interrupt()
+    router.clock.now = 0.4
+    router.begin_wait()
+    router.clock.now = 0.9
+    router.end_wait()
+    router.clock.now = 1.0
+    first = router.report(1.0)
+    router.continue_after_arrival()
+    assert first.active == pytest.approx(0.5)
+    assert router.report(1.0).wait_fraction == pytest.approx(0.5 / 1.0)
+
+
 def test_the_history_is_a_ring_so_memory_stays_flat():
     (router,) = _group(1)
     for step in range(HISTORY_LENGTH + 10):
