@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_aesgd.checks import UnsupportedSettingError
 from lightning_aesgd.core.merge import as_merge_rule
 from lightning_aesgd.core.slowdown import SlowdownProfile
 from lightning_aesgd.engine.averager import MergeSettings
@@ -168,7 +167,7 @@ class GradientEngine(ReplicaEngine):
         """
         sampler = self.sampler
         if sampler is None:
-            raise UnsupportedSettingError(
+            raise TypeError(
                 "sync='gradients' needs the training loader to be a torch DataLoader, which it rebuilds so that each "
                 "replica's share of every step is known (its gradient's weight). HINT: return a "
                 "torch.utils.data.DataLoader from train_dataloader(), or use sync='models'."
