@@ -84,7 +84,11 @@ class WeightedGradientReduce:
         if bucket.is_last() and self.on_last_bucket is not None:
             self.on_last_bucket()
         buffer = bucket.buffer()
-        if self.delay:
+        if buffer.is_sparse:
+            # An embedding's gradient repeats a row for every occurrence; gloo coalesces it before summing anyway,
+            # and scaling the coalesced rows is a fraction of scaling every occurrence.
+            contribution = buffer.coalesce() * self.weight
+        elif self.delay:
             # The sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
             # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
             contribution = buffer * self.weight

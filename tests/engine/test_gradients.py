@@ -141,3 +141,36 @@ def test_a_flushed_gradient_keeps_a_channels_last_parameters_layout():
     in_bucket = grad.permute(0, 2, 3, 1).reshape(-1)  # NHWC: the memory order of a channels_last tensor
     apply_gradients([param], {id(param): in_bucket})
     torch.testing.assert_close(param.grad, grad)
+
+
+class SparseBucket:
+    """A bucket holding one embedding's sparse gradient, a row for every occurrence (uncoalesced)."""
+
+    def __init__(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        self.param, self.grad = param, grad
+
+    def buffer(self) -> torch.Tensor:
+        return self.grad
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [self.param]
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_sparse_gradient_is_coalesced_then_weighted(delay):
+    param = nn.Parameter(torch.zeros(5, 2))
+    rows = torch.tensor([[1, 3, 1]])  # row 1 occurs twice
+    grad = torch.sparse_coo_tensor(rows, torch.ones(3, 2), (5, 2))
+    reduce = WeightedGradientReduce(delay=delay)
+    reduce.begin_step(0.5)
+    summed = reduce.reduce(SparseBucket(param, grad)).wait()
+    if delay:  # the first delayed step hands back the local gradient; its sum waits for the next step
+        reduce.end_step()
+        summed = reduce.take_pending()[id(param)]
+    expected = torch.zeros(5, 2)
+    expected[1], expected[3] = 1.0, 0.5
+    torch.testing.assert_close(summed.to_dense(), expected)
