@@ -112,6 +112,9 @@ class AdaptiveElasticMixin(_Base):
             merge_rule, merge_weights, l2_nudge, merge_buffers, optimizer_state, lr_scaling) do not apply to it.
         gradient_delay: with ``sync="gradients"``, 1 applies each step's sum one step later while the next step
             computes (ABS-SGD); 0 applies it at once.
+        compensate_momentum: with ``gradient_delay=1``, give parameters whose optimizer group has a momentum
+            ``μ > 0`` (SGD) ``(1 + μ)·Ĝ_{t−1} − μ·Ĝ_{t−2}`` in place of the stale sum ``Ĝ_{t−1}`` (spike compensation,
+            Kosson et al., MLSys 2021): a one-step-stale gradient under momentum 0.9 otherwise overshoots.
         find_unused_parameters: with ``sync="gradients"``, DistributedDataParallel's option of that name.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.core.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
@@ -155,6 +158,7 @@ class AdaptiveElasticMixin(_Base):
         lr_schedule: Callable[[int], float] | None = None,
         sync: Literal["models", "gradients"] = "models",
         gradient_delay: int = 0,
+        compensate_momentum: bool = True,
         find_unused_parameters: bool = False,
         slowdown: Any = None,
         checkpoint_replicas: bool = True,
@@ -191,6 +195,7 @@ class AdaptiveElasticMixin(_Base):
             checkpoint_replicas=checkpoint_replicas,
             telemetry=telemetry,
             find_unused_parameters=find_unused_parameters,
+            compensate_momentum=compensate_momentum,
         )
         check_timeout(timeout)
         check_sync(
@@ -235,6 +240,7 @@ class AdaptiveElasticMixin(_Base):
             self.engine: ReplicaEngine = GradientEngine(
                 Router(planning),
                 delay=gradient_delay,
+                compensate_momentum=compensate_momentum,
                 lr_schedule=lr_schedule,
                 slowdown=as_profile(slowdown),
                 step_batch_size=step_batch_size,

@@ -178,10 +178,27 @@ def test_delayed_sums_are_each_applied_exactly_once(validate):
     if validate:
         kwargs.update(limit_val_batches=2, val_check_interval=5)
     ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParameters, **kwargs)
-    ours = _fit(_gradients(gradient_delay=1, planner="static", shares=[3, 1]), LinearInParameters, **kwargs)
+    delayed = {"gradient_delay": 1, "compensate_momentum": False, "planner": "static", "shares": [3, 1]}
+    ours = _fit(_gradients(**delayed), LinearInParameters, **kwargs)
     torch.testing.assert_close(ours, ddp, atol=1e-6, rtol=0)
     undelayed = _fit(_gradients(planner="static", shares=[3, 1]), LinearInParameters, **kwargs)
     torch.testing.assert_close(undelayed, ddp, atol=1e-6, rtol=0)
+
+
+class LinearInParametersNesterov(LinearInParameters):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([self.weight, self.wide], lr=0.1, momentum=0.9, nesterov=True)
+
+
+@multiprocess
+def test_momentum_compensation_turns_delayed_heavy_ball_into_ddps_nesterov():
+    """Spike compensation (the default) feeds heavy-ball SGD (1 + μ)·Ĝ_{t−1} − μ·Ĝ_{t−2}: on a loss linear in its
+    parameters, where staleness does not change the sums, the run ends where DDP with Nesterov momentum ends,
+    through validation flushes and over several buckets."""
+    kwargs: dict[str, Any] = {"max_steps": 12, "limit_val_batches": 2, "val_check_interval": 5}
+    nesterov = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParametersNesterov, **kwargs)
+    ours = _fit(_gradients(gradient_delay=1, planner="static", shares=[3, 1]), LinearInParameters, **kwargs)
+    torch.testing.assert_close(ours, nesterov, atol=1e-6, rtol=0)
 
 
 @multiprocess
@@ -196,20 +213,25 @@ def test_delay_changes_the_trajectory_of_a_nonlinear_model_by_one_step_of_stalen
 
 
 @multiprocess
-@pytest.mark.parametrize("delay", [0, 1])
-def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay):
-    """A checkpoint written mid-epoch holds the plans and (ABS-SGD) the sum the next step applies: resuming from
-    it continues exactly as the run that wrote it (writing it does not change that run either)."""
+@pytest.mark.parametrize(("delay", "momentum"), [(0, None), (1, None), (1, 0.9)])
+def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay, momentum):
+    """A checkpoint written mid-epoch holds the plans and (ABS-SGD) the sum the next step applies, and the one
+    the latest step applied (momentum compensation subtracts it): resuming from it continues exactly as the run
+    that wrote it (writing it does not change that run either). Adam, or SGD with momentum."""
     strategy_options = {"gradient_delay": delay, "planner": "static", "shares": [3, 1]}
+    model_class = AdamRegression if momentum is None else RegressionModel
+    model_kwargs: dict[str, Any] = {"size": 256, "batch_size": 8}
+    if momentum is not None:
+        model_kwargs["momentum"] = momentum
     steps, every = 24, 10  # 256 / 16 = 16 steps per epoch: the checkpoint falls mid-epoch 0
-    uninterrupted = _fit(_gradients(**strategy_options), max_steps=steps)
+    uninterrupted = _fit(_gradients(**strategy_options), model_class, model_kwargs, max_steps=steps)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1)
-    with_checkpoint = _fit(_gradients(**strategy_options), max_steps=steps, enable_checkpointing=True,
-                           callbacks=[checkpoint])  # fmt: skip
+    with_checkpoint = _fit(_gradients(**strategy_options), model_class, model_kwargs, max_steps=steps,
+                           enable_checkpointing=True, callbacks=[checkpoint])  # fmt: skip
     torch.testing.assert_close(with_checkpoint, uninterrupted, atol=0, rtol=0)
     path = next(tmp_path.glob(f"*step={every}.ckpt"))
     pl.seed_everything(7)
-    model = AdamRegression(size=256, batch_size=8)
+    model = model_class(**model_kwargs)
     cpu_trainer(_gradients(**strategy_options), max_steps=steps).fit(model, ckpt_path=str(path))
     torch.testing.assert_close(flat_parameters(model), uninterrupted, atol=1e-7, rtol=0)
 

@@ -45,6 +45,7 @@ class GradientEngine(ReplicaEngine):
     Args:
         router: measures arrivals and plans batch sizes.
         delay: 0, or 1 for ABS-SGD (see :mod:`lightning_aesgd.engine.gradients`).
+        compensate_momentum: with ``delay``, spike compensation of SGD momentum for the stale gradient.
         lr_schedule: a factor on the learning rate during each step, a function of the global step.
         slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step.
         step_batch_size: indices consumed per step by all replicas.
@@ -57,6 +58,7 @@ class GradientEngine(ReplicaEngine):
         router: Router,
         *,
         delay: int,
+        compensate_momentum: bool = True,
         lr_schedule: Callable[[int], float] | None,
         slowdown: SlowdownProfile | None,
         step_batch_size: int | None,
@@ -75,7 +77,12 @@ class GradientEngine(ReplicaEngine):
             sample_costs=sample_costs,
             checkpoint_replicas=False,
         )
-        self.reduce = WeightedGradientReduce(delay, on_last_bucket=self._arrive, waiting=self._waiting_for_peers)
+        self.reduce = WeightedGradientReduce(
+            delay,
+            on_last_bucket=self._arrive,
+            waiting=self._waiting_for_peers,
+            compensate_momentum=compensate_momentum,
+        )
         self.syncs = 0
         self._comm_in_use: Communicator | None = None
         self._params: list[nn.Parameter] = []
@@ -119,6 +126,7 @@ class GradientEngine(ReplicaEngine):
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
+        self.reduce.applied = {}
         self._rows_in_flight = []
         self.router.attach(comm.world_size, device)
         self._compute_clock = ComputeClock(device)
@@ -176,6 +184,7 @@ class GradientEngine(ReplicaEngine):
         self._optimizer, self._stop_requested = optimizer, stop_requested
         self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
         self.reduce.begin_step(self._share)
+        self.reduce.read_momentum(optimizer)
         skip = nullcontext() if self.reduce.applies_update else update_skipped(optimizer)
         factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
@@ -253,7 +262,8 @@ class GradientEngine(ReplicaEngine):
         if optimizer is None:  # no step has run in this fit: nothing can be in flight, but keep what is held
             self.reduce.hold(pending)
             return
-        apply_gradients(self._params, pending)
+        self.reduce.read_momentum(optimizer)
+        apply_gradients(self._params, self.reduce.compensated(pending))
         if self._before_flush_update is not None:
             self._before_flush_update(optimizer)
         factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
@@ -298,11 +308,15 @@ class GradientEngine(ReplicaEngine):
         return {name: tensor.clone() for name, tensor in module.state_dict().items()}
 
     def training_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        """Plans, the router's measurements and (ABS-SGD) the gradient sum the next step applies."""
+        """Plans, the router's measurements and (ABS-SGD) the sums the next step applies and the latest applied.
+
+        Momentum compensation subtracts the latest applied sum from the next: resuming needs both.
+        """
         shared: dict[str, Any] = {"router": self.router.shared_state()}
         if self.sampler is not None:
             shared["step_batch_size"] = self.sampler.step_batch_size
         shared["delayed_gradients"] = pending_to_list(self._params, self.reduce.peek_pending())
+        shared["applied_gradients"] = pending_to_list(self._params, self.reduce.applied)
         return {"world_size": self._comm().world_size, "shared": shared, "replicas": None, "sync": "gradients"}
 
     def load_training_state(
@@ -315,5 +329,8 @@ class GradientEngine(ReplicaEngine):
         delayed = shared.get("delayed_gradients")
         if delayed is not None and self.delay:
             self.reduce.hold(pending_from_list(self._params, delayed))
+            self.reduce.applied = pending_from_list(
+                self._params, shared.get("applied_gradients") or [None] * len(self._params)
+            )
         elif delayed is not None:
             log.warning("The checkpoint holds a delayed gradient sum, which sync without delay does not apply.")

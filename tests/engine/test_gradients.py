@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lightning_aesgd.engine.gradients import (
@@ -174,3 +176,61 @@ def test_a_sparse_gradient_is_coalesced_then_weighted(delay):
     expected = torch.zeros(5, 2)
     expected[1], expected[3] = 1.0, 0.5
     torch.testing.assert_close(summed.to_dense(), expected)
+
+
+# --- momentum compensation (spike compensation for the one-step-stale sum) -----------------------------------
+
+
+def _optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    # The first parameter has momentum 0.9, the second none: only the first is compensated.
+    return torch.optim.SGD([{"params": [params[0]], "momentum": 0.9}, {"params": [params[1]]}], lr=0.1)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_momentum_parameters_get_the_spike_compensated_sum():
+    """(1 + μ)·Ĝ_{t−1} − μ·Ĝ_{t−2} for the parameter with momentum (Ĝ before the first is zero), Ĝ_{t−1} else;
+    the flush is compensated like a step."""
+    params = _params()
+    reduce = WeightedGradientReduce(delay=1)
+    reduce.read_momentum(_optimizer(params))
+    returned = []
+    for value in (2.0, 3.0, 5.0):
+        reduce.begin_step(1.0)
+        returned.append(reduce.reduce(FakeBucket(params, _grads(value))).wait())
+        reduce.end_step()
+    expected_first = [1.9 * 2.0] * 4 + [2.0] * 3
+    expected_second = [1.9 * 3.0 - 0.9 * 2.0] * 4 + [3.0] * 3
+    torch.testing.assert_close(returned[1], torch.tensor(expected_first))
+    torch.testing.assert_close(returned[2], torch.tensor(expected_second))
+    pending = reduce.take_pending()
+    assert pending is not None
+    flushed = reduce.compensated(pending)
+    torch.testing.assert_close(flushed[id(params[0])], torch.full((4,), 1.9 * 5.0 - 0.9 * 3.0))
+    torch.testing.assert_close(flushed[id(params[1])], torch.full((3,), 5.0))
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_without_delay_or_when_switched_off_nothing_is_compensated():
+    params = _params()
+    for reduce in (WeightedGradientReduce(delay=0), WeightedGradientReduce(delay=1, compensate_momentum=False)):
+        reduce.read_momentum(_optimizer(params))
+        sums = {id(params[0]): torch.ones(4)}
+        assert reduce.compensated(sums) is sums
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(-10, 10), min_size=1, max_size=12), st.floats(0.05, 0.95))
+def test_compensated_heavy_ball_on_delayed_sums_is_nesterov(values, momentum):
+    """Spike compensation with delay 1 turns heavy-ball SGD into Nesterov's method on the same (delayed) sums:
+    the buffer holds μ·v_t + Ĝ_t where v_t is the plain buffer, so the two trajectories coincide."""
+    compensated, nesterov = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    heavy_ball = torch.optim.SGD([compensated], lr=0.1, momentum=momentum)
+    reference = torch.optim.SGD([nesterov], lr=0.1, momentum=momentum, nesterov=True)
+    reduce = WeightedGradientReduce(delay=1)
+    reduce.read_momentum(heavy_ball)
+    for value in values:
+        compensated.grad = reduce.compensated({id(compensated): torch.tensor([value])})[id(compensated)]
+        nesterov.grad = torch.tensor([value])
+        heavy_ball.step()
+        reference.step()
+    torch.testing.assert_close(compensated.detach(), nesterov.detach(), atol=1e-4, rtol=1e-5)
