@@ -92,7 +92,8 @@ class AdaptiveElasticMixin(_Base):
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
         speed_smoothing: smoothing β of the speed moving averages; 0.8 follows a 4× slowdown within about 16
             steps while averaging out single noisy steps.
-        plan_gain: fraction γ of the way to the planner's target that each new plan moves (damping).
+        plan_gain: fraction γ of the way to the planner's target that each new plan moves (damping); the first
+            plan, from the initial split, moves all the way.
         plan_after_warmup: keep the initial plan through the ``warmup_steps`` (speeds are still measured) and
             adapt only after them, as the authors' code does; otherwise plans adapt from the first measurements.
         sample_costs: per-sample cost for cost-aware splitting: ``None`` (count samples), ``"dataset"`` (the

@@ -118,7 +118,8 @@ class PlanSettings:
         max_batch: largest batch per replica.
         min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``.
         speed_smoothing: smoothing β of the moving averages.
-        plan_gain: fraction γ of the way to the planner's target that each new plan moves.
+        plan_gain: fraction γ of the way to the planner's target that each new plan moves; the first plan, from the
+            initial (equal or static) split, moves all the way.
         plan_dead_band: no plan is made while the predicted step times agree within this relative tolerance, and a
             plan stays while every replica's relative move is below it.
         planner_options: extra arguments of a named planner (e.g. ``step`` of the additive rule).
@@ -423,9 +424,9 @@ class Router:
             current = self.plan_book.latest
             sizes = self.planner.plan(current, models, self.total)
             if isinstance(settings.planner, str):  # a Planner object of the user's is obeyed as it is
-                sizes = damped_plan(
-                    current, sizes, settings.plan_gain, settings.plan_dead_band, self.floor, settings.max_batch
-                )
+                # The initial split is a guess, not a measured plan: the first plan moves all the way to the target.
+                gain = settings.plan_gain if self.plan_book.revised else 1.0
+                sizes = damped_plan(current, sizes, gain, settings.plan_dead_band, self.floor, settings.max_batch)
             if tuple(sizes) != current:
                 self.plan_book.schedule(step + self.lag, sizes)
         self.latest_reports = reports

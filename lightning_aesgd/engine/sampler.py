@@ -59,6 +59,11 @@ class PlanBook:
         """The most recently scheduled plan."""
         return self._sizes[-1]
 
+    @property
+    def revised(self) -> bool:
+        """Whether any plan has been scheduled after the initial one."""
+        return len(self._starts) > 1
+
     def schedule(self, from_step: int, sizes: Sequence[int]) -> None:
         """Put ``sizes`` in force from ``from_step`` on, replacing any plan scheduled at or after it.
 

@@ -81,6 +81,15 @@ def test_shares_converge_to_the_speed_proportional_ideal_within_30_steps(planner
 
 
 @pytest.mark.parametrize("planner", ["proportional", "balanced"])
+def test_the_first_plan_moves_all_the_way_from_the_initial_split(planner):
+    """The equal split is a guess: the first measurements replace it at once (no damping against a guess)."""
+    factors = (1, 1, 2, 4)
+    plans = _run(_group(4, planner=planner), lambda step: factors, steps=6)
+    assert plans[:3] == [(64, 64, 64, 64)] * 3  # the first plan is made at step 0 and applies after the lag of 3
+    assert share_error(plans[3], _speeds(factors)) < 0.05
+
+
+@pytest.mark.parametrize("planner", ["proportional", "balanced"])
 def test_the_plan_follows_a_replica_that_becomes_4x_slower_within_30_steps(planner):
     def factors_at(step):
         return (1, 1, 1, 4) if step >= 40 else (1, 1, 1, 1)
