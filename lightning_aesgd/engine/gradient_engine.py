@@ -267,8 +267,13 @@ class GradientEngine(ReplicaEngine):
         if self._before_flush_update is not None:
             self._before_flush_update(optimizer)
         factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
+        clock = self._compute_clock if self.slowdown is not None else None
+        started = clock.now() if clock is not None else None
         with _scaled_learning_rate(optimizer, factor):
             optimizer.step()
+        if clock is not None and started is not None and self.slowdown is not None:
+            # The flushed update is the update a step skipped: an emulated slower device makes it as slow.
+            stretch(clock, started, self.slowdown.factor(self._comm().rank, self._global_step))
         optimizer.zero_grad(set_to_none=True)
 
     # --- evaluation and the end of fit ----------------------------------------------------------------------
