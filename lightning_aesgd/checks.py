@@ -59,12 +59,13 @@ def check_fit_settings(trainer: Any, module: Any) -> None:
         )
 
 
-def check_sync(sync: Any, gradient_delay: Any, merge_options: dict[str, tuple[Any, Any]]) -> None:
+def check_sync(sync: Any, gradient_delay: Any, delay_warmup: Any, merge_options: dict[str, tuple[Any, Any]]) -> None:
     """Raise unless ``sync`` and ``gradient_delay`` are valid and no merge option is set for gradient sync.
 
     Args:
         sync: ``"models"`` or ``"gradients"``.
         gradient_delay: 0 or 1.
+        delay_warmup: synchronous steps before the delay starts: a whole number >= 0, > 0 only with the delay.
         merge_options: each option that only model merging uses, as (value given, default).
 
     Raises:
@@ -74,6 +75,16 @@ def check_sync(sync: Any, gradient_delay: Any, merge_options: dict[str, tuple[An
         raise ValueError(f"sync={sync!r} is not one of 'models', 'gradients'. HINT: pick one of them.")
     if gradient_delay not in (0, 1) or isinstance(gradient_delay, bool):
         raise ValueError(f"gradient_delay={gradient_delay!r}: 0 (synchronous) or 1 (ABS-SGD) only.")
+    if not isinstance(delay_warmup, int) or isinstance(delay_warmup, bool) or delay_warmup < 0:
+        raise ValueError(
+            f"gradient_delay_warmup={delay_warmup!r} counts steps. HINT: pass a whole number >= 0 (0: delay from the "
+            "first step)."
+        )
+    if delay_warmup and not gradient_delay:
+        raise ValueError(
+            "gradient_delay_warmup delays the start of gradient_delay=1, which is not set. HINT: add "
+            "sync='gradients', gradient_delay=1 (ABS-SGD), or remove gradient_delay_warmup."
+        )
     if sync == "models":
         if gradient_delay:
             raise ValueError(

@@ -116,6 +116,9 @@ class AdaptiveElasticMixin(_Base):
         compensate_momentum: with ``gradient_delay=1``, give parameters whose optimizer group has a momentum
             ``μ > 0`` (SGD) ``(1 + μ)·Ĝ_{t−1} − μ·Ĝ_{t−2}`` in place of the stale sum ``Ĝ_{t−1}`` (spike compensation,
             Kosson et al., MLSys 2021): a one-step-stale gradient under momentum 0.9 otherwise overshoots.
+        gradient_delay_warmup: with ``gradient_delay=1``, the first this many global steps apply their own sum at
+            once (synchronous); the delay starts after them. The first steps, where the gradient changes fastest,
+            suffer most from staleness.
         find_unused_parameters: with ``sync="gradients"``, DistributedDataParallel's option of that name.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.core.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
@@ -160,6 +163,7 @@ class AdaptiveElasticMixin(_Base):
         sync: Literal["models", "gradients"] = "models",
         gradient_delay: int = 0,
         compensate_momentum: bool = True,
+        gradient_delay_warmup: int = 0,
         find_unused_parameters: bool = False,
         slowdown: Any = None,
         checkpoint_replicas: bool = True,
@@ -202,6 +206,7 @@ class AdaptiveElasticMixin(_Base):
         check_sync(
             sync,
             gradient_delay,
+            gradient_delay_warmup,
             merge_options={
                 "period": (period, MergeSettings.period),
                 "merge_rule": (merge_rule, "elastic_average"),
@@ -242,6 +247,7 @@ class AdaptiveElasticMixin(_Base):
                 Router(planning),
                 delay=gradient_delay,
                 compensate_momentum=compensate_momentum,
+                delay_warmup=gradient_delay_warmup,
                 lr_schedule=lr_schedule,
                 slowdown=as_profile(slowdown),
                 step_batch_size=step_batch_size,

@@ -170,15 +170,17 @@ def test_every_replica_evaluates_with_rank_zeros_buffers(tmp_path, delay):
 
 
 @multiprocess
-@pytest.mark.parametrize("validate", [False, True])
-def test_delayed_sums_are_each_applied_exactly_once(validate):
+@pytest.mark.parametrize(("validate", "warmup"), [(False, 0), (True, 0), (True, 3)])
+def test_delayed_sums_are_each_applied_exactly_once(validate, warmup):
     """With a gradient independent of the parameters, one-step-stale updates end where DDP ends, exactly: the
-    first step applies nothing, validation (a flush) and the end of fit apply what is in flight, none twice."""
+    first step applies nothing, validation (a flush) and the end of fit apply what is in flight, none twice; so
+    does a synchronous warm-up, across the switch to the delay."""
     kwargs: dict[str, Any] = {"max_steps": 12}
     if validate:
         kwargs.update(limit_val_batches=2, val_check_interval=5)
     ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParameters, **kwargs)
     delayed = {"gradient_delay": 1, "compensate_momentum": False, "planner": "static", "shares": [3, 1]}
+    delayed["gradient_delay_warmup"] = warmup
     ours = _fit(_gradients(**delayed), LinearInParameters, **kwargs)
     torch.testing.assert_close(ours, ddp, atol=1e-6, rtol=0)
     undelayed = _fit(_gradients(planner="static", shares=[3, 1]), LinearInParameters, **kwargs)
@@ -226,6 +228,17 @@ def test_momentum_compensation_turns_delayed_heavy_ball_into_ddps_nesterov():
     nesterov = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParametersNesterov, **kwargs)
     ours = _fit(_gradients(gradient_delay=1, planner="static", shares=[3, 1]), LinearInParameters, **kwargs)
     torch.testing.assert_close(ours, nesterov, atol=1e-6, rtol=0)
+
+
+@multiprocess
+def test_the_warm_up_steps_are_synchronous():
+    """Adam on a nonlinear model: with the whole run inside the warm-up, the delayed mode is sync_adaptive exactly;
+    with a shorter warm-up the trajectories part after it."""
+    synchronous = _fit(_gradients(), max_steps=10)
+    warm_throughout = _fit(_gradients(gradient_delay=1, gradient_delay_warmup=10), max_steps=10)
+    torch.testing.assert_close(warm_throughout, synchronous, atol=0, rtol=0)
+    warm_then_delayed = _fit(_gradients(gradient_delay=1, gradient_delay_warmup=5), max_steps=10)
+    assert (warm_then_delayed - synchronous).abs().max() > 1e-6
 
 
 @multiprocess
@@ -277,6 +290,9 @@ def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay, 
         ({"sync": "weights"}, "not one of"),
         ({"find_unused_parameters": True}, "sync='gradients'"),
         ({"sync": "gradients", "gradient_delay": 1, "find_unused_parameters": True}, "unused in a step"),
+        ({"sync": "gradients", "gradient_delay_warmup": 5}, "gradient_delay=1"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_warmup": -1}, "counts steps"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_warmup": 2.5}, "counts steps"),
     ],
 )
 def test_options_that_do_not_apply_to_the_sync_mode_fail_early(options, message):

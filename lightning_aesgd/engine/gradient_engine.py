@@ -46,6 +46,8 @@ class GradientEngine(ReplicaEngine):
         router: measures arrivals and plans batch sizes.
         delay: 0, or 1 for ABS-SGD (see :mod:`lightning_aesgd.engine.gradients`).
         compensate_momentum: with ``delay``, spike compensation of SGD momentum for the stale gradient.
+        delay_warmup: global steps before this one apply their own sum at once (synchronous); the delay starts
+            after them, its first step applying nothing.
         lr_schedule: a factor on the learning rate during each step, a function of the global step.
         slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step.
         step_batch_size: indices consumed per step by all replicas.
@@ -59,6 +61,7 @@ class GradientEngine(ReplicaEngine):
         *,
         delay: int,
         compensate_momentum: bool = True,
+        delay_warmup: int = 0,
         lr_schedule: Callable[[int], float] | None,
         slowdown: SlowdownProfile | None,
         step_batch_size: int | None,
@@ -83,6 +86,8 @@ class GradientEngine(ReplicaEngine):
             waiting=self._waiting_for_peers,
             compensate_momentum=compensate_momentum,
         )
+        self._delay = delay
+        self.delay_warmup = delay_warmup
         self.syncs = 0
         self._comm_in_use: Communicator | None = None
         self._params: list[nn.Parameter] = []
@@ -98,8 +103,8 @@ class GradientEngine(ReplicaEngine):
 
     @property
     def delay(self) -> int:
-        """Steps between computing a gradient and applying it (1: ABS-SGD)."""
-        return self.reduce.delay
+        """Steps between computing a gradient and applying it after the warm-up (1: ABS-SGD)."""
+        return self._delay
 
     @property
     def running(self) -> bool:  # noqa: D102
@@ -154,7 +159,7 @@ class GradientEngine(ReplicaEngine):
         def closure_then_reports() -> T:
             output = closure()
             self._take_reports()
-            if not self.delay:
+            if not self.reduce.delay:
                 self.router.end_wait()  # released from the step's sums
             if self._compute_clock is not None and self.slowdown is not None:
                 self._update_started = self._compute_clock.now()  # the update's compute is emulated from here
@@ -183,6 +188,7 @@ class GradientEngine(ReplicaEngine):
         record = sampler.pop_record(self._step_key)
         self._optimizer, self._stop_requested = optimizer, stop_requested
         self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
+        self.reduce.delay = self._delay if self._global_step >= self.delay_warmup else 0
         self.reduce.begin_step(self._share)
         self.reduce.read_momentum(optimizer)
         skip = nullcontext() if self.reduce.applies_update else update_skipped(optimizer)
@@ -227,7 +233,7 @@ class GradientEngine(ReplicaEngine):
             rows[comm.rank] = row
             self._rows_in_flight.append(dist.all_reduce(rows, async_op=True).get_future())
             self.router.continue_after_arrival()
-        if not self.delay:
+        if not self.reduce.delay:
             self.router.begin_wait()  # DDP's reducer now waits for the slowest replica's buckets
 
     def _reports_due(self) -> bool:
@@ -240,10 +246,10 @@ class GradientEngine(ReplicaEngine):
 
     def _take_reports(self) -> None:
         # Synchronous: this step's reports. Delayed: the previous exchange's, while this one's travel.
-        keep = 1 if self.delay else 0
+        keep = 1 if self.reduce.delay else 0
         while len(self._rows_in_flight) > keep:
             future = self._rows_in_flight.pop(0)
-            with self._waiting_for_peers() if self.delay else nullcontext():
+            with self._waiting_for_peers() if self.reduce.delay else nullcontext():
                 rows = future.wait()[0]
             self.router.receive(rows.cpu().tolist(), self._step_key, released=False)
 

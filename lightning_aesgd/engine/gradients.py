@@ -53,7 +53,8 @@ class WeightedGradientReduce:
     Register with ``ddp_model.register_comm_hook(reduce, weighted_gradient_hook)``.
 
     Args:
-        delay: steps between computing a gradient and applying it: 0 (synchronous) or 1 (ABS-SGD).
+        delay: steps between computing a gradient and applying it: 0 (synchronous) or 1 (ABS-SGD). It may go
+            from 0 to 1 between steps (a synchronous warm-up): the first delayed step then applies nothing.
         on_last_bucket: called once per backward, when the last bucket is ready, before its sum is launched: this
             replica has finished its step's computation (its arrival).
         waiting: a context manager around time spent blocked on peers (the previous step's sums, with ``delay``).
