@@ -103,11 +103,17 @@ class ComputeClock:
         self.device = device
 
     def now(self) -> float:
-        """A reading; differences of two readings are compute seconds."""
+        """A reading; differences of two readings are compute seconds.
+
+        On CPU with one intra-op thread (each emulated replica's case), the calling thread's CPU time: forward,
+        backward (CPU autograd runs on the calling thread) and the update, but not the work of gloo's own threads
+        on a collective in flight meanwhile (DDP's earlier buckets, ABS-SGD's delayed sum), which a slower device
+        would not slow down. With several intra-op threads, the process's CPU time.
+        """
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return time.perf_counter()
-        return time.process_time()
+        return time.thread_time() if torch.get_num_threads() == 1 else time.process_time()
 
 
 def stretch(clock: ComputeClock, started: float, factor: float) -> None:

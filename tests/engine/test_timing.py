@@ -1,3 +1,6 @@
+import threading
+import time
+
 import pytest
 import torch
 
@@ -97,3 +100,26 @@ def test_emulated_slowdown_sleeps_factor_minus_one_times_the_compute_time(monkey
     with timing.emulated_slowdown(Clock(), factor=4.0):
         pass
     assert sleeps == [pytest.approx(1.5)]
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_compute_clock_counts_the_computing_threads_work_and_not_other_threads():
+    """gloo works on a collective in flight (a DDP bucket, ABS-SGD's delayed sum) on threads of its own: a slower
+    device would not slow that work, so the step emulation must not stretch it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clock = timing.ComputeClock(torch.device("cpu"))
+        started = clock.now()
+        other = threading.Thread(target=_spin, args=(0.3,))
+        other.start()
+        _spin(0.1)
+        other.join()
+        assert 0.09 <= clock.now() - started < 0.2
+    finally:
+        torch.set_num_threads(threads)
