@@ -234,11 +234,13 @@ def test_momentum_compensation_turns_delayed_heavy_ball_into_ddps_nesterov():
 def test_the_warm_up_steps_are_synchronous():
     """Adam on a nonlinear model: with the whole run inside the warm-up, the delayed mode is sync_adaptive exactly;
     with a shorter warm-up the trajectories part after it."""
-    synchronous = _fit(_gradients(), max_steps=10)
-    warm_throughout = _fit(_gradients(gradient_delay=1, gradient_delay_warmup=10), max_steps=10)
-    torch.testing.assert_close(warm_throughout, synchronous, atol=0, rtol=0)
-    warm_then_delayed = _fit(_gradients(gradient_delay=1, gradient_delay_warmup=5), max_steps=10)
-    assert (warm_then_delayed - synchronous).abs().max() > 1e-6
+    # Static shares: measured plans could split the steps differently, and the sums differ by rounding.
+    shares = {"planner": "static", "shares": [3, 1]}
+    synchronous = _fit(_gradients(**shares), max_steps=10)
+    warm_throughout = _fit(_gradients(gradient_delay=1, gradient_delay_warmup=10, **shares), max_steps=10)
+    torch.testing.assert_close(warm_throughout, synchronous, atol=1e-7, rtol=0)
+    warm_then_delayed = _fit(_gradients(gradient_delay=1, gradient_delay_warmup=5, **shares), max_steps=10)
+    assert (warm_then_delayed - synchronous).abs().max() > 1e-5
 
 
 @multiprocess
