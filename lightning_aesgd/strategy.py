@@ -43,7 +43,7 @@ from lightning_aesgd.elastic import attempt_store, destroy_process_group, shared
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.gradient_engine import GradientEngine
-from lightning_aesgd.engine.gradients import weighted_gradient_hook
+from lightning_aesgd.engine.gradients import gradient_sum_hook
 from lightning_aesgd.engine.replica import CHECKPOINT_KEY, ReplicaEngine
 from lightning_aesgd.engine.routing import PlanSettings, Router, SampleCosts
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
@@ -306,12 +306,12 @@ class AdaptiveElasticMixin(_Base):
     def configure_ddp(self) -> None:
         """Leave the model unwrapped (replicas are merged), or, for ``sync="gradients"``, wrap it as DDP does.
 
-        Under gradient synchronisation the wrapper's communication hook weights every replica's gradient by its
-        share of the step's samples.
+        Under gradient synchronisation the wrapper's communication hook sums the replicas' gradients, each weighted
+        by its share of the step's samples (see :meth:`backward`).
         """
         if isinstance(self.engine, GradientEngine):
             super().configure_ddp()
-            self.model.register_comm_hook(self.engine.reduce, weighted_gradient_hook)  # type: ignore[union-attr,operator]
+            self.model.register_comm_hook(self.engine.reduce, gradient_sum_hook)  # type: ignore[union-attr,operator]
 
     @override
     def setup_distributed(self) -> None:
@@ -389,6 +389,17 @@ class AdaptiveElasticMixin(_Base):
         if self.telemetry and self.is_global_zero and _logs_this_step(trainer):
             self._log_telemetry(trainer)
         return output
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's backward; under ``sync="gradients"`` of the loss times this replica's share ``bᵢ/M``.
+
+        The gradient then enters DDP's sum already weighted: one multiplication, where weighting the buckets
+        would cost a pass over every gradient (and a sparse embedding gradient holds a row per occurrence).
+        """
+        if isinstance(self.engine, GradientEngine) and self.engine.ready:
+            closure_loss = closure_loss * self.engine.gradient_weight
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _clip_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """The Trainer's gradient clipping, for an update the strategy applies itself (a flushed delayed sum)."""

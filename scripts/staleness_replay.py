@@ -2,7 +2,7 @@
 
 What a one-step-stale gradient (ABS-SGD, ``gradient_delay=1``) does to the optimization, apart from everything
 distributed: one replica, the workload's model and optimizer, the same step batch, and the strategy's own
-momentum compensation (``WeightedGradientReduce.compensated``). The method card ``docs/methods/abs_sgd.md``
+momentum compensation (``GradientSum.compensated``). The method card ``docs/methods/abs_sgd.md``
 quotes its figures. Examples::
 
     python scripts/staleness_replay.py xmc --delay 0            # XMC mini, Adagrad: P@1 every 7 steps
@@ -20,7 +20,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_aesgd.engine.gradients import WeightedGradientReduce
+from lightning_aesgd.engine.gradients import GradientSum
 
 
 def replay(
@@ -34,7 +34,7 @@ def replay(
 ) -> Iterable[int]:
     """Train over ``batches``, yielding each step's count; from step ``warmup`` on, apply gradients ``delay`` late."""
     params = [p for p in model.parameters() if p.requires_grad]
-    reduce = WeightedGradientReduce(delay=1, compensate_momentum=compensate)
+    reduce = GradientSum(delay=1, compensate_momentum=compensate)
     pending: list[Tensor | None] | None = None
     for step, batch in enumerate(batches, start=1):
         optimizer.zero_grad(set_to_none=True)

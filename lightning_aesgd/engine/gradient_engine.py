@@ -2,8 +2,9 @@
 
 :class:`GradientEngine` is the :class:`~lightning_aesgd.engine.replica.ReplicaEngine` for gradient
 synchronisation. The loader, the sampler, the router, telemetry, slowdown emulation and checkpoints of plans are
-the same; instead of merging models it sets each step's weight ``bᵢ/M`` on the DDP communication hook
-(:class:`~lightning_aesgd.engine.gradients.WeightedGradientReduce`), and the replicas' reports travel in a small
+the same; instead of merging models it gives each step's gradient the weight ``bᵢ/M`` (``gradient_weight``, by which the
+strategy scales the loss) for DDP's communication hook to sum
+(:class:`~lightning_aesgd.engine.gradients.GradientSum`), and the replicas' reports travel in a small
 all-reduce launched with the last gradient bucket. Every replica holds the same model and optimizer state, as
 under DDP, so evaluation and checkpoints need no merged model.
 """
@@ -24,7 +25,7 @@ from lightning_aesgd.core.slowdown import SlowdownProfile
 from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import Communicator
 from lightning_aesgd.engine.gradients import (
-    WeightedGradientReduce,
+    GradientSum,
     apply_gradients,
     pending_from_list,
     pending_to_list,
@@ -80,7 +81,7 @@ class GradientEngine(ReplicaEngine):
             sample_costs=sample_costs,
             checkpoint_replicas=False,
         )
-        self.reduce = WeightedGradientReduce(
+        self.reduce = GradientSum(
             delay,
             on_last_bucket=self._arrive,
             waiting=self._waiting_for_peers,
@@ -105,6 +106,11 @@ class GradientEngine(ReplicaEngine):
     def delay(self) -> int:
         """Steps between computing a gradient and applying it after the warm-up (1: ABS-SGD)."""
         return self._delay
+
+    @property
+    def gradient_weight(self) -> float:
+        """This replica's weight ``bᵢ/M`` in the step's gradient sum: the strategy scales the loss by it."""
+        return self._share
 
     @property
     def running(self) -> bool:  # noqa: D102
@@ -174,7 +180,7 @@ class GradientEngine(ReplicaEngine):
         stop_requested: Callable[[], bool],
         grad_scaler: Any = None,
     ) -> T:
-        """Run one step whose gradient the hook weights by this replica's share of the step's samples.
+        """Run one step whose gradient counts with this replica's share of the step's samples (``gradient_weight``).
 
         A step the ``grad_scaler`` skips is skipped on every replica alike (they all see the same summed gradient).
         """
@@ -189,7 +195,7 @@ class GradientEngine(ReplicaEngine):
         self._optimizer, self._stop_requested = optimizer, stop_requested
         self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
         self.reduce.delay = self._delay if self._global_step >= self.delay_warmup else 0
-        self.reduce.begin_step(self._share)
+        self.reduce.begin_step()
         self.reduce.read_momentum(optimizer)
         skip = nullcontext() if self.reduce.applies_update else update_skipped(optimizer)
         factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0

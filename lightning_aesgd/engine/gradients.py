@@ -1,12 +1,15 @@
 """Gradient synchronisation at uneven batches, through DDP's own reducer: the ``sync="gradients"`` modes.
 
 With ``sync="gradients"`` the model is wrapped in ``DistributedDataParallel`` as under DDP (bucketing, overlap
-with backward, sparse gradients), and :class:`WeightedGradientReduce` is its communication hook. Replica ``i``
-computes the mean gradient ``gᵢ`` of its ``bᵢ`` samples; the hook scales it by ``bᵢ/M`` and sums over replicas::
+with backward, sparse gradients), and :class:`GradientSum` is its communication hook. Replica ``i`` computes the
+mean gradient ``gᵢ`` of its ``bᵢ`` samples, weighted by ``bᵢ/M`` (the strategy scales its loss by that share
+before backward, which weights every gradient for free), and the hook sums over replicas::
 
     g = Σᵢ (bᵢ/M)·gᵢ = (1/M)·Σ_{s in the step's M samples} ∇ℓ(s)
 
 which is the gradient of the whole step batch: DDP's update with the same global batch, whatever the split.
+Weighting the loss rather than the buckets matters for sparse gradients: an embedding's gradient holds a row per
+occurrence (tens of thousands on XMC), and scaling or coalescing it costs milliseconds of a step's computation.
 Every replica applies the same ``g`` with its own, identical, optimizer state, so any optimizer (Adam included)
 follows DDP's trajectory.
 
@@ -14,7 +17,7 @@ With ``delay=1`` (ABS-SGD: Zhou et al., "ABS-SGD: A Delayed Synchronous Stochast
 with Adaptive Batch Size for Heterogeneous GPU Clusters", 2023) the sum of step ``t`` is launched during step
 ``t``'s backward and applied at step ``t+1``: ``θ_{t+1} = θ_t − η·g_{t−1}``, one step stale, so the
 communication of a step and the waiting for the slowest replica overlap the next step's computation. The first
-step after a flush applies nothing; :meth:`WeightedGradientReduce.take_pending` hands over what is still in flight
+step after a flush applies nothing; :meth:`GradientSum.take_pending` hands over what is still in flight
 so that every reduced gradient is applied exactly once.
 
 A stale gradient under heavy momentum overshoots: for a quadratic of curvature ``λ``, heavy-ball SGD with
@@ -47,10 +50,11 @@ Pending = dict[int, Tensor]
 (a sparse gradient as it is)."""
 
 
-class WeightedGradientReduce:
-    """The state of DDP's communication hook: weight, launch and (with ``delay``) hold back each bucket's sum.
+class GradientSum:
+    """The state of DDP's communication hook: launch and (with ``delay``) hold back each bucket's sum.
 
-    Register with ``ddp_model.register_comm_hook(reduce, weighted_gradient_hook)``.
+    Register with ``ddp_model.register_comm_hook(reduce, gradient_sum_hook)``. The gradients arrive weighted (the
+    loss was scaled by the replica's share): the hook sums them as they are.
 
     Args:
         delay: steps between computing a gradient and applying it: 0 (synchronous) or 1 (ABS-SGD). It may go
@@ -74,7 +78,6 @@ class WeightedGradientReduce:
         if delay not in (0, 1):
             raise ValueError(f"gradient_delay must be 0 or 1 (ABS-SGD's one step), got {delay!r}.")
         self.delay = delay
-        self.weight = 1.0
         self.on_last_bucket = on_last_bucket
         self.waiting = waiting if waiting is not None else nullcontext
         self.group = group
@@ -117,9 +120,8 @@ class WeightedGradientReduce:
         self.applied = {key: summed for key, summed in sums.items() if key in self._momentum}
         return given
 
-    def begin_step(self, weight: float) -> None:
-        """A step starts whose gradient counts with ``weight`` (this replica's share of the step's samples)."""
-        self.weight = weight
+    def begin_step(self) -> None:
+        """A step starts."""
         self._took_previous = False
         if self.delay:
             self._previous, self._launched = self._launched, []
@@ -132,20 +134,13 @@ class WeightedGradientReduce:
         return not self.delay or bool(self._previous) or self._ready is not None
 
     def reduce(self, bucket: Any) -> torch.futures.Future[Tensor]:
-        """DDP's hook body: weight the bucket, sum it over replicas; return this step's sum or the previous one's."""
+        """DDP's hook body: sum the bucket over replicas; return this step's sum or the previous one's."""
         if bucket.is_last() and self.on_last_bucket is not None:
             self.on_last_bucket()
         buffer = bucket.buffer()
-        if buffer.is_sparse:
-            # An embedding's gradient repeats a row for every occurrence; gloo coalesces it before summing anyway,
-            # and scaling the coalesced rows is a fraction of scaling every occurrence.
-            contribution = buffer.coalesce() * self.weight
-        elif self.delay:
-            # The sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
-            # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
-            contribution = buffer * self.weight
-        else:
-            contribution = buffer.mul_(self.weight) if self.weight != 1.0 else buffer
+        # A delayed sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
+        # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
+        contribution = buffer.clone() if self.delay else buffer
         summed: torch.futures.Future[list[Tensor]] = dist.all_reduce(
             contribution, group=self.group, async_op=True
         ).get_future()
@@ -190,14 +185,14 @@ class WeightedGradientReduce:
         self._launched, self._previous, self._ready = [], [], pending
 
 
-def weighted_gradient_hook(state: WeightedGradientReduce, bucket: Any) -> torch.futures.Future[Tensor]:
-    """The function DDP calls for every ready bucket (see :class:`WeightedGradientReduce`)."""
+def gradient_sum_hook(state: GradientSum, bucket: Any) -> torch.futures.Future[Tensor]:
+    """The function DDP calls for every ready bucket (see :class:`GradientSum`)."""
     return state.reduce(bucket)
 
 
 # DDP checks a hook's annotations as objects; this module's are strings (postponed evaluation).
-weighted_gradient_hook.__annotations__ = {
-    "state": WeightedGradientReduce,
+gradient_sum_hook.__annotations__ = {
+    "state": GradientSum,
     "bucket": dist.GradBucket,  # type: ignore[attr-defined]
     "return": torch.futures.Future[torch.Tensor],
 }

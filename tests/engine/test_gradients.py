@@ -1,4 +1,4 @@
-"""The weighted (and delayed) gradient sum of sync="gradients", driven with a one-process gloo group."""
+"""The (delayed) gradient sum of sync="gradients", driven with a one-process gloo group."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_aesgd.engine.gradients import (
-    WeightedGradientReduce,
+    GradientSum,
     apply_gradients,
     pending_from_list,
     pending_to_list,
@@ -52,52 +52,54 @@ def _grads(value: float) -> list[torch.Tensor]:
 
 
 @pytest.mark.usefixtures("one_process_group")
-def test_the_sum_is_weighted_by_the_replicas_share():
+def test_the_sum_takes_the_weighted_gradients_as_they_are_and_reports_the_arrival():
     arrivals = []
-    reduce = WeightedGradientReduce(on_last_bucket=lambda: arrivals.append(True))
-    reduce.begin_step(0.25)
+    reduce = GradientSum(on_last_bucket=lambda: arrivals.append(True))
+    reduce.begin_step()
     assert reduce.applies_update
-    summed = reduce.reduce(FakeBucket(_params(), _grads(4.0))).wait()
-    torch.testing.assert_close(summed, torch.full((7,), 1.0))
+    bucket = FakeBucket(_params(), _grads(4.0))
+    summed = reduce.reduce(bucket).wait()
+    torch.testing.assert_close(summed, torch.full((7,), 4.0))
+    assert summed.data_ptr() == bucket.flat.data_ptr()  # summed in place, as DDP's own hook does: no copy
     assert arrivals == [True]
 
 
 @pytest.mark.usefixtures("one_process_group")
 def test_a_delayed_sum_is_applied_by_the_next_step_once():
     params = _params()
-    reduce = WeightedGradientReduce(delay=1)
-    reduce.begin_step(0.5)
+    reduce = GradientSum(delay=1)
+    reduce.begin_step()
     assert not reduce.applies_update  # the first step has nothing to apply yet
-    reduce.reduce(FakeBucket(params, _grads(2.0))).wait()
+    reduce.reduce(FakeBucket(params, _grads(1.0))).wait()
     reduce.end_step()
-    reduce.begin_step(1.0)
+    reduce.begin_step()
     assert reduce.applies_update
     returned = reduce.reduce(FakeBucket(params, _grads(3.0))).wait()
-    torch.testing.assert_close(returned, torch.full((7,), 1.0))  # step 0's sum, 0.5 × 2
+    torch.testing.assert_close(returned, torch.full((7,), 1.0))  # step 0's sum
     reduce.end_step()
     pending = reduce.take_pending()  # the flush: step 1's sum, once
     assert pending is not None
     torch.testing.assert_close(pending[id(params[1])], torch.full((3,), 3.0))
     assert reduce.take_pending() is None
-    reduce.begin_step(1.0)
+    reduce.begin_step()
     assert not reduce.applies_update  # after a flush the next step starts afresh
 
 
 @pytest.mark.usefixtures("one_process_group")
 def test_a_checkpoint_peeks_at_the_pending_sum_without_consuming_it():
     params = _params()
-    reduce = WeightedGradientReduce(delay=1)
-    reduce.begin_step(1.0)
+    reduce = GradientSum(delay=1)
+    reduce.begin_step()
     reduce.reduce(FakeBucket(params, _grads(5.0))).wait()
     reduce.end_step()
     saved = pending_to_list(params, reduce.peek_pending())
-    reduce.begin_step(1.0)
+    reduce.begin_step()
     assert reduce.applies_update
     returned = reduce.reduce(FakeBucket(params, _grads(0.0))).wait()
     torch.testing.assert_close(returned, torch.full((7,), 5.0))
-    restored = WeightedGradientReduce(delay=1)
+    restored = GradientSum(delay=1)
     restored.hold(pending_from_list(params, saved))
-    restored.begin_step(1.0)
+    restored.begin_step()
     torch.testing.assert_close(restored.reduce(FakeBucket(params, _grads(0.0))).wait(), returned)
 
 
@@ -133,7 +135,7 @@ def test_a_skipped_update_runs_the_closure_and_leaves_a_schedulers_wrapper_in_pl
 
 def test_delay_must_be_zero_or_one():
     with pytest.raises(ValueError, match="0 or 1"):
-        WeightedGradientReduce(delay=2)
+        GradientSum(delay=2)
 
 
 def test_a_flushed_gradient_keeps_a_channels_last_parameters_layout():
@@ -163,18 +165,18 @@ class SparseBucket:
 
 @pytest.mark.usefixtures("one_process_group")
 @pytest.mark.parametrize("delay", [0, 1])
-def test_a_sparse_gradient_is_coalesced_then_weighted(delay):
+def test_a_sparse_gradient_is_summed_with_its_repeated_rows(delay):
     param = nn.Parameter(torch.zeros(5, 2))
     rows = torch.tensor([[1, 3, 1]])  # row 1 occurs twice
     grad = torch.sparse_coo_tensor(rows, torch.ones(3, 2), (5, 2))
-    reduce = WeightedGradientReduce(delay=delay)
-    reduce.begin_step(0.5)
+    reduce = GradientSum(delay=delay)
+    reduce.begin_step()
     summed = reduce.reduce(SparseBucket(param, grad)).wait()
     if delay:  # the first delayed step hands back the local gradient; its sum waits for the next step
         reduce.end_step()
         summed = reduce.take_pending()[id(param)]
     expected = torch.zeros(5, 2)
-    expected[1], expected[3] = 1.0, 0.5
+    expected[1], expected[3] = 2.0, 1.0
     torch.testing.assert_close(summed.to_dense(), expected)
 
 
@@ -191,11 +193,11 @@ def test_momentum_parameters_get_the_spike_compensated_sum():
     """(1 + μ)·Ĝ_{t−1} − μ·Ĝ_{t−2} for the parameter with momentum (Ĝ before the first is zero), Ĝ_{t−1} else;
     the flush is compensated like a step."""
     params = _params()
-    reduce = WeightedGradientReduce(delay=1)
+    reduce = GradientSum(delay=1)
     reduce.read_momentum(_optimizer(params))
     returned = []
     for value in (2.0, 3.0, 5.0):
-        reduce.begin_step(1.0)
+        reduce.begin_step()
         returned.append(reduce.reduce(FakeBucket(params, _grads(value))).wait())
         reduce.end_step()
     expected_first = [1.9 * 2.0] * 4 + [2.0] * 3
@@ -212,7 +214,7 @@ def test_momentum_parameters_get_the_spike_compensated_sum():
 @pytest.mark.usefixtures("one_process_group")
 def test_without_delay_or_when_switched_off_nothing_is_compensated():
     params = _params()
-    for reduce in (WeightedGradientReduce(delay=0), WeightedGradientReduce(delay=1, compensate_momentum=False)):
+    for reduce in (GradientSum(delay=0), GradientSum(delay=1, compensate_momentum=False)):
         reduce.read_momentum(_optimizer(params))
         sums = {id(params[0]): torch.ones(4)}
         assert reduce.compensated(sums) is sums
@@ -226,7 +228,7 @@ def test_compensated_heavy_ball_on_delayed_sums_is_nesterov(values, momentum):
     compensated, nesterov = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
     heavy_ball = torch.optim.SGD([compensated], lr=0.1, momentum=momentum)
     reference = torch.optim.SGD([nesterov], lr=0.1, momentum=momentum, nesterov=True)
-    reduce = WeightedGradientReduce(delay=1)
+    reduce = GradientSum(delay=1)
     reduce.read_momentum(heavy_ball)
     for value in values:
         compensated.grad = reduce.compensated({id(compensated): torch.tensor([value])})[id(compensated)]
