@@ -61,6 +61,7 @@ def main() -> None:
     samples = steps * REPLICAS * BATCH_SIZE
 
     adaptive = AdaptiveElasticStrategy(
+        sync="models",  # Adaptive SGD's model merges (the default, "gradients", is DDP's update)
         planner="balanced",
         period=2,
         merge_rule=ElasticAverage(momentum=0.3),

@@ -38,6 +38,7 @@ def main() -> None:
     datamodule.setup("fit")  # read the files once, before the replicas start
     model = ImageClassifier("fashion_cnn", **datamodule.model_dimensions())
     strategy = AdaptiveElasticStrategy(
+        sync="models",  # Adaptive SGD's model merges (the default, "gradients", is DDP's update)
         planner="balanced",
         period=2,
         warmup_steps=10,

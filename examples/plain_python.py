@@ -31,6 +31,7 @@ def main() -> None:
     datamodule = XMCDataModule(preset="mini", batch_size=512)  # 512 rows per replica and step
     model = XMCModule(**datamodule.model_dimensions(), optimizer="adagrad", lr=0.1, sparse_gradients=True)
     strategy = AdaptiveElasticStrategy(
+        sync="models",  # Adaptive SGD's model merges (the default, "gradients", is DDP's update)
         planner="balanced",  # batch sizes that give every replica the same predicted step time
         period=2,  # merge every 2 local steps
         merge_rule=ElasticAverage(momentum=0.3),  # outer momentum of the merged model

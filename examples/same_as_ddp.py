@@ -5,9 +5,9 @@ Four CPU processes train the same small network with Adam from the same seed on 
 as a slower device would take), which neither strategy is told about. Three runs:
 
 - Lightning's ``DDPStrategy``: equal batches, every step waits for the slowest replica;
-- ``adaptive_elastic`` with ``sync="gradients"``: batches follow the measured speeds, and each replica's gradient
-  counts with its share of the step (``Σ bᵢ/M · gᵢ``), so every update is DDP's update;
-- ``adaptive_elastic`` with its default ``sync="models"`` (model merges), for contrast: with Adam, averaging
+- ``adaptive_elastic`` with its default ``sync="gradients"``: batches follow the measured speeds, and each
+  replica's gradient counts with its share of the step (``Σ bᵢ/M · gᵢ``), so every update is DDP's update;
+- ``adaptive_elastic`` with ``sync="models"`` (model merges after every step), for contrast: with Adam, averaging
   models is not averaging gradients.
 
 It prints the largest difference of each run's final weights from DDP's and each run's training time over DDP's
@@ -101,7 +101,7 @@ def main() -> None:
     ddp, ddp_seconds = fit(DDPStrategy(start_method=START), steps)
     runs = {
         'sync="gradients"': AdaptiveElasticStrategy(sync="gradients", start_method=START),
-        'sync="models"': AdaptiveElasticStrategy(start_method=START),
+        'sync="models"': AdaptiveElasticStrategy(sync="models", start_method=START),
     }
     print(f"{REPLICAS} replicas, costs {COSTS}, Adam, {steps} steps of {REPLICAS * BATCH_SIZE} samples")
     for name, strategy in runs.items():

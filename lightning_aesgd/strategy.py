@@ -1,10 +1,13 @@
-"""The ``adaptive_elastic`` Lightning strategy: one replica per process, uneven batches, elastic model merges.
+"""The ``adaptive_elastic`` Lightning strategy: one replica per process, batches that follow measured speeds.
 
 Processes are launched exactly as Lightning's DDP launches them (popen script launcher, spawn, torchrun,
-SLURM), but the model is never wrapped in ``DistributedDataParallel``: every Lightning step is one local update
-of every replica, and replicas are merged by a :class:`~lightning_aesgd.core.merge.MergeRule` every ``period``
-steps. The strategy is only Lightning's hooks: each delegates to the Lightning-free
-:class:`~lightning_aesgd.engine.replica.ReplicaEngine`. The hooks live in :class:`AdaptiveElasticMixin`, which is
+SLURM). By default (``sync="gradients"``) the model is wrapped in ``DistributedDataParallel`` and every step
+applies the sum of the replicas' gradients, each weighted by its share of the step's samples: DDP's update at
+speed-proportional batches (:class:`~lightning_aesgd.engine.gradient_engine.GradientEngine`). With
+``sync="models"`` (Adaptive SGD and its relatives) the model is never wrapped: every Lightning step is one local
+update of every replica, and replicas are merged by a :class:`~lightning_aesgd.core.merge.MergeRule` every
+``period`` steps (:class:`~lightning_aesgd.engine.replica.ReplicaEngine`). The strategy is only Lightning's
+hooks: each delegates to the Lightning-free engine. The hooks live in :class:`AdaptiveElasticMixin`, which is
 free of namespace imports, so the same code serves ``pytorch_lightning`` (this module) and the unified
 ``lightning`` package (:mod:`lightning_aesgd.unified`).
 """
@@ -106,11 +109,12 @@ class AdaptiveElasticMixin(_Base):
             (e.g. :class:`~lightning_aesgd.core.lr.InverseTimeDecay`, the paper's warm-up ramp and ``1/(1 + decay·t)``);
             it multiplies ``lr_scaling``'s factor and, like it, leaves the optimizer's own rate (and the user's
             schedulers) alone between steps.
-        sync: what the replicas synchronise. ``"models"``: local steps and elastic model merges (the options
-            above). ``"gradients"``: DDP's reducer with each replica's gradient weighted by its share of the step's
-            samples, ``Σᵢ (bᵢ/M)·gᵢ``, the gradient of the whole step batch: DDP's update for any optimizer, at
-            speed-proportional batches (see :mod:`lightning_aesgd.engine.gradients`). The merge options (period,
-            merge_rule, merge_weights, l2_nudge, merge_buffers, optimizer_state, lr_scaling) do not apply to it.
+        sync: what the replicas synchronise. ``"gradients"`` (the default): DDP's reducer with each replica's
+            gradient weighted by its share of the step's samples, ``Σᵢ (bᵢ/M)·gᵢ``, the gradient of the whole step
+            batch: DDP's update for any optimizer, at speed-proportional batches (see
+            :mod:`lightning_aesgd.engine.gradients`); the merge options (period, merge_rule, merge_weights,
+            l2_nudge, merge_buffers, optimizer_state, lr_scaling) do not apply to it. ``"models"``: local steps and
+            elastic model merges (the options above): Adaptive SGD, SMA, EASGD, local SGD.
         gradient_delay: with ``sync="gradients"``, 1 applies each step's sum one step later while the next step
             computes (ABS-SGD); 0 applies it at once.
         compensate_momentum: with ``gradient_delay=1``, give parameters whose optimizer group has a momentum
@@ -160,7 +164,7 @@ class AdaptiveElasticMixin(_Base):
         sample_costs: SampleCosts = None,
         lr_scaling: bool = False,
         lr_schedule: Callable[[int], float] | None = None,
-        sync: Literal["models", "gradients"] = "models",
+        sync: Literal["models", "gradients"] = "gradients",
         gradient_delay: int = 0,
         compensate_momentum: bool = True,
         gradient_delay_warmup: int = 0,
@@ -203,6 +207,10 @@ class AdaptiveElasticMixin(_Base):
             compensate_momentum=compensate_momentum,
         )
         check_timeout(timeout)
+        # Checked in either mode, so that a wrong value is named as such before sync='gradients' refuses the option.
+        merging = MergeSettings(
+            as_merge_rule(merge_rule), period, warmup_steps, merge_weights, merge_buffers, optimizer_state
+        )
         check_sync(
             sync,
             gradient_delay,
@@ -255,9 +263,6 @@ class AdaptiveElasticMixin(_Base):
                 sample_costs=sample_costs,
             )
         else:
-            merging = MergeSettings(
-                as_merge_rule(merge_rule), period, warmup_steps, merge_weights, merge_buffers, optimizer_state
-            )
             self.engine = ReplicaEngine(
                 merging,
                 Router(planning),
@@ -516,7 +521,7 @@ class AdaptiveElasticMixin(_Base):
                 strategy_registry.register(
                     name,
                     cls,
-                    description=f"Adaptive elastic model-averaging SGD with start_method '{start_method}'{use}",
+                    description=f"Adaptive elastic training at measured speeds with start_method '{start_method}'{use}",
                     start_method=start_method,
                 )
 

@@ -3,7 +3,8 @@
 Example:
     >>> import lightning.pytorch as L
     >>> from lightning_aesgd.unified import AdaptiveElasticStrategy
-    >>> trainer = L.Trainer(strategy=AdaptiveElasticStrategy(period=4), accelerator="cpu", devices=1, logger=False)
+    >>> strategy = AdaptiveElasticStrategy(sync="models", period=4)
+    >>> trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
 """
 
 from __future__ import annotations

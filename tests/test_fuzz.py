@@ -81,6 +81,7 @@ def _rule(rule_class: type, **arguments: st.SearchStrategy[Any]) -> st.SearchStr
 Table = dict[str, tuple[st.SearchStrategy[Any], tuple[Any, ...]]]
 
 STRATEGY_OPTIONS: Table = {
+    "sync": (_values("models", "gradients"), ("both", None, "")),
     "period": (_values(1, 2, 3), (0, -1, 2.0, 1.5, "2", True, None)),
     "warmup_steps": (_values(0, 2), (-1, 1.0, None)),
     "merge_rule": (
@@ -129,6 +130,8 @@ STRATEGY_OPTIONS: Table = {
     "perod": (st.nothing(), (2,)),  # a typo
     "alpha": (st.nothing(), (0.5,)),  # belongs to the merge rule
 }
+
+MERGE_OPTIONS = {"period", "merge_rule", "merge_weights", "l2_nudge", "merge_buffers", "optimizer_state", "lr_scaling"}
 
 TRAINER_SETTINGS: Table = {
     "max_steps": (_values(1, 2, 3, 5, -1), (-2,)),
@@ -371,6 +374,8 @@ def cases(draw: Callable[..., Any]) -> Case:
         table, name, value = INVALID[coins.randrange(len(INVALID))]
         drawn[table][name] = value
     options = drawn["options"]
+    if set(options) & MERGE_OPTIONS and "sync" not in options:
+        options["sync"] = "models"  # merge options are model merging's; with the default sync they are an error
     if "shares" in options and "planner" not in options:
         options["planner"] = "static"  # shares are the static planner's; with another one they are an error
     return Case(options, drawn["trainer"], LoaderSpec(**drawn["loader"]), ModelSpec(**drawn["model"]))

@@ -109,7 +109,7 @@ def test_models_mode_is_not_ddp_under_adam():
     """The contrast that motivates sync='gradients': merging Adam replicas after every step is not DDP."""
     shares = {"planner": "static", "shares": [3, 1]}
     ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), max_steps=20)
-    models = _fit(AdaptiveElasticStrategy(start_method="fork", timeout=TIMEOUT, **shares), max_steps=20)
+    models = _fit(AdaptiveElasticStrategy(sync="models", start_method="fork", timeout=TIMEOUT, **shares), max_steps=20)
     gradients = _fit(_gradients(**shares), max_steps=20)
     assert (models - ddp).abs().max() > 1e-3
     torch.testing.assert_close(gradients, ddp, atol=1e-5, rtol=0)
@@ -287,10 +287,10 @@ def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay, 
         ({"sync": "gradients", "period": 4}, "period"),
         ({"sync": "gradients", "merge_rule": ElasticAverage(alpha=0.5)}, "merge_rule"),
         ({"sync": "gradients", "lr_scaling": True}, "lr_scaling"),
-        ({"gradient_delay": 1}, "sync='gradients'"),
+        ({"sync": "models", "gradient_delay": 1}, "sync='gradients'"),
         ({"sync": "gradients", "gradient_delay": 2}, "0 .synchronous. or 1"),
         ({"sync": "weights"}, "not one of"),
-        ({"find_unused_parameters": True}, "sync='gradients'"),
+        ({"sync": "models", "find_unused_parameters": True}, "sync='gradients'"),
         ({"sync": "gradients", "gradient_delay": 1, "find_unused_parameters": True}, "unused in a step"),
         ({"sync": "gradients", "gradient_delay_warmup": 5}, "gradient_delay=1"),
         ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_warmup": -1}, "counts steps"),

@@ -32,7 +32,13 @@ class _UnifiedModel(L.LightningModule):
 @pytest.mark.parametrize(("module", "class_path"), NAMESPACES)
 def test_flags_set_the_strategy_options(module, class_path):
     cli = _cli(
-        module, [f"--trainer.strategy={class_path}", "--trainer.strategy.period=2", "--trainer.strategy.planner=static"]
+        module,
+        [
+            f"--trainer.strategy={class_path}",
+            "--trainer.strategy.sync=models",
+            "--trainer.strategy.period=2",
+            "--trainer.strategy.planner=static",
+        ],
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AdaptiveElasticMixin)
@@ -47,6 +53,7 @@ def test_a_yaml_config_sets_the_strategy_options(module, class_path, tmp_path):
         "  strategy:\n"
         f"    class_path: {class_path}\n"
         "    init_args:\n"
+        "      sync: models\n"
         "      period: 3\n"
         "      warmup_steps: 2\n"
         "      merge_rule:\n"

@@ -110,7 +110,7 @@ SCRIPT = textwrap.dedent(
         devices=2,
         num_nodes=2,
         max_epochs={EPOCHS},
-        strategy=AdaptiveElasticStrategy(planner="balanced", timeout=timedelta(seconds=60)),
+        strategy=AdaptiveElasticStrategy(sync="models", planner="balanced", timeout=timedelta(seconds=60)),
         # 1.5 ms per sample at factor 1, in the user's training_step: per-sample slowness that plans can balance.
         callbacks=[
             SlowdownCallback({{"factors": {list(FACTORS)}, "mode": "user", "seconds_per_sample": 0.0015}}),

@@ -35,7 +35,7 @@ def test_both_namespaces_accept_the_name_and_the_class(trainer_cls, registry, st
         trainer = trainer_cls(strategy=name, accelerator="cpu", devices=1, logger=False)
         assert type(trainer.strategy) is strategy_cls
         assert trainer.strategy._start_method == start_method
-    trainer = trainer_cls(strategy=strategy_cls(period=4), accelerator="cpu", devices=1, logger=False)
+    trainer = trainer_cls(strategy=strategy_cls(sync="models", period=4), accelerator="cpu", devices=1, logger=False)
     assert trainer.strategy.period == 4
 
 

@@ -150,7 +150,7 @@ STALL_SCRIPT = textwrap.dedent(
         accelerator="cpu",
         devices=2,
         max_steps=8,
-        strategy=AdaptiveElasticStrategy(timeout=timedelta(seconds=TIMEOUT)),
+        strategy=AdaptiveElasticStrategy(sync="SYNC", timeout=timedelta(seconds=TIMEOUT)),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -191,16 +191,19 @@ def _run(script: Path, out: Path, timeout: float) -> tuple[int, str]:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads process states from /proc")
-def test_a_stalled_replica_fails_the_job_with_its_rank_and_does_not_outlive_it(tmp_path):
+@pytest.mark.parametrize(
+    ("sync", "where"), [("models", "the merge after global step 3"), ("gradients", "the gradient sum of global step 3")]
+)
+def test_a_stalled_replica_fails_the_job_with_its_rank_and_does_not_outlive_it(tmp_path, sync, where):
     script = tmp_path / "stall.py"
-    script.write_text(STALL_SCRIPT.replace("TIMEOUT", str(STALL_TIMEOUT)))
+    script.write_text(STALL_SCRIPT.replace("TIMEOUT", str(STALL_TIMEOUT)).replace("SYNC", sync))
     started = time.monotonic()
     code, output = _run(script, tmp_path, timeout=100)
     elapsed = time.monotonic() - started
     assert code != 0, output[-4000:]
     assert elapsed < 60, f"the job must fail near the timeout ({STALL_TIMEOUT} s), not when the replica wakes"
     assert "ReplicaStalledError" in output, output[-4000:]
-    assert "during the merge after global step 3 timed out" in output
+    assert f"during {where} timed out" in output
     assert "replica(s) [1] had not arrived" in output
     assert "HINT:" in output
     assert "`timeout=`" in output

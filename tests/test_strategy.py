@@ -49,7 +49,8 @@ def test_fit_covers_every_sample_each_epoch_then_evaluates_and_predicts():
 def test_model_checkpoint_loads_into_the_plain_module(tmp_path):
     model = RegressionModel()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last", every_n_train_steps=6)
-    trainer = _trainer(max_steps=6, callbacks=[checkpoint], enable_checkpointing=True)
+    strategy = AdaptiveElasticStrategy(sync="models")
+    trainer = _trainer(strategy, max_steps=6, callbacks=[checkpoint], enable_checkpointing=True)
     trainer.fit(model)
     loaded = RegressionModel.load_from_checkpoint(tmp_path / "last.ckpt")
     torch.testing.assert_close(flat_parameters(loaded), flat_parameters(model))
@@ -94,7 +95,7 @@ def test_replicas_reset_to_the_central_model_when_the_learning_rate_drops(monkey
 
     resets = []
     monkeypatch.setattr(ElasticAverager, "reset_to_center", lambda self: resets.append(self.local_steps))
-    strategy = AdaptiveElasticStrategy(merge_rule=rule, period=100)
+    strategy = AdaptiveElasticStrategy(sync="models", merge_rule=rule, period=100)
     _trainer(strategy, max_epochs=3, limit_val_batches=0).fit(Decaying(size=16, batch_size=8))
     assert resets == [2, 4][:expected_resets]  # the rate halves after each 2-step epoch (Crossbow's LR drops)
 
@@ -152,7 +153,7 @@ def test_telemetry_reaches_csv_and_tensorboard_loggers(tmp_path):
 
     loggers = [CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")]
     # Merges fall on even steps, logging steps on odd ones: the latest merge's numbers must still be logged.
-    strategy = AdaptiveElasticStrategy(planner="proportional", period=2)
+    strategy = AdaptiveElasticStrategy(sync="models", planner="proportional", period=2)
     trainer = _trainer(strategy, max_steps=8, logger=loggers, log_every_n_steps=2, limit_val_batches=0)
     trainer.fit(RegressionModel())
     header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
@@ -232,7 +233,7 @@ def test_a_plan_lag_within_the_prefetch_depth_fails_before_training():
 
 def test_a_rule_that_never_pulls_the_replicas_together_is_named():
     with pytest.warns(UserWarning, match="never pulls the replicas together"):
-        AdaptiveElasticStrategy(merge_rule=ElasticAverage(alpha=0.0))
+        AdaptiveElasticStrategy(sync="models", merge_rule=ElasticAverage(alpha=0.0))
 
 
 @pytest.mark.parametrize(

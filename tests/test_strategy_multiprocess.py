@@ -34,7 +34,7 @@ def test_matches_ddp_with_plain_sgd_equal_batches_and_hard_averaging():
     ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), max_steps=steps)
     ours = _fit(
         AdaptiveElasticStrategy(
-            planner="static", period=1, merge_weights="uniform", start_method="fork", timeout=TIMEOUT
+            sync="models", planner="static", period=1, merge_weights="uniform", start_method="fork", timeout=TIMEOUT
         ),
         max_steps=steps,
     )
@@ -47,6 +47,7 @@ def _stateful_strategy(planner) -> AdaptiveElasticStrategy:
     # Outer momentum, an elastic pull, uneven merge spacing and SGD momentum: every piece of state matters.
     shares = [3, 1] if planner == "static" else None
     return AdaptiveElasticStrategy(
+        sync="models",
         period=3,
         warmup_steps=2,
         merge_rule=ElasticAverage(alpha=0.5, momentum=0.5),
@@ -141,7 +142,7 @@ class _WorkerModel(RegressionModel):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_changing_plans_use_every_index_exactly_once_across_ranks(tmp_path, num_workers):
-    strategy = AdaptiveElasticStrategy(planner=_RotatingPlan(), start_method="fork", timeout=TIMEOUT)
+    strategy = AdaptiveElasticStrategy(sync="models", planner=_RotatingPlan(), start_method="fork", timeout=TIMEOUT)
     pl.seed_everything(7)
     model = _WorkerModel(num_workers)
     cpu_trainer(strategy, max_epochs=2, callbacks=[_SeenWriter(tmp_path)]).fit(model)
@@ -179,6 +180,7 @@ class _StepRecorder(pl.Callback):
 
 def test_cost_aware_batches_and_per_replica_learning_rate_scaling(tmp_path):
     strategy = AdaptiveElasticStrategy(
+        sync="models",
         planner="static",
         sample_costs="dataset",
         lr_scaling=True,
@@ -224,7 +226,9 @@ class _FinalState(pl.Callback):
 
 
 def test_a_replica_that_turns_nan_is_left_out_and_restored(tmp_path):
-    strategy = AdaptiveElasticStrategy(merge_rule=ElasticAverage(alpha=0.5), start_method="fork", timeout=TIMEOUT)
+    strategy = AdaptiveElasticStrategy(
+        sync="models", merge_rule=ElasticAverage(alpha=0.5), start_method="fork", timeout=TIMEOUT
+    )
     pl.seed_everything(7)
     cpu_trainer(strategy, max_steps=10, callbacks=[_FinalState(tmp_path)]).fit(_NaNOnRankOne())
     states = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -252,7 +256,9 @@ def test_sma_trains_under_a_per_step_cosine_schedule():
     pl.seed_everything(7)
     model = _CosineModel()
     before, loss_before = flat_parameters(model), _dataset_loss(model)
-    strategy = AdaptiveElasticStrategy(merge_rule="sma", planner="static", start_method="fork", timeout=TIMEOUT)
+    strategy = AdaptiveElasticStrategy(
+        sync="models", merge_rule="sma", planner="static", start_method="fork", timeout=TIMEOUT
+    )
     cpu_trainer(strategy, max_steps=200).fit(model)
     assert not torch.allclose(flat_parameters(model), before, atol=1e-3), "the central model must move"
     assert _dataset_loss(model) <= 0.5 * loss_before

@@ -74,7 +74,7 @@ def test_the_step_mode_runs_inside_the_strategy_and_other_modes_through_the_call
     hooked = make_trainer(devices=2, slowdown={"factors": [1, 2], "mode": "hook", "seconds_per_sample": 1e-4})
     assert hooked.strategy.engine.slowdown is None
     assert [c.mode for c in hooked.callbacks if isinstance(c, SlowdownCallback)] == ["hook"]
-    equal = make_trainer(devices=3, slowdown=None, strategy_options={"period": 2})
+    equal = make_trainer(devices=3, slowdown=None, strategy_options={"sync": "models", "period": 2})
     assert equal.strategy.engine.slowdown is None
     assert equal.num_devices == 3
 

@@ -114,16 +114,10 @@ class TorchCommunicator:
         except RuntimeError as error:  # torch's DistBackendError and gloo's plain RuntimeError alike
             if not is_peer_failure(error):
                 raise
-            waited = time.monotonic() - started
-            answers = roll_call(_default_store(), f"aesgd/roll_call/{index}", self.rank, self.world_size, waited)
-            raise ReplicaStalledError(
-                collective=f"{name} #{index}",
-                rank=self.rank,
-                world_size=self.world_size,
-                waited=waited,
-                answers=answers,
-                cause=str(error),
-            ) from error
+            stalled = stalled_error(
+                error, f"{name} #{index}", f"aesgd/roll_call/{index}", self.rank, self.world_size, started
+            )
+            raise stalled from error
 
 
 class NoMergeWeightError(ValueError):
@@ -222,6 +216,21 @@ def is_peer_failure(error: BaseException) -> bool:
     """
     message = str(error)
     return bool(_TIMEOUT.search(message) or _LOST_PEER.search(message))
+
+
+def stalled_error(
+    error: BaseException, collective: str, key: str, rank: int, world_size: int, started: float
+) -> ReplicaStalledError:
+    """The :class:`ReplicaStalledError` for a peer failure (:func:`is_peer_failure`) of a collective.
+
+    ``started``: when this replica began waiting (``time.monotonic()``); ``key``: the roll call's, the same on every
+    replica.
+    """
+    waited = time.monotonic() - started
+    answers = roll_call(_default_store(), key, rank, world_size, waited)
+    return ReplicaStalledError(
+        collective=collective, rank=rank, world_size=world_size, waited=waited, answers=answers, cause=str(error)
+    )
 
 
 def roll_call(

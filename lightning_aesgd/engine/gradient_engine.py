@@ -12,6 +12,7 @@ under DDP, so evaluation and checkpoints need no merged model.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from torch import nn
 from lightning_aesgd.core.merge import as_merge_rule
 from lightning_aesgd.core.slowdown import SlowdownProfile
 from lightning_aesgd.engine.averager import MergeSettings
-from lightning_aesgd.engine.comm import Communicator
+from lightning_aesgd.engine.comm import Communicator, ReplicaStalledError, is_peer_failure, stalled_error
 from lightning_aesgd.engine.gradients import (
     GradientSum,
     apply_gradients,
@@ -101,6 +102,7 @@ class GradientEngine(ReplicaEngine):
         self._module: nn.Module | None = None
         self._emulation_started: float | None = None
         self._update_started: float | None = None
+        self._arrived = 0.0
 
     @property
     def delay(self) -> int:
@@ -204,8 +206,14 @@ class GradientEngine(ReplicaEngine):
         clock = self._compute_clock if self.slowdown is not None else None
         self._emulation_started = clock.now() if clock is not None else None
         self._update_started = None
-        with _scaled_learning_rate(optimizer, factor), timing, skip:
-            output = run_step()
+        self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
+        try:
+            with _scaled_learning_rate(optimizer, factor), timing, skip:
+                output = run_step()
+        except RuntimeError as error:  # a peer failed in DDP's reducer or the reports: name who and where
+            if isinstance(error, ReplicaStalledError) or not is_peer_failure(error):
+                raise
+            raise self._stalled(error) from error
         if self._update_started is not None and self.slowdown is not None and self._compute_clock is not None:
             stretch(
                 self._compute_clock, self._update_started, self.slowdown.factor(self._comm().rank, self._global_step)
@@ -215,6 +223,14 @@ class GradientEngine(ReplicaEngine):
         self.merged_last_step = True
         return output
 
+    def _stalled(self, error: RuntimeError) -> ReplicaStalledError:
+        """The error of a step whose sums a peer never joined, after the roll call (waited: since the arrival)."""
+        comm, step = self._comm(), self._global_step
+        stalled = stalled_error(
+            error, "gradient all-reduce", f"aesgd/roll_call/step_{step}", comm.rank, comm.world_size, self._arrived
+        )
+        return stalled.during(f"the gradient sum of global step {step}")
+
     def _arrive(self) -> None:
         """The last bucket is ready: report this replica's period in a small all-reduce launched before it.
 
@@ -222,6 +238,7 @@ class GradientEngine(ReplicaEngine):
         its arrival, for ``(f − 1) ×`` the compute time so far (its update is stretched after the step). The sums'
         own work is not stretched.
         """
+        self._arrived = time.monotonic()
         if self._device.type == "cuda":
             # The host queues the backward ahead of the device: the replica arrives when the device is done.
             torch.cuda.current_stream(self._device).synchronize()
