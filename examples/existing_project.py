@@ -76,10 +76,10 @@ def main() -> None:
     )
     model = DigitClassifier()
     trainer.fit(model, train_loader, val_loader)
-    # After fit, every process holds the merged model: validate it (each process scores half of the samples).
+    # After fit, every process holds the same model (DDP's updates): validate it (each process scores half).
     accuracy = trainer.validate(model, val_loader, verbose=False)[0]["val_acc"]
     if trainer.is_global_zero:
-        print(f"validation accuracy of the merged model: {accuracy:.3f}")
+        print(f"validation accuracy of the trained model: {accuracy:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""lightning_aesgd: adaptive elastic model-averaging SGD for heterogeneous hardware, as a Lightning strategy.
+"""lightning_aesgd: adaptive elastic training for heterogeneous hardware, as a PyTorch Lightning strategy.
 
 Importing the package registers the strategy names, so an existing Trainer gains the algorithm with one
 argument::

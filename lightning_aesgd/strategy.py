@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_aesgd.checks import (
+    UnsupportedSettingError,
     check_fit_settings,
     check_gradient_settings,
     check_switches,
@@ -365,8 +366,16 @@ class AdaptiveElasticMixin(_Base):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        if not self.engine.running or not self._module.trainer.training or not isinstance(dataloader, DataLoader):
+        if not self.engine.running or not self._module.trainer.training:
             return dataloader
+        if not isinstance(dataloader, DataLoader):
+            # Without its own loader the strategy cannot split the steps: replicas would train on unknown shares.
+            raise UnsupportedSettingError(
+                "adaptive_elastic splits each step's samples among replicas by rebuilding the training DataLoader; "
+                f"the training data is a {type(dataloader).__name__}, not a torch DataLoader. HINT: return "
+                "torch.utils.data.DataLoader(dataset, batch_size=..., shuffle=...) over a map-style dataset, or "
+                "train with strategy='ddp'."
+            )
         return self.engine.training_loader(dataloader, _resumed_position(self._module.trainer))
 
     # --- training -----------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def make_trainer(
         slowdown: One factor per replica, a mapping with ``factors`` (and ``mode``, ``changes``, ...), a
             :class:`~lightning_aesgd.core.slowdown.SlowdownProfile`, or ``None`` for equal replicas.
         strategy_options: Further arguments of :class:`~lightning_aesgd.AdaptiveElasticStrategy`, e.g.
-            ``{"period": 2, "merge_rule": "sma"}``.
+            ``{"sync": "models", "period": 2, "merge_rule": "sma"}``.
         timeout_s: Timeout of the replicas' collectives, in seconds.
         **trainer_kwargs: Further arguments of ``Trainer`` (``max_steps``, ``callbacks``, ...); they override the
             defaults (CPU, no logger, no checkpoints, no progress bar, no model summary).

@@ -73,7 +73,7 @@ def test_existing_project_gains_the_strategy_with_one_argument(tmp_path):
     # The popen launcher runs the script again for rank 1: two interpreter start-ups in a row.
     output = run_ok("existing_project.py", tmp_path, timeout=170)
     assert SUMMARY in output
-    (accuracy,) = metric(rf"validation accuracy of the merged model: {NUMBER}", output)
+    (accuracy,) = metric(rf"validation accuracy of the trained model: {NUMBER}", output)
     assert 0.0 <= accuracy <= 1.0
 
 

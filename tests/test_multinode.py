@@ -97,7 +97,7 @@ SCRIPT = textwrap.dedent(
                 "environment": {{k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK")}},
                 "plans": router.plan_book.state_dict(),
                 "history": [[step, list(speeds), list(sizes)] for step, speeds, sizes in router.history],
-                "merges": strategy.engine.averager.merges,
+                "merges": strategy.engine.syncs if strategy.sync == "gradients" else strategy.engine.averager.merges,
                 "global_step": trainer.global_step,
                 "seen": pl_module.seen,
             }}
@@ -110,7 +110,7 @@ SCRIPT = textwrap.dedent(
         devices=2,
         num_nodes=2,
         max_epochs={EPOCHS},
-        strategy=AdaptiveElasticStrategy(sync="models", planner="balanced", timeout=timedelta(seconds=60)),
+        strategy=AdaptiveElasticStrategy(sync="SYNC", planner="balanced", timeout=timedelta(seconds=60)),
         # 1.5 ms per sample at factor 1, in the user's training_step: per-sample slowness that plans can balance.
         callbacks=[
             SlowdownCallback({{"factors": {list(FACTORS)}, "mode": "user", "seconds_per_sample": 0.0015}}),
@@ -149,10 +149,10 @@ def _start_node(command: list[str], cwd: Path, environment: dict[str, str]) -> s
     )  # fmt: skip
 
 
-def _run_two_nodes(out: Path, timeout: float) -> tuple[list[int], str]:
+def _run_two_nodes(out: Path, timeout: float, sync: str) -> tuple[list[int], str]:
     """Start both nodes' agents, each in a session of its own; all are killed when over ``timeout``."""
     script = out / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(SCRIPT.replace("SYNC", sync))
     environment = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     port = _free_port()
     agents = [_start_node(_node_command(node, port, script, out), out, environment) for node in (0, 1)]
@@ -172,8 +172,9 @@ def _run_two_nodes(out: Path, timeout: float) -> tuple[list[int], str]:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_two_torchrun_nodes_of_two_processes_share_plans_merges_and_every_sample(tmp_path):
-    codes, output = _run_two_nodes(tmp_path, timeout=80)
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+def test_two_torchrun_nodes_of_two_processes_share_plans_merges_and_every_sample(tmp_path, sync):
+    codes, output = _run_two_nodes(tmp_path, timeout=80, sync=sync)
     tail = output[-4000:]
     assert codes == [0, 0], f"torchrun exited with {codes}:\n{tail}"
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
@@ -190,7 +191,7 @@ def test_two_torchrun_nodes_of_two_processes_share_plans_merges_and_every_sample
     assert all(r["plans"] == plans for r in reports), [r["plans"] for r in reports]
     assert all(r["history"] == reports[0]["history"] for r in reports)
     assert len({r["merges"] for r in reports}) == 1
-    assert reports[0]["merges"] == EPOCHS * STEPS_PER_EPOCH, "the strategy's default merges after every step"
+    assert reports[0]["merges"] == EPOCHS * STEPS_PER_EPOCH, "a sum (gradients) or a merge (models) every step"
     assert all(sum(sizes) == STEP_BATCH for sizes in plans["sizes"])
     assert all(min(sizes) >= 1 for sizes in plans["sizes"])
     assert len(plans["sizes"]) > 1, "the measured speeds changed the plan"

@@ -106,6 +106,22 @@ class _Manual(RegressionModel):
         self.automatic_optimization = False
 
 
+class _BatchList(RegressionModel):
+    """Training batches from a plain iterable, which Lightning accepts and the strategy cannot split."""
+
+    def train_dataloader(self):
+        return list(super().train_dataloader())
+
+
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+def test_a_training_iterable_that_is_not_a_dataloader_fails_before_training(sync):
+    model = _BatchList()
+    before = flat_parameters(model)
+    with pytest.raises(UnsupportedSettingError, match=r"not a torch DataLoader\. HINT: return torch\.utils"):
+        _trainer(AdaptiveElasticStrategy(sync=sync), max_steps=2).fit(model)
+    torch.testing.assert_close(flat_parameters(model), before)
+
+
 @pytest.mark.parametrize(
     ("model", "trainer_kwargs", "match"),
     [
