@@ -1,11 +1,19 @@
-"""Tests for the merge schedule against torch's ``PeriodicModelAverager``."""
+"""Tests for the merge schedule against torch's ``PeriodicModelAverager``, and for the report interval."""
 
 import warnings
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from lightning_aesgd.core.schedule import LearningRateDrop, merge_due, validate_schedule
+from lightning_aesgd.core.schedule import (
+    REPORT_SECONDS,
+    LearningRateDrop,
+    merge_due,
+    report_interval,
+    validate_schedule,
+)
 
 PERIODS = [1, 2, 4]
 WARMUPS = [0, 3, 4]
@@ -120,3 +128,17 @@ def test_linear_warmup_then_decay_is_no_drop_before_its_last_steps() -> None:
 def test_a_drop_ratio_outside_zero_one_is_refused_with_a_hint() -> None:
     with pytest.raises(ValueError, match="HINT"):
         LearningRateDrop(ratio=1.0)
+
+
+@given(st.floats(min_value=0.0, max_value=100.0), st.integers(min_value=1, max_value=10))
+def test_reports_come_about_every_quarter_second_within_their_bounds(step_seconds, shortest):
+    interval = report_interval(step_seconds, shortest)
+    assert shortest <= interval <= 8 * shortest
+    if step_seconds > 0 and shortest < interval < 8 * shortest:
+        assert (interval - 1) * step_seconds < REPORT_SECONDS <= interval * step_seconds
+    assert report_interval(step_seconds * 2, shortest) <= interval  # longer steps never report less often
+
+
+def test_nothing_measured_reports_as_often_as_plans_can_change():
+    assert report_interval(0.0, 3) == 3
+    assert report_interval(float("nan"), 3) == 3
