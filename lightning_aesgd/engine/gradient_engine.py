@@ -36,12 +36,15 @@ from lightning_aesgd.engine.gradients import (
 )
 from lightning_aesgd.engine.replica import ReplicaEngine, _scaled_learning_rate
 from lightning_aesgd.engine.routing import Router, SampleCosts
-from lightning_aesgd.engine.sampler import PlanBook
 from lightning_aesgd.engine.timing import ComputeClock, stretch
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+SETTLED_SPREAD = 0.1
+"""A plan whose predicted step times agree within this fraction counts as settled: reports may then space out (see
+:meth:`GradientEngine._next_interval`)."""
 
 
 class GradientEngine(ReplicaEngine):
@@ -284,24 +287,20 @@ class GradientEngine(ReplicaEngine):
             future = self._rows_in_flight.pop(0)
             with self._waiting_for_peers() if self.reduce.delay else nullcontext():
                 rows = future.wait()[0]
-            plan_before = self._plan_book().latest
             self.router.receive(rows.cpu().tolist(), self._step_key, released=False)
-            self._report_every = self._next_interval(plan_before)
+            self._report_every = self._next_interval()
 
-    def _next_interval(self, plan_before: tuple[int, ...]) -> int:
-        """Steps to the next report: ``lag + 1`` while plans move, about a quarter second's worth once settled.
+    def _next_interval(self) -> int:
+        """Steps to the next report: ``lag + 1`` until the plan is settled, then about a quarter second's worth.
 
-        Settled: the latest reports left the plan as it was, and each measured at least ``lag + 1`` steps (the
+        Settled: the plan's predicted step times agree within ``SETTLED_SPREAD`` (the router's smoothed models, so
+        timing noise on equal devices does not count), and every report measured at least ``lag + 1`` steps (the
         first step of a fit, or of an epoch, leaves out the hooks and data loading around it).
         """
         shortest = self.router.lag + 1
         reports = self.router.latest_reports
-        settled = self._plan_book().latest == plan_before and all(report.steps >= shortest for report in reports)
+        settled = self.router.balanced_within(SETTLED_SPREAD) and all(r.steps >= shortest for r in reports)
         return report_interval(_step_seconds(reports), shortest) if settled else shortest
-
-    def _plan_book(self) -> PlanBook:
-        assert self.router.plan_book is not None, "the training loader was not built by training_loader()"
-        return self.router.plan_book
 
     def _waiting_for_peers(self) -> AbstractContextManager[None]:
         return self.router.waiting()

@@ -461,6 +461,17 @@ class Router:
         self._next_plan = step + self.lag + 1
         return True
 
+    def balanced_within(self, spread: float) -> bool:
+        """Whether the latest plan's predicted step times agree within ``spread`` (``max ≤ (1 + spread)·min``).
+
+        From the models every rank updates alike, so every rank gives the same answer; ``False`` before any model.
+        """
+        models = self.model.models() if self.model is not None else None
+        if models is None or self.plan_book is None:
+            return False
+        times = [model.seconds(size) for model, size in zip(models, self.plan_book.latest, strict=True)]
+        return max(times) <= (1 + spread) * min(times)
+
     def stats(self) -> list[ReplicaStats]:
         """Every replica as the latest merge saw it (empty before the first merge)."""
         if self.model is None or not self.latest_reports:
