@@ -2,10 +2,10 @@
 
 :class:`GradientEngine` is the :class:`~lightning_aesgd.engine.replica.ReplicaEngine` for gradient
 synchronisation. The loader, the sampler, the router, telemetry, slowdown emulation and checkpoints of plans are
-the same; instead of merging models it gives each step's gradient the weight ``bᵢ/M`` (``gradient_weight``, by which the
-strategy scales the loss) for DDP's communication hook to sum
-(:class:`~lightning_aesgd.engine.gradients.GradientSum`), and the replicas' reports travel in a small
-all-reduce launched with the last gradient bucket. Every replica holds the same model and optimizer state, as
+the same; instead of merging models it gives each step's gradient the weight ``bᵢ/M`` (``gradient_weight``, by
+which the strategy scales the loss) for DDP's communication hook to sum
+(:class:`~lightning_aesgd.engine.gradients.GradientSum`), and the replicas' reports travel in a small all-reduce
+launched with the last gradient bucket. Every replica holds the same model and optimizer state, as
 under DDP, so evaluation and checkpoints need no merged model.
 """
 
