@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -59,13 +60,32 @@ def check_fit_settings(trainer: Any, module: Any) -> None:
         )
 
 
-def check_sync(sync: Any, gradient_delay: Any, delay_warmup: Any, merge_options: dict[str, tuple[Any, Any]]) -> None:
+def _check_delay_lr_scale(delay_lr_scale: Any, gradient_delay: Any) -> None:
+    if isinstance(delay_lr_scale, bool) or not isinstance(delay_lr_scale, (int, float)):
+        raise ValueError(f"gradient_delay_lr_scale={delay_lr_scale!r} is a factor. HINT: pass a number > 0 (e.g. 0.5).")
+    if not math.isfinite(delay_lr_scale) or delay_lr_scale <= 0:
+        raise ValueError(
+            f"gradient_delay_lr_scale={delay_lr_scale!r} would stop or reverse the stale updates. HINT: pass a "
+            "finite number > 0 (1: the paper's rule; 0.5 keeps the synchronous step size's stability margin)."
+        )
+    if delay_lr_scale != 1 and not gradient_delay:
+        raise ValueError(
+            "gradient_delay_lr_scale scales the stale updates of gradient_delay=1, which is not set. HINT: add "
+            "sync='gradients', gradient_delay=1 (ABS-SGD), or remove gradient_delay_lr_scale."
+        )
+
+
+def check_sync(
+    sync: Any, gradient_delay: Any, delay_warmup: Any, delay_lr_scale: Any, merge_options: dict[str, tuple[Any, Any]]
+) -> None:
     """Raise unless ``sync`` and ``gradient_delay`` are valid and no merge option is set for gradient sync.
 
     Args:
         sync: ``"models"`` or ``"gradients"``.
         gradient_delay: 0 or 1.
         delay_warmup: synchronous steps before the delay starts: a whole number >= 0, > 0 only with the delay.
+        delay_lr_scale: the factor on stale updates' learning rate: a finite number > 0, other than 1 only with the
+            delay.
         merge_options: each option that only model merging uses, as (value given, default).
 
     Raises:
@@ -85,6 +105,7 @@ def check_sync(sync: Any, gradient_delay: Any, delay_warmup: Any, merge_options:
             "gradient_delay_warmup delays the start of gradient_delay=1, which is not set. HINT: add "
             "sync='gradients', gradient_delay=1 (ABS-SGD), or remove gradient_delay_warmup."
         )
+    _check_delay_lr_scale(delay_lr_scale, gradient_delay)
     if sync == "models":
         if gradient_delay:
             raise ValueError(

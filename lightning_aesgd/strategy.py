@@ -124,6 +124,10 @@ class AdaptiveElasticMixin(_Base):
         gradient_delay_warmup: with ``gradient_delay=1``, the first this many global steps apply their own sum at
             once (synchronous); the delay starts after them. The first steps, where the gradient changes fastest,
             suffer most from staleness.
+        gradient_delay_lr_scale: with ``gradient_delay=1``, a factor on the learning rate of every update that
+            applies a stale sum (the optimizer's own rate and schedulers are left alone). 1 is the paper's rule;
+            ½ (``algorithm=abs_sgd``) keeps the stability margin of the synchronous step size, which a stale
+            update halves (:func:`~lightning_aesgd.core.lr.stale_update_scale`).
         find_unused_parameters: with ``sync="gradients"``, DistributedDataParallel's option of that name.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.core.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
@@ -169,6 +173,7 @@ class AdaptiveElasticMixin(_Base):
         gradient_delay: int = 0,
         compensate_momentum: bool = True,
         gradient_delay_warmup: int = 0,
+        gradient_delay_lr_scale: float = 1.0,
         find_unused_parameters: bool = False,
         slowdown: Any = None,
         checkpoint_replicas: bool = True,
@@ -216,6 +221,7 @@ class AdaptiveElasticMixin(_Base):
             sync,
             gradient_delay,
             gradient_delay_warmup,
+            gradient_delay_lr_scale,
             merge_options={
                 "period": (period, MergeSettings.period),
                 "merge_rule": (merge_rule, "elastic_average"),
@@ -257,6 +263,7 @@ class AdaptiveElasticMixin(_Base):
                 delay=gradient_delay,
                 compensate_momentum=compensate_momentum,
                 delay_warmup=gradient_delay_warmup,
+                delay_lr_scale=float(gradient_delay_lr_scale),
                 lr_schedule=lr_schedule,
                 slowdown=as_profile(slowdown),
                 step_batch_size=step_batch_size,

@@ -187,6 +187,30 @@ def test_delayed_sums_are_each_applied_exactly_once(validate, warmup):
     torch.testing.assert_close(undelayed, ddp, atol=1e-6, rtol=0)
 
 
+class LinearInParametersHalvedAfter3(LinearInParameters):
+    """LinearInParameters whose rate halves from step 3 on: DDP's closed form of ABS-SGD with
+    ``gradient_delay_warmup=3, gradient_delay_lr_scale=0.5`` (the momentum buffers are DDP's; each is applied at the
+    rate of its step)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        halved = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < 3 else 0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": halved, "interval": "step"}}
+
+
+@multiprocess
+def test_stale_updates_run_at_the_scaled_learning_rate():
+    """``gradient_delay_lr_scale`` scales every update that applies a stale sum, flushed ones included, and no
+    synchronous one: the run ends where DDP ends with the rate halved from the first delayed step."""
+    kwargs: dict[str, Any] = {"max_steps": 12, "limit_val_batches": 2, "val_check_interval": 5}
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParametersHalvedAfter3, **kwargs)
+    options = {"gradient_delay": 1, "gradient_delay_warmup": 3, "gradient_delay_lr_scale": 0.5}
+    ours = _fit(
+        _gradients(compensate_momentum=False, planner="static", shares=[3, 1], **options), LinearInParameters, **kwargs
+    )
+    torch.testing.assert_close(ours, ddp, atol=1e-6, rtol=0)
+
+
 class SparseLinearInParameters(RegressionModel):
     """An EmbeddingBag with sparse gradients, under a loss linear in its weights (the XMC model's sparse path)."""
 
@@ -295,6 +319,10 @@ def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay, 
         ({"sync": "gradients", "gradient_delay_warmup": 5}, "gradient_delay=1"),
         ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_warmup": -1}, "counts steps"),
         ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_warmup": 2.5}, "counts steps"),
+        ({"sync": "gradients", "gradient_delay_lr_scale": 0.5}, "gradient_delay=1"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": 0}, "finite number > 0"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": float("nan")}, "finite number > 0"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": "half"}, "is a factor"),
     ],
 )
 def test_options_that_do_not_apply_to_the_sync_mode_fail_early(options, message):

@@ -1,4 +1,4 @@
-"""Learning-rate factors by step: Adaptive SGD's warm-up ramp and inverse-time decay.
+"""Learning-rate factors: Adaptive SGD's warm-up ramp and inverse-time decay by step, and stale updates' scale.
 
 The authors' code (YMA33/HeteroGPU, ``Scheduler/source/GPUGDScheduler.cu``) sets every GPU's rate at each merge
 as ``η0·b_warm/B·(0.01 + 0.99·seen/(10·N))`` during a 10-epoch warm-up (``seen`` examples of ``N`` per epoch),
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["InverseTimeDecay"]
+__all__ = ["InverseTimeDecay", "stale_update_scale"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,34 @@ class InverseTimeDecay:
         if step < self.warmup_steps:
             return self.warmup_start + (1.0 - self.warmup_start) * step / self.warmup_steps
         return 1.0 / (1.0 + self.decay * (step - self.warmup_steps))
+
+
+def stale_update_scale(delay: int) -> float:
+    """The factor on the step size that keeps a ``delay``-step-stale update as stable as a synchronous one.
+
+    On a quadratic of curvature ``λ``, gradient descent whose update uses the gradient of ``τ`` steps ago,
+    ``x_{k+1} = x_k − η·λ·x_{k−τ}``, converges iff ``η·λ < 2·sin(π / (2·(2τ + 1)))``: ``η·λ < 2`` in sync,
+    ``η·λ < 1`` for ABS-SGD's one-step delay. The ratio of the two limits,
+
+    ::
+
+        s(τ) = sin(π / (4τ + 2))            s(0) = 1,  s(1) = 1/2
+
+    scales a step size that is stable (with the same margin) in sync to one that is stable under the delay. A
+    rate tuned close to the edge of stability for DDP (on XMC mini, Adagrad at 0.1) otherwise oscillates once the
+    delay starts: the ``abs_sgd`` config's departure from the paper, which keeps ``η`` (method card
+    ``docs/methods/abs_sgd.md``).
+
+    Args:
+        delay: steps ``τ ≥ 0`` between computing a gradient and applying it.
+
+    Raises:
+        ValueError: for a negative or non-integer delay.
+
+    Example:
+        >>> [round(stale_update_scale(t), 3) for t in range(3)]
+        [1.0, 0.5, 0.309]
+    """
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        raise ValueError(f"delay={delay!r} counts steps: a whole number >= 0")
+    return math.sin(math.pi / (4 * delay + 2))

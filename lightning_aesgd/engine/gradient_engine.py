@@ -56,6 +56,8 @@ class GradientEngine(ReplicaEngine):
         compensate_momentum: with ``delay``, spike compensation of SGD momentum for the stale gradient.
         delay_warmup: global steps before this one apply their own sum at once (synchronous); the delay starts
             after them, its first step applying nothing.
+        delay_lr_scale: a factor on the learning rate of every update that applies a stale sum (see
+            :func:`~lightning_aesgd.core.lr.stale_update_scale`); 1 is the paper's rule.
         lr_schedule: a factor on the learning rate during each step, a function of the global step.
         slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step.
         step_batch_size: indices consumed per step by all replicas.
@@ -70,6 +72,7 @@ class GradientEngine(ReplicaEngine):
         delay: int,
         compensate_momentum: bool = True,
         delay_warmup: int = 0,
+        delay_lr_scale: float = 1.0,
         lr_schedule: Callable[[int], float] | None,
         slowdown: SlowdownProfile | None,
         step_batch_size: int | None,
@@ -96,6 +99,7 @@ class GradientEngine(ReplicaEngine):
         )
         self._delay = delay
         self.delay_warmup = delay_warmup
+        self.delay_lr_scale = delay_lr_scale
         self.syncs = 0
         self._comm_in_use: Communicator | None = None
         self._params: list[nn.Parameter] = []
@@ -209,7 +213,7 @@ class GradientEngine(ReplicaEngine):
         self.reduce.begin_step()
         self.reduce.read_momentum(optimizer)
         skip = nullcontext() if self.reduce.applies_update else update_skipped(optimizer)
-        factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
+        factor = self._lr_factor(stale=bool(self.reduce.delay))
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
         timing = self.router.timing(record, loader_seconds)
         clock = self._compute_clock if self.slowdown is not None else None
@@ -231,6 +235,11 @@ class GradientEngine(ReplicaEngine):
         self.syncs += 1
         self.merged_last_step = True
         return output
+
+    def _lr_factor(self, stale: bool) -> float:
+        """The factor on the learning rate of this step's update: the schedule's, and ``delay_lr_scale`` if stale."""
+        factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
+        return factor * self.delay_lr_scale if stale else factor
 
     def _stalled(self, error: RuntimeError) -> ReplicaStalledError:
         """The error of a step whose sums a peer never joined, after the roll call (waited: since the arrival)."""
@@ -321,7 +330,7 @@ class GradientEngine(ReplicaEngine):
         apply_gradients(self._params, self.reduce.compensated(pending))
         if self._before_flush_update is not None:
             self._before_flush_update(optimizer)
-        factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
+        factor = self._lr_factor(stale=True)
         clock = self._compute_clock if self.slowdown is not None else None
         started = clock.now() if clock is not None else None
         with _scaled_learning_rate(optimizer, factor):

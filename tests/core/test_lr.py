@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_aesgd.core.lr import InverseTimeDecay
+from lightning_aesgd.core.lr import InverseTimeDecay, stale_update_scale
 
 decays = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
 warmups = st.integers(min_value=0, max_value=50)
@@ -67,3 +67,32 @@ def test_the_ramp_start_is_in_0_1(start):
 def test_a_negative_step_is_refused():
     with pytest.raises(ValueError, match="0-based"):
         InverseTimeDecay(0.1)(-1)
+
+
+def _delayed_descent_norm(curvature_step: float, delay: int, steps: int = 4000) -> float:
+    """|x| after gradient descent on x²·λ/2 with the gradient of ``delay`` steps ago: x_{k+1} = x_k − ηλ·x_{k−τ}."""
+    history = [1.0] * (delay + 1)
+    for _ in range(steps):
+        history.append(history[-1] - curvature_step * history[-1 - delay])
+        history.pop(0)
+    return abs(history[-1])
+
+
+@given(st.floats(0.05, 1.95), st.integers(0, 3))
+def test_a_step_size_stable_in_sync_stays_stable_when_stale_at_the_scaled_rate(sync_step, delay):
+    """ηλ < 2 converges in sync; ηλ·s(τ) then converges with a τ-step delay (the delay's stability limit)."""
+    assert _delayed_descent_norm(sync_step, 0) < 1e-3
+    assert _delayed_descent_norm(sync_step * stale_update_scale(delay), delay) < 1e-3
+
+
+@pytest.mark.parametrize("delay", [0, 1, 2, 3])
+def test_the_scale_is_the_ratio_of_the_stability_limits(delay):
+    """Just above 2·s(τ), τ-step-stale descent diverges: the scale cannot be larger."""
+    assert _delayed_descent_norm(2.05 * stale_update_scale(delay), delay, steps=2000) > 1e3
+    assert stale_update_scale(1) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("delay", [-1, 1.5, True])
+def test_the_scale_needs_a_whole_delay(delay):
+    with pytest.raises(ValueError, match="whole number"):
+        stale_update_scale(delay)
