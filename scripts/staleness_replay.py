@@ -6,7 +6,7 @@ momentum compensation (``GradientSum.compensated``). The method card ``docs/meth
 quotes its figures. Examples::
 
     python scripts/staleness_replay.py xmc --delay 0            # XMC mini, Adagrad: P@1 every 7 steps
-    python scripts/staleness_replay.py xmc --delay 1 --warmup 10
+    python scripts/staleness_replay.py xmc --delay 1 --warmup 20 --lr-scale 0.5   # algorithm=abs_sgd's settings
     python scripts/staleness_replay.py fashion --delay 1 --compensate   # Fashion-MNIST CNN: test accuracy per epoch
 """
 
@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_aesgd.engine.gradients import GradientSum
+from lightning_aesgd.engine.replica import scaled_learning_rate
 
 
 def replay(
@@ -31,8 +32,12 @@ def replay(
     delay: int,
     warmup: int,
     compensate: bool,
+    lr_scale: float = 1.0,
 ) -> Iterable[int]:
-    """Train over ``batches``, yielding each step's count; from step ``warmup`` on, apply gradients ``delay`` late."""
+    """Train over ``batches``, yielding each step's count; from step ``warmup`` on, apply gradients ``delay`` late.
+
+    Stale updates run at ``lr_scale`` times the learning rate (the strategy's ``gradient_delay_lr_scale``).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     reduce = GradientSum(delay=1, compensate_momentum=compensate)
     pending: list[Tensor | None] | None = None
@@ -49,7 +54,8 @@ def replay(
                 given = reduce.compensated(sums)
                 for param in params:
                     param.grad = given.get(id(param))
-                optimizer.step()
+                with scaled_learning_rate(optimizer, lr_scale):
+                    optimizer.step()
             pending = fresh
         yield step
 
@@ -117,7 +123,12 @@ def fashion(options: argparse.Namespace) -> None:
 
 
 def _modes(options: argparse.Namespace) -> dict[str, Any]:
-    return {"delay": options.delay, "warmup": options.warmup, "compensate": options.compensate}
+    return {
+        "delay": options.delay,
+        "warmup": options.warmup,
+        "compensate": options.compensate,
+        "lr_scale": options.lr_scale,
+    }
 
 
 def main() -> None:
@@ -127,6 +138,7 @@ def main() -> None:
     parser.add_argument("--delay", type=int, choices=[0, 1], default=1, help="steps a gradient waits (default 1)")
     parser.add_argument("--warmup", type=int, default=0, help="synchronous steps before the delay starts")
     parser.add_argument("--compensate", action="store_true", help="spike compensation of SGD momentum")
+    parser.add_argument("--lr-scale", type=float, default=1.0, help="factor on the rate of stale updates")
     parser.add_argument("--steps", type=int, default=56, help="xmc: steps to train")
     parser.add_argument("--epochs", type=int, default=3, help="fashion: epochs to train")
     parser.add_argument("--seed", type=int, default=0)

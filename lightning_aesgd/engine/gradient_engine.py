@@ -34,7 +34,7 @@ from lightning_aesgd.engine.gradients import (
     pending_to_list,
     update_skipped,
 )
-from lightning_aesgd.engine.replica import ReplicaEngine, _scaled_learning_rate
+from lightning_aesgd.engine.replica import ReplicaEngine, scaled_learning_rate
 from lightning_aesgd.engine.routing import Router, SampleCosts
 from lightning_aesgd.engine.timing import ComputeClock, stretch
 
@@ -221,7 +221,7 @@ class GradientEngine(ReplicaEngine):
         self._update_started = None
         self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
         try:
-            with _scaled_learning_rate(optimizer, factor), timing, skip:
+            with scaled_learning_rate(optimizer, factor), timing, skip:
                 output = run_step()
         except RuntimeError as error:  # a peer failed in DDP's reducer or the reports: name who and where
             if isinstance(error, ReplicaStalledError) or not is_peer_failure(error):
@@ -333,7 +333,7 @@ class GradientEngine(ReplicaEngine):
         factor = self._lr_factor(stale=True)
         clock = self._compute_clock if self.slowdown is not None else None
         started = clock.now() if clock is not None else None
-        with _scaled_learning_rate(optimizer, factor):
+        with scaled_learning_rate(optimizer, factor):
             optimizer.step()
         if clock is not None and started is not None and self.slowdown is not None:
             # The flushed update is the update a step skipped: an emulated slower device makes it as slow.

@@ -270,7 +270,7 @@ class ReplicaEngine:
             factor *= float(self.lr_schedule(self._global_step))
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
         scale_before = _loss_scale(grad_scaler)
-        with _scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds), self._emulated():
+        with scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds), self._emulated():
             output = run_step()
         self.merged_last_step = averager.after_local_step(record.num_samples)
         if scale_before is not None:
@@ -468,7 +468,7 @@ def _broadcast_module(module: nn.Module, comm: Communicator, with_buffers: bool)
 
 
 @contextmanager
-def _scaled_learning_rate(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+def scaled_learning_rate(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
     """Scale every param group's learning rate for one optimizer step, then restore it.
 
     Restoring keeps the user's schedulers in charge: they read and write the unscaled rate between steps.
