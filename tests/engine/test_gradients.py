@@ -180,6 +180,23 @@ def test_a_sparse_gradient_is_summed_with_its_repeated_rows(delay):
     torch.testing.assert_close(summed.to_dense(), expected)
 
 
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_a_held_sparse_contribution_shares_nothing_with_the_bucket(coalesced):
+    """A delayed sum outlives its backward: its contribution is coalesced (or, already coalesced, cloned), so that
+    writing into the bucket's gradient afterwards leaves the sum alone."""
+    param = nn.Parameter(torch.zeros(5, 2))
+    grad = torch.sparse_coo_tensor(torch.tensor([[1, 3, 1]]), torch.ones(3, 2), (5, 2))
+    grad = grad.coalesce() if coalesced else grad
+    expected = grad.to_dense().clone()
+    reduce = GradientSum(delay=1)
+    reduce.begin_step()
+    reduce.reduce(SparseBucket(param, grad))
+    grad._values().fill_(-7.0)  # a later backward reuses the tensor
+    reduce.end_step()
+    torch.testing.assert_close(reduce.take_pending()[id(param)].to_dense(), expected)
+
+
 # --- momentum compensation (spike compensation for the one-step-stale sum) -----------------------------------
 
 
