@@ -125,9 +125,10 @@ class AdaptiveElasticMixin(_Base):
             once (synchronous); the delay starts after them. The first steps, where the gradient changes fastest,
             suffer most from staleness.
         gradient_delay_lr_scale: with ``gradient_delay=1``, a factor on the learning rate of every update that
-            applies a stale sum (the optimizer's own rate and schedulers are left alone). 1 is the paper's rule;
-            ½ (``algorithm=abs_sgd``) keeps the stability margin of the synchronous step size, which a stale
-            update halves (:func:`~lightning_aesgd.core.lr.stale_update_scale`).
+            applies a stale sum, one computed before the latest update (the optimizer's own rate and schedulers are
+            left alone; a sum whose step applied nothing, the first after a start or a flush, is fresh). 1 is the
+            paper's rule; ½ (``algorithm=abs_sgd``) keeps the stability margin of the synchronous step size, which
+            a stale update halves (:func:`~lightning_aesgd.core.lr.stale_update_scale`).
         find_unused_parameters: with ``sync="gradients"``, DistributedDataParallel's option of that name.
         slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.core.slowdown`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues

@@ -187,27 +187,50 @@ def test_delayed_sums_are_each_applied_exactly_once(validate, warmup):
     torch.testing.assert_close(undelayed, ddp, atol=1e-6, rtol=0)
 
 
-class LinearInParametersHalvedAfter3(LinearInParameters):
-    """LinearInParameters whose rate halves from step 3 on: DDP's closed form of ABS-SGD with
-    ``gradient_delay_warmup=3, gradient_delay_lr_scale=0.5`` (the momentum buffers are DDP's; each is applied at the
-    rate of its step)."""
+class LinearInParametersHalvedAt(LinearInParameters):
+    """LinearInParameters whose k-th update runs at half the rate for k in ``halved``: DDP's closed form of ABS-SGD's
+    scaled stale updates (the momentum buffers are DDP's, in the same order; each is applied at its update's rate)."""
+
+    def __init__(self, halved: tuple[int, ...] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.halved = halved
 
     def configure_optimizers(self) -> Any:
         optimizer = super().configure_optimizers()
-        halved = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < 3 else 0.5)
+        halved = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 0.5 if update in self.halved else 1.0)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": halved, "interval": "step"}}
+
+
+def _scaled_stale(**options: Any) -> AdaptiveElasticStrategy:
+    return _gradients(
+        gradient_delay=1, gradient_delay_lr_scale=0.5, compensate_momentum=False, planner="static", shares=[3, 1],
+        **options,
+    )  # fmt: skip
 
 
 @multiprocess
 def test_stale_updates_run_at_the_scaled_learning_rate():
-    """``gradient_delay_lr_scale`` scales every update that applies a stale sum, flushed ones included, and no
-    synchronous one: the run ends where DDP ends with the rate halved from the first delayed step."""
+    """``gradient_delay_lr_scale`` scales exactly the updates whose sum was computed before the latest update.
+
+    3 synchronous steps; step 3 applies nothing, so step 4 applies a fresh sum (full rate); the validations after
+    steps 4 and 9 and the end of fit flush stale sums (half); steps 5 and 10 apply nothing after a flush, so steps 6
+    and 11 apply fresh sums; steps 7-9 apply stale ones. Of the 12 updates, numbers 4, 6, 7, 8, 9 and 11 run at
+    half the rate.
+    """
     kwargs: dict[str, Any] = {"max_steps": 12, "limit_val_batches": 2, "val_check_interval": 5}
-    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParametersHalvedAfter3, **kwargs)
-    options = {"gradient_delay": 1, "gradient_delay_warmup": 3, "gradient_delay_lr_scale": 0.5}
-    ours = _fit(
-        _gradients(compensate_momentum=False, planner="static", shares=[3, 1], **options), LinearInParameters, **kwargs
-    )
+    model_kwargs = {"size": 256, "batch_size": 8, "halved": (4, 6, 7, 8, 9, 11)}
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParametersHalvedAt, model_kwargs, **kwargs)
+    ours = _fit(_scaled_stale(gradient_delay_warmup=3), LinearInParameters, **kwargs)
+    torch.testing.assert_close(ours, ddp, atol=1e-6, rtol=0)
+
+
+@multiprocess
+def test_a_sum_flushed_by_every_steps_validation_is_fresh_and_runs_at_the_full_rate():
+    """Validated after every step, each step applies nothing and its own sum is flushed before the weights move:
+    no update is stale, and the run ends where DDP ends, unscaled."""
+    kwargs: dict[str, Any] = {"max_steps": 6, "limit_val_batches": 1, "val_check_interval": 1}
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=TIMEOUT), LinearInParameters, **kwargs)
+    ours = _fit(_scaled_stale(), LinearInParameters, **kwargs)
     torch.testing.assert_close(ours, ddp, atol=1e-6, rtol=0)
 
 
@@ -279,12 +302,15 @@ def test_delay_changes_the_trajectory_of_a_nonlinear_model_by_one_step_of_stalen
 
 
 @multiprocess
-@pytest.mark.parametrize(("delay", "momentum"), [(0, None), (1, None), (1, 0.9)])
-def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay, momentum):
-    """A checkpoint written mid-epoch holds the plans and (ABS-SGD) the sum the next step applies, and the one
-    the latest step applied (momentum compensation subtracts it): resuming from it continues exactly as the run
-    that wrote it (writing it does not change that run either). Adam, or SGD with momentum."""
-    strategy_options = {"gradient_delay": delay, "planner": "static", "shares": [3, 1]}
+@pytest.mark.parametrize(("delay", "momentum", "warmup"), [(0, None, 0), (1, None, 0), (1, 0.9, 0), (1, None, 9)])
+def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay, momentum, warmup):
+    """A checkpoint written mid-epoch holds the plans and (ABS-SGD) the sum the next step applies, whether it is
+    stale (scaled), and the one the latest step applied (momentum compensation subtracts it): resuming from it
+    continues exactly as the run that wrote it (writing it does not change that run either). Adam, or SGD with
+    momentum. With a warm-up of 9 steps the checkpoint follows the first delayed step, whose sum is fresh."""
+    strategy_options: dict[str, Any] = {"gradient_delay": delay, "planner": "static", "shares": [3, 1]}
+    if delay:
+        strategy_options.update(gradient_delay_lr_scale=0.5, gradient_delay_warmup=warmup)
     model_class = AdamRegression if momentum is None else RegressionModel
     model_kwargs: dict[str, Any] = {"size": 256, "batch_size": 8}
     if momentum is not None:

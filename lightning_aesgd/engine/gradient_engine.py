@@ -56,8 +56,9 @@ class GradientEngine(ReplicaEngine):
         compensate_momentum: with ``delay``, spike compensation of SGD momentum for the stale gradient.
         delay_warmup: global steps before this one apply their own sum at once (synchronous); the delay starts
             after them, its first step applying nothing.
-        delay_lr_scale: a factor on the learning rate of every update that applies a stale sum (see
-            :func:`~lightning_aesgd.core.lr.stale_update_scale`); 1 is the paper's rule.
+        delay_lr_scale: a factor on the learning rate of every update that applies a stale sum, one computed
+            before the latest update (see :func:`~lightning_aesgd.core.lr.stale_update_scale`); 1 is the paper's
+            rule. The sum of a step that applied nothing (the first after a start or a flush) is fresh when applied.
         lr_schedule: a factor on the learning rate during each step, a function of the global step.
         slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step.
         step_batch_size: indices consumed per step by all replicas.
@@ -100,6 +101,7 @@ class GradientEngine(ReplicaEngine):
         self._delay = delay
         self.delay_warmup = delay_warmup
         self.delay_lr_scale = delay_lr_scale
+        self._pending_is_stale = False  # whether the weights moved after the sum in flight was computed
         self.syncs = 0
         self._comm_in_use: Communicator | None = None
         self._params: list[nn.Parameter] = []
@@ -151,6 +153,7 @@ class GradientEngine(ReplicaEngine):
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
+        self._pending_is_stale = False
         self.reduce.applied = {}
         self._rows_in_flight = []
         self._next_report, self._report_every = 0, 0
@@ -212,8 +215,11 @@ class GradientEngine(ReplicaEngine):
         self.reduce.delay = self._delay if self._global_step >= self.delay_warmup else 0
         self.reduce.begin_step()
         self.reduce.read_momentum(optimizer)
-        skip = nullcontext() if self.reduce.applies_update else update_skipped(optimizer)
-        factor = self._lr_factor(stale=bool(self.reduce.delay))
+        applies = self.reduce.applies_update
+        skip = nullcontext() if applies else update_skipped(optimizer)
+        factor = self._lr_factor(stale=bool(self.reduce.delay) and self._pending_is_stale)
+        # This step's sum, applied at the next step or flushed, is stale if this step moves the weights.
+        self._pending_is_stale = bool(self.reduce.delay) and applies
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
         timing = self.router.timing(record, loader_seconds)
         clock = self._compute_clock if self.slowdown is not None else None
@@ -330,7 +336,8 @@ class GradientEngine(ReplicaEngine):
         apply_gradients(self._params, self.reduce.compensated(pending))
         if self._before_flush_update is not None:
             self._before_flush_update(optimizer)
-        factor = self._lr_factor(stale=True)
+        factor = self._lr_factor(stale=self._pending_is_stale)
+        self._pending_is_stale = False  # nothing is in flight now
         clock = self._compute_clock if self.slowdown is not None else None
         started = clock.now() if clock is not None else None
         with scaled_learning_rate(optimizer, factor):
@@ -385,6 +392,7 @@ class GradientEngine(ReplicaEngine):
         if self.sampler is not None:
             shared["step_batch_size"] = self.sampler.step_batch_size
         shared["delayed_gradients"] = pending_to_list(self._params, self.reduce.peek_pending())
+        shared["delayed_gradients_stale"] = self._pending_is_stale
         shared["applied_gradients"] = pending_to_list(self._params, self.reduce.applied)
         return {"world_size": self._comm().world_size, "shared": shared, "replicas": None, "sync": "gradients"}
 
@@ -398,6 +406,7 @@ class GradientEngine(ReplicaEngine):
         delayed = shared.get("delayed_gradients")
         if delayed is not None and self.delay:
             self.reduce.hold(pending_from_list(self._params, delayed))
+            self._pending_is_stale = bool(shared.get("delayed_gradients_stale", True))
             self.reduce.applied = pending_from_list(
                 self._params, shared.get("applied_gradients") or [None] * len(self._params)
             )
