@@ -150,7 +150,7 @@ class GradientSum:
         params = list(bucket.parameters())
         self._launched.append((params, result))
         ready = self._previous_sums()
-        return _completed(_assemble(ready, params) if ready is not None else buffer)
+        return _completed(_assemble(ready, params) if ready is not None else _nothing_to_apply(buffer))
 
     def _previous_sums(self) -> Pending | None:
         if not self._took_previous:
@@ -186,15 +186,36 @@ class GradientSum:
 
 
 def _held_copy(buffer: Tensor) -> Tensor:
-    """A copy of a bucket's contribution that no later backward touches.
+    """The contribution of a bucket to a delayed sum: untouched by what happens to the bucket after this backward.
 
-    An uncoalesced sparse gradient (an embedding's: one row per lookup, 32 k rows of 128 values for 800 XMC samples)
-    is coalesced instead of cloned: one row per distinct index is a fraction of the size, and gloo would coalesce it
-    before summing anyway.
+    A dense bucket's buffer is DDP's, refilled by the next backward: it is cloned. A sparse bucket's is the
+    parameter's gradient tensor, to which DDP gives the hook's result with ``copy_``; a sparse ``copy_`` rebinds the
+    tensor's indices and values instead of writing into them, so a new tensor over the same indices and values
+    keeps them, at no cost (an embedding's gradient has one row per lookup: 16 MB for 800 XMC samples, whose clone
+    cost 10-12 ms of CPU per step). ``tests/test_gradient_sync.py`` checks this against DDP; the bucket's tensor
+    itself is never handed back while the sum is in flight (:func:`_nothing_to_apply`), so nothing writes into
+    those values in place (gradient clipping, a user's hook).
     """
-    if buffer.is_sparse and not buffer.is_coalesced():
-        return buffer.coalesce()
+    if buffer.is_sparse:
+        return torch.sparse_coo_tensor(
+            buffer._indices(), buffer._values(), buffer.size(), is_coalesced=buffer.is_coalesced()
+        )
     return buffer.clone()
+
+
+def _nothing_to_apply(buffer: Tensor) -> Tensor:
+    """What a step with no sum to apply hands back to DDP; its update is skipped.
+
+    The bucket's own buffer where dense (DDP's, already copied), zeros where sparse (the gradient tensor's values
+    are shared with the sum in flight).
+    """
+    if buffer.is_sparse:
+        return torch.sparse_coo_tensor(
+            torch.empty((buffer.sparse_dim(), 0), dtype=torch.long, device=buffer.device),
+            torch.empty((0, *buffer.shape[buffer.sparse_dim() :]), dtype=buffer.dtype, device=buffer.device),
+            buffer.size(),
+        )
+    return buffer
 
 
 def gradient_sum_hook(state: GradientSum, bucket: Any) -> torch.futures.Future[Tensor]:

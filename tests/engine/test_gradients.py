@@ -182,17 +182,19 @@ def test_a_sparse_gradient_is_summed_with_its_repeated_rows(delay):
 
 @pytest.mark.usefixtures("one_process_group")
 @pytest.mark.parametrize("coalesced", [False, True])
-def test_a_held_sparse_contribution_shares_nothing_with_the_bucket(coalesced):
-    """A delayed sum outlives its backward: its contribution is coalesced (or, already coalesced, cloned), so that
-    writing into the bucket's gradient afterwards leaves the sum alone."""
+def test_a_held_sparse_contribution_survives_what_happens_to_the_buckets_gradient(coalesced):
+    """A delayed sum outlives its backward. DDP gives the sparse gradient tensor the hook's result with ``copy_``,
+    and the Trainer may clip what the hook handed back in place: neither reaches the sum in flight."""
     param = nn.Parameter(torch.zeros(5, 2))
     grad = torch.sparse_coo_tensor(torch.tensor([[1, 3, 1]]), torch.ones(3, 2), (5, 2))
     grad = grad.coalesce() if coalesced else grad
     expected = grad.to_dense().clone()
     reduce = GradientSum(delay=1)
     reduce.begin_step()
-    reduce.reduce(SparseBucket(param, grad))
-    grad._values().fill_(-7.0)  # a later backward reuses the tensor
+    handed_back = reduce.reduce(SparseBucket(param, grad)).wait()
+    assert handed_back._nnz() == 0  # the first delayed step applies nothing (its update is skipped)
+    handed_back._values().mul_(0.5)  # clipping, in place
+    grad.copy_(handed_back)  # DDP's reducer, writing the result into the bucket's gradient
     reduce.end_step()
     torch.testing.assert_close(reduce.take_pending()[id(param)].to_dense(), expected)
 
