@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from datetime import timedelta
 from typing import Any
 
@@ -61,12 +62,17 @@ def check_fit_settings(trainer: Any, module: Any) -> None:
 
 
 def _check_delay_lr_scale(delay_lr_scale: Any, gradient_delay: Any) -> None:
-    if isinstance(delay_lr_scale, bool) or not isinstance(delay_lr_scale, (int, float)):
+    if isinstance(delay_lr_scale, bool) or not isinstance(delay_lr_scale, numbers.Real):
         raise ValueError(f"gradient_delay_lr_scale={delay_lr_scale!r} is a factor. HINT: pass a number > 0 (e.g. 0.5).")
-    if not math.isfinite(delay_lr_scale) or delay_lr_scale <= 0:
+    if not math.isfinite(delay_lr_scale):
+        raise ValueError(
+            f"gradient_delay_lr_scale={delay_lr_scale!r} is not a finite number. HINT: pass a finite number > 0 "
+            "(1: the paper's rule; 0.5, the abs_sgd config's, halves the rate of stale updates)."
+        )
+    if delay_lr_scale <= 0:
         raise ValueError(
             f"gradient_delay_lr_scale={delay_lr_scale!r} would stop or reverse the stale updates. HINT: pass a "
-            "finite number > 0 (1: the paper's rule; 0.5 keeps the synchronous step size's stability margin)."
+            "number > 0 (1: the paper's rule; 0.5, the abs_sgd config's, halves the rate of stale updates)."
         )
     if delay_lr_scale != 1 and not gradient_delay:
         raise ValueError(

@@ -36,11 +36,13 @@ def replay(
 ) -> Iterable[int]:
     """Train over ``batches``, yielding each step's count; from step ``warmup`` on, apply gradients ``delay`` late.
 
-    Stale updates run at ``lr_scale`` times the learning rate (the strategy's ``gradient_delay_lr_scale``).
+    Stale updates run at ``lr_scale`` times the learning rate (the strategy's ``gradient_delay_lr_scale``); the
+    first delayed update is fresh (the step that computed it applied nothing) and runs at the full rate.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     reduce = GradientSum(delay=1, compensate_momentum=compensate)
     pending: list[Tensor | None] | None = None
+    pending_is_stale = False
     for step, batch in enumerate(batches, start=1):
         optimizer.zero_grad(set_to_none=True)
         loss_of(batch).backward()
@@ -54,9 +56,10 @@ def replay(
                 given = reduce.compensated(sums)
                 for param in params:
                     param.grad = given.get(id(param))
-                with scaled_learning_rate(optimizer, lr_scale):
+                with scaled_learning_rate(optimizer, lr_scale if pending_is_stale else 1.0):
                     optimizer.step()
-            pending = fresh
+            # As the strategy: a sum is stale when applied only if its own step moved the parameters.
+            pending, pending_is_stale = fresh, pending is not None
         yield step
 
 

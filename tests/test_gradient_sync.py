@@ -9,6 +9,7 @@ import json
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -346,14 +347,23 @@ def test_resume_mid_epoch_reaches_the_uninterrupted_parameters(tmp_path, delay, 
         ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_warmup": -1}, "counts steps"),
         ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_warmup": 2.5}, "counts steps"),
         ({"sync": "gradients", "gradient_delay_lr_scale": 0.5}, "gradient_delay=1"),
-        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": 0}, "finite number > 0"),
-        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": float("nan")}, "finite number > 0"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": 0}, "stop or reverse"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": -0.5}, "stop or reverse"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": float("nan")}, "not a finite number"),
+        ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": float("inf")}, "not a finite number"),
         ({"sync": "gradients", "gradient_delay": 1, "gradient_delay_lr_scale": "half"}, "is a factor"),
     ],
 )
 def test_options_that_do_not_apply_to_the_sync_mode_fail_early(options, message):
     with pytest.raises(ValueError, match=message):
         AdaptiveElasticStrategy(**options)
+
+
+def test_a_numpy_number_is_a_valid_stale_rate_factor():
+    """Values from numpy (a sweep's grid, say) pass, as a plain float."""
+    strategy = AdaptiveElasticStrategy(sync="gradients", gradient_delay=1, gradient_delay_lr_scale=np.float32(0.5))
+    assert strategy.engine.delay_lr_scale == 0.5
+    assert type(strategy.engine.delay_lr_scale) is float
 
 
 def test_delayed_sums_refuse_a_grad_scaler():

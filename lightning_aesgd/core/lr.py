@@ -74,9 +74,11 @@ def stale_update_scale(delay: int) -> float:
 
         s(τ) = sin(π / (4τ + 2))            s(0) = 1,  s(1) = 1/2
 
-    scales a step size that is stable (with the same margin) in sync to one that is stable under the delay. A
-    rate tuned close to the edge of stability for DDP (on XMC mini, Adagrad at 0.1) otherwise oscillates once the
-    delay starts: the ``abs_sgd`` config's departure from the paper, which keeps ``η`` (method card
+    scales a step size that is stable (with the same margin) in sync to one that is stable under the delay. The
+    bound is exact for plain gradient descent; for adaptive or momentum optimizers it is a heuristic (their
+    effective step differs per coordinate and over time), which the one-process replays bear out: a rate tuned
+    close to the edge of stability for DDP (on XMC mini, Adagrad at 0.1) oscillates once the delay starts, and
+    half of it does not. The ``abs_sgd`` config's departure from the paper, which keeps ``η`` (method card
     ``docs/methods/abs_sgd.md``).
 
     Args:

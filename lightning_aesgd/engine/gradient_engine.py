@@ -399,7 +399,11 @@ class GradientEngine(ReplicaEngine):
     def load_training_state(
         self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None, device: torch.device
     ) -> None:
-        """Put back what :meth:`training_state` saved (a ``sync="models"`` checkpoint gives its plans only)."""
+        """Put back what :meth:`training_state` saved (a ``sync="models"`` checkpoint gives its plans only).
+
+        A held sum from a checkpoint written before its staleness was saved counts as stale: its update then runs
+        at ``delay_lr_scale`` (the rule for every delayed update but the first after a start or a flush).
+        """
         shared = state["shared"]
         self.router.load_shared_state(shared["router"])
         self._saved_step_batch_size = shared.get("step_batch_size")

@@ -140,7 +140,7 @@ class GradientSum:
         buffer = bucket.buffer()
         # A delayed sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
         # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
-        contribution = _held_copy(buffer) if self.delay else buffer
+        contribution = _held_contribution(buffer) if self.delay else buffer
         summed: torch.futures.Future[list[Tensor]] = dist.all_reduce(
             contribution, group=self.group, async_op=True
         ).get_future()
@@ -185,20 +185,25 @@ class GradientSum:
         self._launched, self._previous, self._ready = [], [], pending
 
 
-def _held_copy(buffer: Tensor) -> Tensor:
+def _held_contribution(buffer: Tensor) -> Tensor:
     """The contribution of a bucket to a delayed sum: untouched by what happens to the bucket after this backward.
 
     A dense bucket's buffer is DDP's, refilled by the next backward: it is cloned. A sparse bucket's is the
     parameter's gradient tensor, to which DDP gives the hook's result with ``copy_``; a sparse ``copy_`` rebinds the
-    tensor's indices and values instead of writing into them, so a new tensor over the same indices and values
-    keeps them, at no cost (an embedding's gradient has one row per lookup: 16 MB for 800 XMC samples, whose clone
-    cost 10-12 ms of CPU per step). ``tests/test_gradient_sync.py`` checks this against DDP; the bucket's tensor
-    itself is never handed back while the sum is in flight (:func:`_nothing_to_apply`), so nothing writes into
-    those values in place (gradient clipping, a user's hook).
+    tensor's indices and values instead of writing into them, so a new tensor over the same values keeps them at
+    no cost (an embedding's gradient has one row per lookup: 16 MB for 800 XMC samples, whose clone cost 10-12 ms
+    of CPU per step). Its indices are cloned (one integer per row): an embedding's backward may hand out a view of
+    the input batch's indices, which the user's code owns. The bucket's tensor itself is never handed back while
+    the sum is in flight (:func:`_nothing_to_apply`), so nothing writes into the held values in place.
+    ``tests/engine/test_gradients.py`` pins the ``copy_`` semantics this relies on.
     """
     if buffer.is_sparse:
         return torch.sparse_coo_tensor(
-            buffer._indices(), buffer._values(), buffer.size(), is_coalesced=buffer.is_coalesced()
+            buffer._indices().clone(),
+            buffer._values(),
+            buffer.size(),
+            is_coalesced=buffer.is_coalesced(),
+            check_invariants=False,
         )
     return buffer.clone()
 

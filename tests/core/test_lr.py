@@ -89,6 +89,10 @@ def test_a_step_size_stable_in_sync_stays_stable_when_stale_at_the_scaled_rate(s
 def test_the_scale_is_the_ratio_of_the_stability_limits(delay):
     """Just above 2·s(τ), τ-step-stale descent diverges: the scale cannot be larger."""
     assert _delayed_descent_norm(2.05 * stale_update_scale(delay), delay, steps=2000) > 1e3
+
+
+def test_abs_sgds_one_step_delay_halves_the_rate():
+    assert stale_update_scale(0) == 1.0
     assert stale_update_scale(1) == pytest.approx(0.5)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -180,23 +182,58 @@ def test_a_sparse_gradient_is_summed_with_its_repeated_rows(delay):
     torch.testing.assert_close(summed.to_dense(), expected)
 
 
-@pytest.mark.usefixtures("one_process_group")
+class DeferredAllReduce:
+    """``dist.all_reduce`` of one replica whose result comes only when the test says: a sum still in flight."""
+
+    def __init__(self) -> None:
+        self.launched: list[tuple[torch.Tensor, torch.futures.Future[list[torch.Tensor]]]] = []
+
+    def __call__(self, tensor: torch.Tensor, group=None, async_op: bool = False) -> SimpleNamespace:
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        self.launched.append((tensor, future))
+        return SimpleNamespace(get_future=lambda: future)
+
+    def complete(self) -> None:
+        """The sums arrive: each is the contribution as it is now (one replica)."""
+        for tensor, future in self.launched:
+            future.set_result([tensor.clone()])
+
+
 @pytest.mark.parametrize("coalesced", [False, True])
-def test_a_held_sparse_contribution_survives_what_happens_to_the_buckets_gradient(coalesced):
-    """A delayed sum outlives its backward. DDP gives the sparse gradient tensor the hook's result with ``copy_``,
-    and the Trainer may clip what the hook handed back in place: neither reaches the sum in flight."""
+def test_a_held_sparse_contribution_survives_what_happens_to_the_buckets_gradient(coalesced, monkeypatch):
+    """A delayed sum outlives its backward. While it is in flight DDP gives the sparse gradient tensor the hook's
+    result with ``copy_``, a user's code may reuse its input batch (whose indices an embedding's gradient may
+    view), and the next backward writes gradients again: none of it reaches the sum."""
+    all_reduce = DeferredAllReduce()
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
     param = nn.Parameter(torch.zeros(5, 2))
-    grad = torch.sparse_coo_tensor(torch.tensor([[1, 3, 1]]), torch.ones(3, 2), (5, 2))
+    rows = torch.tensor([[1, 3, 1]])
+    grad = torch.sparse_coo_tensor(rows, torch.ones(3, 2), (5, 2))
     grad = grad.coalesce() if coalesced else grad
     expected = grad.to_dense().clone()
     reduce = GradientSum(delay=1)
     reduce.begin_step()
     handed_back = reduce.reduce(SparseBucket(param, grad)).wait()
     assert handed_back._nnz() == 0  # the first delayed step applies nothing (its update is skipped)
-    handed_back._values().mul_(0.5)  # clipping, in place
     grad.copy_(handed_back)  # DDP's reducer, writing the result into the bucket's gradient
+    grad._indices().fill_(0)  # whatever happens to those tensors now
+    grad._values().fill_(7.0)
+    rows.fill_(0)  # the user's batch, reused
     reduce.end_step()
+    all_reduce.complete()
     torch.testing.assert_close(reduce.take_pending()[id(param)].to_dense(), expected)
+
+
+def test_a_sparse_copy_rebinds_the_indices_and_values_it_replaces():
+    """What the held sparse contribution relies on (torch's semantics, pinned): ``copy_`` into a sparse tensor
+    leaves the tensors of its former indices and values as they were, even at an equal number of rows."""
+    destination = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, 3), (4, 3)).coalesce()
+    indices, values = destination._indices(), destination._values()
+    source = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.full((2, 3), 5.0), (4, 3)).coalesce()
+    destination.copy_(source)
+    torch.testing.assert_close(destination.to_dense(), source.to_dense())
+    assert indices.tolist() == [[0, 2]]
+    torch.testing.assert_close(values, torch.ones(2, 3))
 
 
 # --- momentum compensation (spike compensation for the one-step-stale sum) -----------------------------------
