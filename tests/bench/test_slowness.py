@@ -42,6 +42,7 @@ def test_throughput_and_plans_come_from_rank_zeros_record():
         "times": [0.1 * step for step in range(40)],
         "cpu": [0.02 * step for step in range(40)],
         "plans": {"starts": [0, 5, 35], "sizes": [[32, 32], [48, 16], [50, 14]]},
+        "step_time_balance": 1.08,
     }
     result = run_result("adaptive_elastic", record, replicas=2, steps=40)
     assert result.seconds_per_step == pytest.approx(0.1)
@@ -50,12 +51,15 @@ def test_throughput_and_plans_come_from_rank_zeros_record():
     assert result.plan_at_check == [48, 16]  # the plan in force at step 30
     assert result.smallest_batch == 14
     assert result.final_plan == [50, 14]
+    assert result.step_time_balance == pytest.approx(1.08)
 
 
 def _hook_case() -> CaseResult:
-    result = CaseResult("hook", "hook", [1.0, 3.0], 64.0, 0, ideal=400.0)
+    result = CaseResult("hook", "hook", [1.0, 3.0], 64.0, 0, solo_speeds=[300.0, 100.0])
     result.runs["ddp"] = RunResult("ddp", 200.0, 0.64, 0.01)
-    result.runs["adaptive_elastic"] = RunResult("adaptive_elastic", 360.0, 0.36, 0.01, plan_at_check=[48, 16])
+    result.runs["adaptive_elastic"] = RunResult(
+        "adaptive_elastic", 360.0, 0.36, 0.01, plan_at_check=[48, 16], step_time_balance=1.04
+    )
     return result
 
 
@@ -64,7 +68,17 @@ def test_case_figures_compare_with_ddp_and_the_ideal():
     assert result.ratio() == pytest.approx(1.8)
     assert result.efficiency("adaptive_elastic") == pytest.approx(0.9)
     assert result.plan_error() == pytest.approx(0.0)  # 48:16 is 3:1
-    assert "| hook | hook | [1, 3] | 64 | 200 | 360 | 1.80 | 50% | 90% | 0% |" in table([result])
+    assert "| hook | hook | [1, 3] | 64 | 200 | 360 | 1.80 | 50% | 90% | 0% | 0% | 1.04 |" in table([result])
+
+
+def test_under_quotas_the_plan_is_judged_against_the_measured_solo_speeds():
+    """A quota of the shared machine need not slow a process by its nominal factor: the yardstick is measured."""
+    result = CaseResult("quota", "quota", [1.0, 2.0], 0.0, 0, solo_speeds=[300.0, 100.0])
+    result.runs["ddp"] = RunResult("ddp", 200.0, 0.64, 0.01)
+    result.runs["adaptive_elastic"] = RunResult("adaptive_elastic", 360.0, 0.36, 0.01, plan_at_check=[48, 16])
+    assert result.ideal == pytest.approx(400.0)
+    assert result.plan_error() == pytest.approx(0.0)  # 3:1, as measured alone
+    assert result.nominal_plan_error() == pytest.approx(0.25)  # 1/4 against the nominal 1/3
 
 
 def test_machinery_figures_are_medians_and_excesses_over_one_process():
@@ -85,7 +99,7 @@ def test_the_report_keeps_the_published_keys(tmp_path: Path):
     report = json.loads(path.read_text())
     assert list(report) == ["cases", "machinery", "steps", "repeats"]
     (case,) = report["cases"]
-    assert list(case) == ["case", "mode", "factors", "step_ms", "workers", "ideal", "runs"]
+    assert list(case) == ["case", "mode", "factors", "step_ms", "workers", "solo_speeds", "ideal", "runs"]
     assert list(case["runs"]["ddp"]) == [
         "algorithm",
         "samples_per_second",
@@ -94,6 +108,7 @@ def test_the_report_keeps_the_published_keys(tmp_path: Path):
         "plan_at_check",
         "smallest_batch",
         "final_plan",
+        "step_time_balance",
     ]
 
 
@@ -111,3 +126,4 @@ def test_a_small_case_races_ddp_and_the_strategy_under_slow_hooks(tmp_path):
     assert result.runs["ddp"].plan_at_check is None
     fast, slow = result.runs["adaptive_elastic"].final_plan
     assert fast > slow, "the replica whose hooks are 3× slower must get the smaller batch"
+    assert result.runs["adaptive_elastic"].step_time_balance >= 1.0

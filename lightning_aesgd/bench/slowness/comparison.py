@@ -16,15 +16,25 @@ ALGORITHMS = ("ddp", "adaptive_elastic")
 
 @dataclass
 class CaseResult:
-    """One case: DDP, adaptive_elastic, and the ideal."""
+    """One case: DDP, adaptive_elastic, and the ideal.
+
+    ``solo_speeds`` holds, per replica, its speed trained alone (samples/s): the yardstick of the ideal and of the
+    plan. Under sleeping slowness it is ``s₁/fᵢ``; under CPU quotas it is measured per factor, since a quota of the
+    shared machine does not slow a process by exactly its nominal factor.
+    """
 
     case: str
     mode: str
     factors: list[float]
     step_ms: float
     workers: int
-    ideal: float
+    solo_speeds: list[float]
     runs: dict[str, RunResult] = field(default_factory=dict)
+
+    @property
+    def ideal(self) -> float:
+        """The ideal throughput: the sum of the replicas' solo speeds."""
+        return sum(self.solo_speeds)
 
     def ratio(self) -> float:
         """adaptive_elastic's throughput over DDP's."""
@@ -35,7 +45,12 @@ class CaseResult:
         return self.runs[algorithm].samples_per_second / self.ideal
 
     def plan_error(self) -> float | None:
-        """Largest relative share error of the plan at step 30 against the speed-proportional ideal."""
+        """Largest relative share error of the plan at step 30 against the split in proportion to solo speeds."""
+        plan = self.runs["adaptive_elastic"].plan_at_check
+        return None if plan is None else share_error(plan, self.solo_speeds)
+
+    def nominal_plan_error(self) -> float | None:
+        """The same against the nominal split ``∝ 1/fᵢ`` (equal to :meth:`plan_error` but under quotas)."""
         plan = self.runs["adaptive_elastic"].plan_at_check
         return None if plan is None else share_error(plan, [1 / f for f in self.factors])
 
@@ -45,8 +60,8 @@ def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path, repeats:
 
     With ``repeats`` > 1 the two strategies alternate and each keeps its run of median throughput.
     """
-    ideal = ideal_throughput(case, dataset, steps, out)
-    result = CaseResult(case.name, case.mode, list(case.factors), case.step_ms, case.workers, ideal)
+    solo = solo_speeds(case, dataset, steps, out)
+    result = CaseResult(case.name, case.mode, list(case.factors), case.step_ms, case.workers, solo)
     runs: dict[str, list[RunResult]] = {algorithm: [] for algorithm in ALGORITHMS}
     for _ in range(repeats):
         for algorithm, done in runs.items():
@@ -56,8 +71,8 @@ def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path, repeats:
     return result
 
 
-def ideal_throughput(case: Case, dataset: TensorDataset, steps: int, out: Path) -> float:
-    """The sum of the replicas' solo speeds, from replicas trained alone.
+def solo_speeds(case: Case, dataset: TensorDataset, steps: int, out: Path) -> list[float]:
+    """Each replica's speed trained alone (samples/s), in the case's order.
 
     Sleeping devices are measured once at factor 1 (``solo speed at f = s₁/f``); under quotas every distinct
     factor runs alone, with its quota of the shared machine.
@@ -65,4 +80,4 @@ def ideal_throughput(case: Case, dataset: TensorDataset, steps: int, out: Path) 
     quota = case.mode == "quota"
     factors = sorted(set(case.factors)) if quota else [1.0]
     solo = {f: run_once(case, "solo", dataset, steps, out, factors=(f,)).samples_per_second for f in factors}
-    return sum(solo[f] for f in case.factors) if quota else solo[1.0] * sum(1 / f for f in case.factors)
+    return [solo[f] for f in case.factors] if quota else [solo[1.0] / f for f in case.factors]

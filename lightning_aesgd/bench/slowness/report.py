@@ -22,6 +22,8 @@ _CASE_HEADER = (
     "efficiency DDP",
     "efficiency adaptive",
     "plan error at step 30",
+    "vs nominal 1/f",
+    "slowest/fastest step",
     "smallest batch",
     "final plan",
 )
@@ -32,8 +34,15 @@ def write_report(
     out: Path, results: Sequence[CaseResult], machinery: dict[str, float] | None, steps: int, repeats: int
 ) -> Path:
     """Write every case's figures, the machinery figures and the settings to ``slowness.json``; returns its path."""
-    report = {"cases": [asdict(r) for r in results], "machinery": machinery, "steps": steps, "repeats": repeats}
+    cases = [_case_record(result) for result in results]
+    report = {"cases": cases, "machinery": machinery, "steps": steps, "repeats": repeats}
     return write_json(out / RESULTS_FILE, report)
+
+
+def _case_record(result: CaseResult) -> dict[str, object]:
+    record = asdict(result)
+    runs = record.pop("runs")
+    return {**record, "ideal": result.ideal, "runs": runs}
 
 
 def table(results: Sequence[CaseResult]) -> str:
@@ -71,6 +80,8 @@ def _case_cells(result: CaseResult) -> list[str]:
         format_number(result.efficiency("ddp"), ".0%"),
         format_number(result.efficiency("adaptive_elastic"), ".0%"),
         format_number(result.plan_error(), ".0%"),
+        format_number(result.nominal_plan_error(), ".0%"),
+        format_number(adaptive.step_time_balance, ".2f"),
         str(adaptive.smallest_batch),
         str(adaptive.final_plan),
     ]

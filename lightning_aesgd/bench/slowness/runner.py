@@ -20,6 +20,7 @@ from lightning_aesgd.bench.slowness.cases import BATCH, Case
 from lightning_aesgd.bench.slowness.model import Classifier
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.core.slowdown import SlowdownProfile
+from lightning_aesgd.engine.telemetry import step_time_balance
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
 
 WARMUP_STEPS = 10  # steps before the throughput clock starts (start-up, first plans)
@@ -37,10 +38,15 @@ class RunResult:
     plan_at_check: list[int] | None = None
     smallest_batch: int | None = None
     final_plan: list[int] | None = None
+    step_time_balance: float | None = None
 
 
 class StepClock(pl.Callback):
-    """Rank zero's wall clock at the end of every step, and the plan ``adaptive_elastic`` used, as JSON.
+    """Rank zero's wall clock at the end of every step, the plans ``adaptive_elastic`` used, as JSON.
+
+    With them, the slowest replica's active time per step over the fastest's as the strategy last measured it
+    (:func:`~lightning_aesgd.engine.telemetry.step_time_balance`): whether the plan made the replicas finish
+    together, whatever their speeds turned out to be.
 
     Args:
         path: where rank zero writes the record.
@@ -60,7 +66,10 @@ class StepClock(pl.Callback):
             return
         router = getattr(trainer.strategy, "router", None)
         plans = router.plan_book.state_dict() if router is not None and router.plan_book is not None else None
-        self.path.write_text(json.dumps({"times": self.times, "cpu": self.cpu, "plans": plans}))
+        stats = router.stats() if router is not None else []
+        balance = step_time_balance(stats) if stats else None
+        record = {"times": self.times, "cpu": self.cpu, "plans": plans, "step_time_balance": balance}
+        self.path.write_text(json.dumps(record))
 
 
 def run_once(
@@ -101,6 +110,7 @@ def run_result(algorithm: str, record: dict[str, Any], replicas: int, steps: int
         result.plan_at_check = sizes[at_check]
         result.smallest_batch = min(min(plan) for plan in sizes)
         result.final_plan = sizes[-1]
+        result.step_time_balance = record.get("step_time_balance")
     return result
 
 
