@@ -10,11 +10,13 @@ import torch
 from torch.utils.data import TensorDataset
 
 from lightning_aesgd.bench.slowness.cases import BATCH, CASES, MACHINERY, Case
-from lightning_aesgd.bench.slowness.comparison import CaseResult, run_case
+from lightning_aesgd.bench.slowness.comparison import CaseResult, run_case, step_time_through
 from lightning_aesgd.bench.slowness.machinery import machinery_figures
 from lightning_aesgd.bench.slowness.program import runnable_cases
 from lightning_aesgd.bench.slowness.report import machinery_table, table, write_report
 from lightning_aesgd.bench.slowness.runner import RunResult, run_result
+from lightning_aesgd.core.apportion import share_error
+from lightning_aesgd.core.speed import StepTime
 
 
 def test_cases_emulate_per_sample_slowness_only_where_it_lands_on_samples():
@@ -55,7 +57,8 @@ def test_throughput_and_plans_come_from_rank_zeros_record():
 
 
 def _hook_case() -> CaseResult:
-    result = CaseResult("hook", "hook", [1.0, 3.0], 64.0, 0, solo_speeds=[300.0, 100.0])
+    solo = [StepTime(0.0, 1 / 300), StepTime(0.0, 1 / 100)]  # 300 and 100 samples/s, no fixed cost
+    result = CaseResult("hook", "hook", [1.0, 3.0], 64.0, 0, solo_step_times=solo)
     result.runs["ddp"] = RunResult("ddp", 200.0, 0.64, 0.01)
     result.runs["adaptive_elastic"] = RunResult(
         "adaptive_elastic", 360.0, 0.36, 0.01, plan_at_check=[48, 16], step_time_balance=1.04
@@ -71,14 +74,27 @@ def test_case_figures_compare_with_ddp_and_the_ideal():
     assert "| hook | hook | [1, 3] | 64 | 200 | 360 | 1.80 | 50% | 90% | 0% | 0% | 1.04 |" in table([result])
 
 
-def test_under_quotas_the_plan_is_judged_against_the_measured_solo_speeds():
-    """A quota of the shared machine need not slow a process by its nominal factor: the yardstick is measured."""
-    result = CaseResult("quota", "quota", [1.0, 2.0], 0.0, 0, solo_speeds=[300.0, 100.0])
+def test_the_plan_is_judged_against_the_split_that_equalises_the_solo_step_times():
+    """A replica with a fixed cost per step gets less than its speed at the solo batch says, and should."""
+    fast = StepTime(0.0, 1 / 300)  # 96 samples in 0.32 s
+    throttled = StepTime(0.16, 0.005)  # 32 samples in 0.32 s; alone at 64 samples, 133 samples/s
+    result = CaseResult("quota", "quota", [1.0, 2.0], 0.0, 0, solo_step_times=[fast, throttled])
     result.runs["ddp"] = RunResult("ddp", 200.0, 0.64, 0.01)
-    result.runs["adaptive_elastic"] = RunResult("adaptive_elastic", 360.0, 0.36, 0.01, plan_at_check=[48, 16])
-    assert result.ideal == pytest.approx(400.0)
-    assert result.plan_error() == pytest.approx(0.0)  # 3:1, as measured alone
+    result.runs["adaptive_elastic"] = RunResult("adaptive_elastic", 360.0, 0.36, 0.01, plan_at_check=[96, 32])
+    assert result.balanced_plan == [96, 32]
+    assert result.ideal == pytest.approx(128 / 0.32)
+    assert result.plan_error() == pytest.approx(0.0)
+    speed_at_solo_batch = 64 / throttled.seconds(64)
+    proportional = speed_at_solo_batch / (300 + speed_at_solo_batch)
+    assert share_error([96, 32], [300, speed_at_solo_batch]) == pytest.approx(1 - 0.25 / proportional)
     assert result.nominal_plan_error() == pytest.approx(0.25)  # 1/4 against the nominal 1/3
+
+
+def test_a_solo_step_time_is_the_line_through_its_two_batch_sizes():
+    assert step_time_through((16, 64), [0.2, 0.44]) == StepTime(pytest.approx(0.12), pytest.approx(0.005))
+    # Noise that makes the line fall at zero: the larger batch's speed stands for the whole step.
+    assert step_time_through((16, 64), [0.3, 0.25]) == StepTime(0.0, pytest.approx(0.25 / 64))
+    assert step_time_through((16, 64), [0.01, 0.25]) == StepTime(0.0, pytest.approx(0.25 / 64))
 
 
 def test_machinery_figures_are_medians_and_excesses_over_one_process():
@@ -99,7 +115,18 @@ def test_the_report_keeps_the_published_keys(tmp_path: Path):
     report = json.loads(path.read_text())
     assert list(report) == ["cases", "machinery", "steps", "repeats"]
     (case,) = report["cases"]
-    assert list(case) == ["case", "mode", "factors", "step_ms", "workers", "solo_speeds", "ideal", "runs"]
+    assert list(case) == [
+        "case",
+        "mode",
+        "factors",
+        "step_ms",
+        "workers",
+        "solo_step_times",
+        "balanced_plan",
+        "ideal",
+        "runs",
+    ]
+    assert case["solo_step_times"][1] == {"overhead": 0.0, "per_sample": 0.01}
     assert list(case["runs"]["ddp"]) == [
         "algorithm",
         "samples_per_second",

@@ -8,6 +8,7 @@ from typing import Literal
 from lightning_aesgd.core.slowdown import SlowdownMode, SlowdownProfile
 
 BATCH = 64  # per replica and step; the step batch is 256
+SMALL_BATCH = 16  # the solo runs' second batch size: tells a fixed cost per step from a per-sample cost
 HETEROGENEOUS = (1.0, 1.0, 2.0, 4.0)
 HOMOGENEOUS = (1.0, 1.0, 1.0, 1.0)
 

@@ -7,20 +7,23 @@ from pathlib import Path
 
 from torch.utils.data import TensorDataset
 
-from lightning_aesgd.bench.slowness.cases import Case
+from lightning_aesgd.bench.slowness.cases import BATCH, SMALL_BATCH, Case
 from lightning_aesgd.bench.slowness.runner import RunResult, run_once
 from lightning_aesgd.core.apportion import share_error
+from lightning_aesgd.core.planners import balance_step_times
+from lightning_aesgd.core.speed import StepTime
 
 ALGORITHMS = ("ddp", "adaptive_elastic")
+SOLO_BATCHES = (SMALL_BATCH, BATCH)
+"""The batch sizes each factor's replica trains at alone: two points of its step time ``t(b) = a + c·b``."""
 
 
 @dataclass
 class CaseResult:
     """One case: DDP, adaptive_elastic, and the ideal.
 
-    ``solo_speeds`` holds, per replica, its speed trained alone (samples/s): the yardstick of the ideal and of the
-    plan. Under sleeping slowness it is ``s₁/fᵢ``; under CPU quotas it is measured per factor, since a quota of the
-    shared machine does not slow a process by exactly its nominal factor.
+    ``solo_step_times`` holds, per replica, its step time as a function of its batch size, measured alone (see
+    :func:`solo_step_times`): the yardstick of the ideal and of the plan.
     """
 
     case: str
@@ -28,39 +31,50 @@ class CaseResult:
     factors: list[float]
     step_ms: float
     workers: int
-    solo_speeds: list[float]
+    solo_step_times: list[StepTime]
     runs: dict[str, RunResult] = field(default_factory=dict)
 
     @property
+    def balanced_plan(self) -> list[int]:
+        """The split of the step batch ``M = BATCH·n`` under which the solo step times are equal.
+
+        Speed-proportional where steps have no fixed cost; with one, a slow replica's small batch pays it on fewer
+        samples, so it gets less than its speed at ``BATCH`` would say (:func:`balance_step_times`).
+        """
+        return balance_step_times(BATCH * len(self.factors), self.solo_step_times)
+
+    @property
     def ideal(self) -> float:
-        """The ideal throughput: the sum of the replicas' solo speeds."""
-        return sum(self.solo_speeds)
+        """The ideal throughput: ``M`` samples per step of the balanced plan (``Σᵢ 1/cᵢ`` without fixed costs)."""
+        plan = self.balanced_plan
+        step = max(time.seconds(size) for time, size in zip(self.solo_step_times, plan, strict=True))
+        return sum(plan) / step
 
     def ratio(self) -> float:
         """adaptive_elastic's throughput over DDP's."""
         return self.runs["adaptive_elastic"].samples_per_second / self.runs["ddp"].samples_per_second
 
     def efficiency(self, algorithm: str) -> float:
-        """Throughput over the ideal (the sum of solo speeds)."""
+        """Throughput over the ideal."""
         return self.runs[algorithm].samples_per_second / self.ideal
 
     def plan_error(self) -> float | None:
-        """Largest relative share error of the plan at step 30 against the split in proportion to solo speeds."""
+        """Largest relative share error of the plan at step 30 against :attr:`balanced_plan`."""
         plan = self.runs["adaptive_elastic"].plan_at_check
-        return None if plan is None else share_error(plan, self.solo_speeds)
+        return None if plan is None else share_error(plan, self.balanced_plan)
 
     def nominal_plan_error(self) -> float | None:
-        """The same against the nominal split ``∝ 1/fᵢ`` (equal to :meth:`plan_error` but under quotas)."""
+        """The same against the nominal split ``∝ 1/fᵢ``, which counts only the slowness as work."""
         plan = self.runs["adaptive_elastic"].plan_at_check
         return None if plan is None else share_error(plan, [1 / f for f in self.factors])
 
 
 def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path, repeats: int = 1) -> CaseResult:
-    """DDP and adaptive_elastic on ``case``, and replicas alone for the ideal ``Σᵢ solo speedᵢ``.
+    """DDP and adaptive_elastic on ``case``, and replicas alone for the ideal.
 
     With ``repeats`` > 1 the two strategies alternate and each keeps its run of median throughput.
     """
-    solo = solo_speeds(case, dataset, steps, out)
+    solo = solo_step_times(case, dataset, steps, out)
     result = CaseResult(case.name, case.mode, list(case.factors), case.step_ms, case.workers, solo)
     runs: dict[str, list[RunResult]] = {algorithm: [] for algorithm in ALGORITHMS}
     for _ in range(repeats):
@@ -71,13 +85,36 @@ def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path, repeats:
     return result
 
 
-def solo_speeds(case: Case, dataset: TensorDataset, steps: int, out: Path) -> list[float]:
-    """Each replica's speed trained alone (samples/s), in the case's order.
+def solo_step_times(case: Case, dataset: TensorDataset, steps: int, out: Path) -> list[StepTime]:
+    """Each replica's step time alone, in the case's order: every distinct factor trains alone at both batch sizes.
 
-    Sleeping devices are measured once at factor 1 (``solo speed at f = s₁/f``); under quotas every distinct
-    factor runs alone, with its quota of the shared machine.
+    Measured rather than derived from the factor: only the emulated slowness scales with ``f``, the model's own
+    compute and the framework's per-step work do not (in short steps they are a good part of the step), and a CPU
+    quota of the shared machine slows neither by exactly its factor. Under a quota the process alone still gets
+    the share of the cores one of the case's replicas gets.
     """
-    quota = case.mode == "quota"
-    factors = sorted(set(case.factors)) if quota else [1.0]
-    solo = {f: run_once(case, "solo", dataset, steps, out, factors=(f,)).samples_per_second for f in factors}
-    return [solo[f] for f in case.factors] if quota else [solo[1.0] / f for f in case.factors]
+    fitted = {}
+    for factor in sorted(set(case.factors)):
+        runs = [run_once(case, "solo", dataset, steps, out, (factor,), size) for size in SOLO_BATCHES]
+        fitted[factor] = step_time_through(SOLO_BATCHES, [run.seconds_per_step for run in runs])
+    return [fitted[factor] for factor in case.factors]
+
+
+def step_time_through(sizes: tuple[int, int], seconds: list[float]) -> StepTime:
+    """The line ``t(b) = a + c·b`` through two measured steps, with ``a ≥ 0``.
+
+    Where noise makes the line fall at zero (a step that did not grow with the batch, or grew more than in
+    proportion), the larger batch's speed is taken for the whole step: ``t(b) = b · t₂/b₂``.
+
+    Example:
+        >>> step_time_through((16, 64), [0.04, 0.10])
+        StepTime(overhead=0.02, per_sample=0.00125)
+        >>> step_time_through((16, 64), [0.10, 0.08])
+        StepTime(overhead=0.0, per_sample=0.00125)
+    """
+    (small, large), (short, long) = sizes, seconds
+    per_sample = (long - short) / (large - small)
+    overhead = short - per_sample * small
+    if per_sample <= 0 or overhead < 0:
+        return StepTime(0.0, long / large)
+    return StepTime(overhead, per_sample)

@@ -25,9 +25,12 @@ class Classifier(pl.LightningModule):
             linear layer: almost no work per step).
         workers: DataLoader worker processes.
         lr: SGD learning rate.
+        batch_size: samples per replica and step.
     """
 
-    def __init__(self, dataset: TensorDataset, network: str, workers: int, lr: float = 0.05) -> None:
+    def __init__(
+        self, dataset: TensorDataset, network: str, workers: int, lr: float = 0.05, batch_size: int = BATCH
+    ) -> None:
         super().__init__()
         layers: dict[str, Callable[[], nn.Module]] = {
             "mlp": lambda: nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 10)),
@@ -38,6 +41,7 @@ class Classifier(pl.LightningModule):
         self.dataset = dataset
         self.workers = workers
         self.lr = lr
+        self.batch_size = batch_size
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:  # noqa: D102
         inputs, labels = batch
@@ -47,7 +51,7 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader[Any]:  # noqa: D102
-        return DataLoader(self.dataset, batch_size=BATCH, shuffle=True, num_workers=self.workers)
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.workers)
 
 
 def load_data() -> TensorDataset:

@@ -9,10 +9,12 @@ alike, in the place the case's mode says: the user's ``training_step``, the Data
 Per case it reports:
 
 * throughput (samples per second over the steps after a warm-up) and its ratio to DDP's;
-* efficiency: throughput over the ideal, the sum of the replicas' solo speeds (one process alone at cost 1
-  measures ``s₁``; the ideal is ``s₁ · Σ 1/fᵢ``);
-* the plan at step 30 against the speed-proportional ideal (largest relative share error), and the smallest
-  batch any replica got;
+* efficiency: throughput over the ideal, the step batch over the step time of the split that equalises the
+  replicas' solo step times (each factor's replica trained alone at two batch sizes gives ``tᵢ(b) = aᵢ + cᵢ·b``;
+  without fixed costs the ideal is the sum of the solo speeds);
+* the plan at step 30 against that balanced split and against the nominal ``∝ 1/fᵢ`` (largest relative share
+  error), how closely the replicas finish their steps by the strategy's own clocks, and the smallest batch any
+  replica got;
 * a ``machinery`` case: wall time per step of a model that does almost nothing, for one process without any
   strategy, DDP and ``adaptive_elastic``: the difference is each strategy's per-step cost.
 

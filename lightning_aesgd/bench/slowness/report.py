@@ -42,7 +42,7 @@ def write_report(
 def _case_record(result: CaseResult) -> dict[str, object]:
     record = asdict(result)
     runs = record.pop("runs")
-    return {**record, "ideal": result.ideal, "runs": runs}
+    return {**record, "balanced_plan": result.balanced_plan, "ideal": result.ideal, "runs": runs}
 
 
 def table(results: Sequence[CaseResult]) -> str:

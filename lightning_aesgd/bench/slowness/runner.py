@@ -79,11 +79,13 @@ def run_once(
     steps: int,
     out: Path,
     factors: tuple[float, ...] | None = None,
+    batch_size: int = BATCH,
 ) -> RunResult:
     """Train ``steps`` steps of ``case`` under ``algorithm`` (``ddp``, ``adaptive_elastic`` or ``solo``).
 
     ``factors`` replace the case's own (their number is the number of processes), e.g. ``(1.0,)`` for one
     replica alone, which under a CPU quota still gets the share of the cores one of the case's replicas gets.
+    ``batch_size`` is per replica and step.
     """
     factors = factors or case.factors
     path = out / "runs" / f"{case.name}-{algorithm}.json"
@@ -92,17 +94,17 @@ def run_once(
     strategy, slowdown = _strategy(algorithm, case.profile(factors), replicas_sharing=len(case.factors))
     pl.seed_everything(0)
     trainer = _trainer(len(factors), strategy, steps, [StepClock(path), *slowdown])
-    trainer.fit(Classifier(dataset, case.network, case.workers))
-    return run_result(algorithm, json.loads(path.read_text()), len(factors), steps)
+    trainer.fit(Classifier(dataset, case.network, case.workers, batch_size=batch_size))
+    return run_result(algorithm, json.loads(path.read_text()), len(factors), steps, batch_size)
 
 
-def run_result(algorithm: str, record: dict[str, Any], replicas: int, steps: int) -> RunResult:
+def run_result(algorithm: str, record: dict[str, Any], replicas: int, steps: int, batch_size: int = BATCH) -> RunResult:
     """The figures of a :class:`StepClock` record: per-step times after the warm-up, and the plans."""
     times, cpu = record["times"], record["cpu"]
     first = min(WARMUP_STEPS, len(times) // 2)
     seconds = (times[-1] - times[first - 1]) / (len(times) - first)
     cpu_seconds = (cpu[-1] - cpu[first - 1]) / (len(cpu) - first)
-    result = RunResult(algorithm, BATCH * replicas / seconds, seconds, cpu_seconds)
+    result = RunResult(algorithm, batch_size * replicas / seconds, seconds, cpu_seconds)
     plans = record["plans"]
     if plans is not None:
         starts, sizes = plans["starts"], plans["sizes"]
