@@ -108,7 +108,7 @@ class GradientEngine(ReplicaEngine):
         self._optimizer: torch.optim.Optimizer | None = None
         self._before_flush_update: Callable[[torch.optim.Optimizer], None] | None = None
         self._share = 1.0
-        self._stop_requested: Callable[[], bool] = lambda: False
+        self._stop_requested: Callable[[], bool] = _never
         self._rows_in_flight: list[torch.futures.Future[Any]] = []
         self._device = torch.device("cpu")
         self._module: nn.Module | None = None
@@ -169,6 +169,7 @@ class GradientEngine(ReplicaEngine):
         super().stop()
         self._comm_in_use = None
         self._optimizer = None
+        self._stop_requested = _never  # the Trainer's check holds the Trainer: not kept past the fit
         self._rows_in_flight = []
 
     def on_flush(self, before_update: Callable[[torch.optim.Optimizer], None] | None) -> None:
@@ -416,6 +417,11 @@ class GradientEngine(ReplicaEngine):
             )
         elif delayed is not None:
             log.warning("The checkpoint holds a delayed gradient sum, which sync without delay does not apply.")
+
+
+def _never() -> bool:
+    """No stop requested (a module-level function, so that the engine pickles for the spawn launcher)."""
+    return False
 
 
 def _step_seconds(reports: list[PeriodReport]) -> float:
