@@ -31,8 +31,22 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_aesgd.placement import SharedDevices
 
-class PostLocalSGDStrategy(DDPStrategy):
+
+class SharedDeviceDDPStrategy(SharedDevices, DDPStrategy):
+    """Lightning's ``DDPStrategy`` unchanged but for ``replicas_per_device`` processes on every device.
+
+    The fair baseline where this project's strategy runs several replicas on one GPU
+    (``AdaptiveElasticStrategy(replicas_per_device=k)``): both then share the device alike, over gloo.
+
+    Args:
+        replicas_per_device: replica processes per device.
+        **kwargs: everything ``DDPStrategy`` takes.
+    """
+
+
+class PostLocalSGDStrategy(SharedDevices, DDPStrategy):
     """Lightning's ``DDPStrategy`` running post-local SGD, with its communication hook on CPU (gloo) too.
 
     Args:
@@ -42,6 +56,7 @@ class PostLocalSGDStrategy(DDPStrategy):
         post_local_gradient_allreduce: after the warm-up, still all-reduce gradients every step within each
             node's subgroup (torch's default, meant for many nodes). Off by default: on one machine the
             subgroup is every replica, and the run would be DDP plus redundant averaging.
+        replicas_per_device: replica processes per device (see :class:`~lightning_aesgd.placement.SharedDevices`).
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``process_group_backend``, DDP's own
             arguments such as ``broadcast_buffers``) except the three post-local-SGD arguments set here.
 

@@ -22,7 +22,7 @@ import signal
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from pytorch_lightning.strategies import DDPStrategy
@@ -50,12 +50,8 @@ from lightning_aesgd.engine.gradient_engine import GradientEngine
 from lightning_aesgd.engine.gradients import gradient_sum_hook
 from lightning_aesgd.engine.replica import CHECKPOINT_KEY, ReplicaEngine
 from lightning_aesgd.engine.routing import PlanSettings, Router, SampleCosts
+from lightning_aesgd.placement import SharedDevices
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
-
-if TYPE_CHECKING:
-    _Base = DDPStrategy
-else:
-    _Base = object
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +63,7 @@ _NO_BUFFER_SYNC_AT_FORWARD = (
 )
 
 
-class AdaptiveElasticMixin(_Base):
+class AdaptiveElasticMixin(SharedDevices):
     """Adaptive elastic training, for any Lightning namespace's ``DDPStrategy``.
 
     Args:
@@ -134,7 +130,10 @@ class AdaptiveElasticMixin(_Base):
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
             exactly; otherwise every replica resumes from the merged model.
         telemetry: log ``aesgd/...`` metrics at every merge and print a per-replica summary when fit ends.
-        process_group_backend: torch.distributed backend; gloo on CPU and nccl on CUDA by default.
+        replicas_per_device: replica processes on every device (e.g. 4 replicas sharing one GPU, over gloo, to
+            run and measure several replicas on a single-GPU machine); 1, one per device, as DDP.
+        process_group_backend: torch.distributed backend; gloo on CPU and nccl on CUDA by default (gloo where
+            replicas share a GPU).
         timeout: timeout of collectives.
         start_method: how processes are launched: ``"popen"`` (re-run the script), ``"spawn"`` or ``"fork"``.
         accelerator: set by Lightning's connector, as for every parallel strategy.
@@ -179,6 +178,7 @@ class AdaptiveElasticMixin(_Base):
         slowdown: Any = None,
         checkpoint_replicas: bool = True,
         telemetry: bool = True,
+        replicas_per_device: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -251,6 +251,7 @@ class AdaptiveElasticMixin(_Base):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            replicas_per_device=replicas_per_device,
             **ddp_options,
         )
         self.sync = sync

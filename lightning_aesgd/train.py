@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import hydra
 import pytorch_lightning as pl
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -55,8 +56,8 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     """Instantiate the data, the model (sized by the data), the strategy and the Trainer of a configuration."""
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, **_dimensions(datamodule))
     strategy = instantiate(cfg.algorithm)
+    model = instantiate(cfg.model, **_dimensions(datamodule), **_model_options(cfg, strategy))
     callbacks: list[pl.Callback] = _instantiate_group(cfg.get("callbacks"))
     # The Trainer's switches win over the callbacks group: no checkpoints, or no bar, means none of the group's.
     if cfg.trainer.get("enable_checkpointing") is False:
@@ -74,6 +75,26 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
         options["logger"] = _instantiate_group(cfg.get("logger")) or False
     trainer = instantiate(cfg.trainer, **options)
     return trainer, model, datamodule
+
+
+def _model_options(cfg: DictConfig, strategy: Any) -> dict[str, Any]:
+    """Dense embedding gradients for a baseline (Lightning's DDP reducer) on CUDA, where NCCL has no sparse sum.
+
+    This project's strategy sums sparse gradients itself on any backend; Lightning's reducer hands them to the
+    backend's all-reduce, which NCCL (and gloo for CUDA tensors) cannot do for sparse tensors.
+    """
+    if isinstance(strategy, AdaptiveElasticMixin) or not cfg.model.get("sparse_gradients", False):
+        return {}
+    if not _trains_on_cuda(cfg):
+        return {}
+    log.info("Lightning's DDP on CUDA: the model uses dense embedding gradients (NCCL cannot sum sparse ones).")
+    return {"sparse_gradients": False}
+
+
+def _trains_on_cuda(cfg: DictConfig) -> bool:
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    # is_available asks the driver without initialising CUDA in this process (replicas may still be forked).
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
 def _instantiate_group(group: DictConfig | None) -> list[Any]:

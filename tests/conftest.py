@@ -1,7 +1,36 @@
+"""Shared fixtures; and the rule that this test process never uses CUDA.
+
+Many tests fork replica processes, and a process forked after CUDA was initialised cannot use CUDA ("Cannot
+re-initialize CUDA in forked subprocess"), which Lightning's replicas do whenever CUDA is available (they read
+its random state). So on a machine with GPUs this process hides them before anything initialises CUDA, and the
+tests marked ``cuda`` run their bodies in fresh processes that see them again (``tests/cuda_run.py``).
+"""
+
 import os
+
+# Before torch answers any CUDA question: device counts then come from NVML, which reads CUDA_VISIBLE_DEVICES
+# when asked, so hiding the GPUs below takes effect even though torch is already imported.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+if "AESGD_TEST_CUDA_VISIBLE_DEVICES" not in os.environ:
+    os.environ["AESGD_TEST_CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    os.environ["AESGD_TEST_CUDA_PRESENT"] = "unknown"
 
 import pytest
 import torch
+
+if os.environ["AESGD_TEST_CUDA_PRESENT"] == "unknown":
+    os.environ["AESGD_TEST_CUDA_PRESENT"] = "1" if torch.cuda.device_count() > 0 else "0"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the ``cuda`` tests where no GPU is present."""
+    if os.environ["AESGD_TEST_CUDA_PRESENT"] == "1":
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

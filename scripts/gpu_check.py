@@ -1,0 +1,74 @@
+"""Steps 1-3 of scripts/gpu_check.sh: the main job on the GPUs, one run per configuration, judged as a table.
+
+Each run is ``python -m lightning_aesgd.train`` in a process of its own (what a user runs); its test metrics come
+from the job's ``results:`` line. Exits 1 if a run fails or an XMC config's test P@1 is more than ``P_AT_1_SLACK``
+from Lightning DDP's.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ALGORITHMS = sorted(path.stem for path in Path("configs/algorithm").glob("*.yaml"))
+P_AT_1_SLACK = 0.01
+RESULTS = re.compile(r"results: (.*)$", re.MULTILINE)
+
+
+def run(name: str, overrides: list[str]) -> dict[str, float] | None:
+    """One job; its results, or None (with its output's tail printed) if it failed."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "lightning_aesgd.train", *overrides, f"hydra.run.dir={out}"]
+        started = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    output = done.stdout + done.stderr
+    found = RESULTS.findall(output)
+    seconds = time.monotonic() - started
+    if done.returncode != 0 or not found:
+        print(f"FAIL {name} ({seconds:.0f} s, exit {done.returncode})\n{output[-4000:]}", flush=True)
+        return None
+    results = dict(item.split("=") for item in found[-1].split(", "))
+    metrics = {key: float(value) for key, value in results.items()}
+    shown = ", ".join(f"{key}={value:.4f}" for key, value in metrics.items() if key.startswith("test/"))
+    print(f"ok   {name} ({seconds:.0f} s): {shown}", flush=True)
+    return metrics
+
+
+def main(extra: list[str]) -> int:
+    """Run every configuration; return the exit status."""
+    failures = 0
+    p_at_1: dict[str, float] = {}
+    for algorithm in ALGORITHMS:
+        metrics = run(
+            f"xmc_mini {algorithm}", ["experiment=gpu", f"algorithm={algorithm}", "trainer.max_epochs=3", *extra]
+        )
+        if metrics is None:
+            failures += 1
+        elif "test/p@1" in metrics:
+            p_at_1[algorithm] = metrics["test/p@1"]
+    for experiment in ("digits", "fashion_mnist"):
+        overrides = [f"experiment={experiment}", "trainer=gpu", "devices=real", "launch.start_method=spawn", *extra]
+        failures += run(experiment, overrides) is None
+    for algorithm in ("adaptive_elastic", "adaptive_sgd", "ddp"):
+        shared = ["experiment=gpu_shared", f"algorithm={algorithm}", "devices.num_replicas=2"]
+        shared += ["devices.slowdown.factors=[1,2]", "trainer.max_epochs=1", *extra]
+        failures += run(f"2 replicas on one GPU, {algorithm}", shared) is None
+    reference = p_at_1.get("ddp")
+    if reference is None:
+        print("FAIL no P@1 from Lightning's DDP to compare with")
+        failures += 1
+    else:
+        for algorithm, value in sorted(p_at_1.items()):
+            off = abs(value - reference) > P_AT_1_SLACK
+            failures += off
+            print(f"{'FAIL' if off else 'ok  '} {algorithm}: test P@1 {value:.4f} against DDP's {reference:.4f}")
+    print(f"gpu_check: {failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

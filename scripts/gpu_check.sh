@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, on whatever GPUs are present; exits non-zero on any failure.
+#   1. every algorithm config trains XMC mini on the GPUs and tests it (P@1 within 0.01 of Lightning's DDP);
+#   2. the digits and Fashion-MNIST experiments;
+#   3. 2 replicas sharing one GPU under both sync modes (experiment=gpu_shared);
+#   4. the tests marked `cuda`.
+# Uses $AESGD_PYTHON (default python3) as it is: no install step, so it runs where no registry can be reached.
+# Extra arguments are Hydra overrides for every run of steps 1-3 (e.g. trainer.max_epochs=1 for a quick look).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python="${AESGD_PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device is visible')"
+"$python" scripts/gpu_check.py "$@"
+"$python" -m pytest -p lightning_aesgd.testing -m cuda -q tests

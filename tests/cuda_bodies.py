@@ -1,0 +1,110 @@
+"""Bodies of the ``cuda`` tests, run in a fresh process that sees the GPUs (``tests/cuda_run.py``).
+
+Each function fits on the first GPU and raises if anything is off; the replicas start by spawn, as on any
+machine where CUDA may already be in use.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from helpers import RegressionModel, flat_parameters
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_aesgd import AdaptiveElasticStrategy
+
+TIMEOUT = timedelta(seconds=120)
+
+
+class SparseBags(Dataset):
+    """Bags of feature ids with a target per bag: the shape of sparse extreme classification, small."""
+
+    def __init__(self, size: int = 256, features: int = 500, per_bag: int = 6) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(features, (size, per_bag), generator=generator)
+        self.targets = (self.ids % 7 == 0).float().mean(dim=1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return self.ids[index], self.targets[index]
+
+
+class SparseModel(pl.LightningModule):
+    """An ``EmbeddingBag(sparse=True)`` under a linear head: every step has a sparse gradient bucket."""
+
+    def __init__(self, features: int = 500) -> None:
+        super().__init__()
+        self.bags = nn.EmbeddingBag(features, 16, mode="sum", sparse=True)
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        ids, targets = batch
+        return nn.functional.mse_loss(self.head(self.bags(ids)), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(SparseBags(), batch_size=16, shuffle=True)
+
+
+def _trainer(strategy: AdaptiveElasticStrategy, **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "gpu",
+        "devices": 1,
+        "max_steps": 12,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    options.update(kwargs)
+    return pl.Trainer(strategy=strategy, **options)
+
+
+def _fit_and_check(model: pl.LightningModule, strategy: AdaptiveElasticStrategy, **kwargs: Any) -> None:
+    pl.seed_everything(3)
+    before = flat_parameters(model).clone()
+    trainer = _trainer(strategy, **kwargs)
+    trainer.fit(model)
+    after = flat_parameters(model)
+    assert trainer.state.finished, trainer.state
+    assert torch.isfinite(after).all(), "the fitted model is not finite"
+    assert not torch.equal(after.cpu(), before.cpu()), "training did not move the parameters"
+
+
+def _strategy(sync: str, **options: Any) -> AdaptiveElasticStrategy:
+    return AdaptiveElasticStrategy(sync=sync, start_method="spawn", timeout=TIMEOUT, **options)  # type: ignore[arg-type]
+
+
+def fit_each_sync_mode(accelerator: str = "gpu", devices: int = 1) -> None:
+    """A spawn-launched fit of a bufferless model under each sync mode (the first merge included)."""
+    for sync in ("gradients", "models"):
+        _fit_and_check(RegressionModel(), _strategy(sync), accelerator=accelerator, devices=devices)
+
+
+def fit_sparse_gradients(sync: str, delay: int, accelerator: str = "gpu", devices: int = 1) -> None:
+    """A sparse gradient bucket (over NCCL on a GPU) under ``sync``, with ABS-SGD's delay where ``delay``."""
+    options = {"gradient_delay": delay} if delay else {}
+    _fit_and_check(SparseModel(), _strategy(sync, **options), accelerator=accelerator, devices=devices)
+
+
+def fit_with_averaged_optimizer_state() -> None:
+    """``optimizer_state="average"`` all-reduces the optimizer's moments on the GPU."""
+    _fit_and_check(RegressionModel(momentum=0.9), _strategy("models", optimizer_state="average"))
+
+
+def fit_in_precision(precision: str, sync: str) -> None:
+    """A fit under a mixed precision (bf16-mixed, 16-mixed)."""
+    _fit_and_check(RegressionModel(), _strategy(sync), precision=precision)
+
+
+def fit_replicas_sharing_the_gpu(sync: str) -> None:
+    """Two replica processes on the first GPU, over gloo: plans, merges and the sampler on CUDA."""
+    _fit_and_check(RegressionModel(), _strategy(sync, replicas_per_device=2, slowdown=[1, 3]))
