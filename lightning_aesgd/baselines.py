@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -90,3 +91,15 @@ class PostLocalSGDStrategy(SharedDevices, DDPStrategy):
             post_local_gradient_allreduce=self.post_local_gradient_allreduce,
         )
         self.model.register_comm_hook(self._ddp_comm_state, post_localSGD_hook)
+
+
+def single_device_strategy(accelerator: str = "auto") -> SingleDeviceStrategy:
+    """Lightning's plain one-process strategy on the accelerator's first device: no replicas, no synchronisation.
+
+    The floor any parallel strategy's per-step overhead is measured against (``algorithm=single_device``).
+
+    Args:
+        accelerator: the Trainer's accelerator (``"gpu"``/``"cuda"``: ``cuda:0``; ``"auto"``: CUDA where present).
+    """
+    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return SingleDeviceStrategy(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))

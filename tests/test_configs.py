@@ -30,7 +30,7 @@ def _compose(tmp_path, *overrides: str):
     return cfg
 
 
-@pytest.mark.parametrize("algorithm", _options("algorithm"))
+@pytest.mark.parametrize("algorithm", [name for name in _options("algorithm") if name != "single_device"])
 @pytest.mark.parametrize("devices", ["strong", "straggler"])
 def test_every_algorithm_builds_a_trainer(tmp_path, algorithm, devices):
     trainer, _model, _datamodule = build(_compose(tmp_path, f"algorithm={algorithm}", f"devices={devices}"))
@@ -40,6 +40,14 @@ def test_every_algorithm_builds_a_trainer(tmp_path, algorithm, devices):
         assert trainer.strategy.engine.slowdown.factor(3, 10_000) == 24.0  # base 6 × factor 4
     else:
         assert any(type(c).__name__ == "SlowdownCallback" for c in trainer.callbacks)
+
+
+def test_the_single_device_floor_builds_one_process_on_the_cpu(tmp_path):
+    cfg = _compose(tmp_path, "algorithm=single_device", "devices.num_replicas=1", "devices.slowdown=null")
+    trainer, _model, _datamodule = build(cfg)
+    assert type(trainer.strategy).__name__ == "SingleDeviceStrategy"
+    assert trainer.strategy.root_device.type == "cpu"
+    assert trainer.num_devices == 1
 
 
 @pytest.mark.parametrize("group", ["data", "model", "devices", "trainer", "experiment"])
