@@ -97,8 +97,11 @@ class FakeCommunicator:
 
     Args:
         world_size: the number of replicas to pretend.
+        rank: this replica's index.
         peers_sum: returns what the other replicas add to an all-reduced tensor; by default they are identical
             to this replica, so a SUM multiplies by ``world_size``.
+        device: the only device whose tensors the pretended backend reduces, as NCCL takes CUDA tensors only;
+            any device when ``None``. Host all-reduces take CPU tensors only, as the gloo host group does.
     """
 
     def __init__(
@@ -106,22 +109,41 @@ class FakeCommunicator:
         world_size: int = 2,
         rank: int = 0,
         peers_sum: Callable[[Tensor], Tensor] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
         self.peers_sum = peers_sum or (lambda tensor: tensor * (world_size - 1))
+        self.device = torch.device(device) if device is not None else None
         self.calls: list[str] = []
 
     def all_reduce_sum_(self, tensor: Tensor) -> None:
         self.calls.append("all_reduce_sum_")
+        _check_backend_device(tensor, self.device)
+        tensor.add_(self.peers_sum(tensor.clone()))
+
+    def host_all_reduce_sum_(self, tensor: Tensor) -> None:
+        self.calls.append("host_all_reduce_sum_")
+        _check_backend_device(tensor, torch.device("cpu"))
         tensor.add_(self.peers_sum(tensor.clone()))
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:
         self.calls.append("broadcast_")
+        _check_backend_device(tensor, self.device)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self.calls.append("all_gather_object")
         return [obj] * self.world_size
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        self.calls.append("gather_object")
+        return [obj] * self.world_size if self.rank == dst else None
+
+
+def _check_backend_device(tensor: Tensor, device: torch.device | None) -> None:
+    # NCCL's own words for a CPU tensor; a collective is where a tensor on the wrong device first fails.
+    if device is not None and tensor.device.type != device.type:
+        raise RuntimeError(f"No backend type associated with device type {tensor.device.type}")
 
 
 def single_process_trainer(epochs: int) -> pl.Trainer:

@@ -8,6 +8,7 @@ step happened.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,14 @@ from lightning_aesgd.core.merge import CentralElastic, MergeRule
 from lightning_aesgd.core.schedule import merge_due, validate_schedule
 from lightning_aesgd.core.weights import MergeWeights, check_merge_weights, replica_weight
 from lightning_aesgd.engine.comm import Communicator, WeightedAllReduce
-from lightning_aesgd.engine.flat import FlatView, floating_buffers, optimizer_state_tensors, trainable_parameters
+from lightning_aesgd.engine.flat import (
+    FlatView,
+    floating_buffers,
+    module_device,
+    optimizer_state_tensors,
+    to_host,
+    trainable_parameters,
+)
 
 OptimizerStateMode = Literal["keep", "reset", "average"]
 OPTIMIZER_STATE_MODES = ("keep", "reset", "average")
@@ -104,10 +112,12 @@ class ElasticAverager:
         self.warmup_steps = settings.warmup_steps
         self.weights = settings.weights
         self.optimizer_state = settings.optimizer_state
+        # Every flat lives on the model's device, an empty one too (a model without buffers, or none merged).
+        self.device = module_device(module)
         # Parameters become views of one flat buffer: merges then work on the model in place.
-        self.params = FlatView(trainable_parameters(module), bind=True)
-        self.buffers = FlatView(floating_buffers(module) if settings.merge_buffers else [])
-        self._mean = WeightedAllReduce(comm)
+        self.params = FlatView(trainable_parameters(module), bind=True, device=self.device)
+        self.buffers = FlatView(floating_buffers(module) if settings.merge_buffers else [], device=self.device)
+        self._mean = WeightedAllReduce(comm, self.device)
         self.rule_state = self.rule.init_state(self.params.read())
         self.local_steps = 0
         self.merges = 0
@@ -172,7 +182,7 @@ class ElasticAverager:
         contributed = local if self._snapshot is None else self._snapshot
         flats = [contributed, self.buffers.read()]
         moments = optimizer_state_tensors(optimizer) if optimizer and self.optimizer_state == "average" else []
-        moment_view = FlatView(moments)
+        moment_view = FlatView(moments, device=self.device)
         if self.optimizer_state == "average":
             _check_same_moment_count(self.comm, moment_view.numel)
         if moment_view:
@@ -234,13 +244,28 @@ class ElasticAverager:
         self.params.write_(params)
         self.buffers.write_(buffers)
 
-    def is_finite(self) -> bool:
-        """Whether the replica's own parameters and buffers are all finite (one pass over the model)."""
-        for flat in (self.params.current(), self.buffers.read()):
-            # A sum is one read without a temporary; only when it is not finite is the elementwise check needed.
-            if flat.numel() and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
-                return False
-        return True
+    def finite_probe(self) -> Tensor:
+        """A scalar on the device that is finite when the replica's own parameters and buffers all are.
+
+        A sum reads the model once without a temporary, and leaves the host free: the caller reads it back
+        with whatever else it needs from the device, in one synchronisation. It is not finite when an element is
+        not, but also when finite elements overflow it; :meth:`is_finite` tells the two apart.
+        """
+        return self.params.current().sum() + self.buffers.read().sum()
+
+    def is_finite(self, probe: float | None = None) -> bool:
+        """Whether the replica's own parameters and buffers are all finite (one pass over the model).
+
+        Args:
+            probe: the value of :meth:`finite_probe`, where the caller has read it back already.
+        """
+        if probe is None:
+            probe = to_host(self.finite_probe())[0]
+        if math.isfinite(probe):
+            return True
+        # Rare: only a sum that is not finite needs the elementwise check, to tell an overflow from a NaN.
+        flags = torch.stack([torch.isfinite(flat).all() for flat in (self.params.current(), self.buffers.read())])
+        return all(flag == 1.0 for flag in to_host(flags.to(torch.float64)))
 
     def restore_from(self, center: Tensor, optimizer: torch.optim.Optimizer | None) -> None:
         """Replace the replica's parameters by ``center`` (buffers were merged already) and reset its optimizer."""
@@ -279,8 +304,7 @@ class ElasticAverager:
     def load_shared_state(self, state: dict[str, Any]) -> None:  # noqa: D102
         self.local_steps = state["local_steps"]
         self.merges = state["merges"]
-        device = self.params.tensors[0].device if self.params else torch.device("cpu")
-        self.rule_state = {name: tensor.to(device) for name, tensor in state["rule_state"].items()}
+        self.rule_state = {name: tensor.to(self.device) for name, tensor in state["rule_state"].items()}
 
     def load_local_state(self, state: dict[str, Any]) -> None:  # noqa: D102
         self.samples_since_merge = state["samples_since_merge"]
@@ -297,11 +321,12 @@ def _check_same_moment_count(comm: Communicator, count: int) -> None:
 
     One small all-reduce of ``(c, c²)``: the counts are all equal exactly when ``n·Σc² = (Σc)²`` (equality in
     Cauchy–Schwarz), a test every replica evaluates on the same sums, so all raise or none does, before the
-    merge's collective, whose buckets would otherwise differ in size (a hang or a crash).
+    merge's collective, whose buckets would otherwise differ in size (a hang or a crash). The counts are host
+    numbers, summed on the host group: the host need not wait for the device.
     """
     sums = torch.tensor([count, count * count], dtype=torch.int64)  # exact: no rounding can fake equality
-    comm.all_reduce_sum_(sums)
-    total, squares = int(sums[0]), int(sums[1])
+    comm.host_all_reduce_sum_(sums)
+    total, squares = sums.tolist()
     if comm.world_size * squares != total * total:
         raise MomentLayoutError(
             f"optimizer_state='average' needs optimizer state for the same parameters on every replica; this one "

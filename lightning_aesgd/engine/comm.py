@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_aesgd.engine.flat import to_host
+
 T = TypeVar("T")
 
 
@@ -41,8 +43,19 @@ class Communicator(Protocol):
         """Replace ``tensor`` in place by replica ``src``'s tensor."""
         ...
 
+    def host_all_reduce_sum_(self, tensor: Tensor) -> None:
+        """Replace a small CPU ``tensor`` of host data (counts, checks) in place by its sum over all replicas.
+
+        It never touches the device, so the host need not wait for the device's queued work.
+        """
+        ...
+
     def all_gather_object(self, obj: T) -> list[T]:
-        """Gather one picklable object from every replica (used for checkpoints, not on the hot path)."""
+        """Gather one picklable object from every replica, in rank order (never on the training path)."""
+        ...
+
+    def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:
+        """Gather one picklable object from every replica onto replica ``dst``, in rank order; ``None`` elsewhere."""
         ...
 
 
@@ -63,24 +76,49 @@ class LocalCommunicator:
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
         return None
 
+    def host_all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
+        return None
+
     def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
+        return [obj]
+
+    def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:  # noqa: D102
         return [obj]
 
 
 class TorchCommunicator:
     """Collectives over an initialised ``torch.distributed`` process group.
 
+    Model tensors travel on the group's backend (NCCL on CUDA). Small host-side data (counts, checkpoint objects)
+    travels on a gloo *host group* over the same ranks: NCCL has no CPU tensors, and its object collectives would
+    copy every object through the device. Where the group is gloo already, it is its own host group; otherwise
+    the host group is created at the first host-side collective, which every replica reaches in the same order.
+
     Args:
         device: where small tensors for collectives live; must be a CUDA device for NCCL.
         group: the process group; the default (world) group when ``None``.
+        host_group: a gloo group over the same ranks as ``group``; needed only for a ``group`` of another
+            backend (a new group must be created by every process of the world, which a subgroup's members
+            alone cannot do).
+
+    Raises:
+        ValueError: for a ``group`` that is not gloo without a ``host_group``.
     """
 
-    def __init__(self, device: torch.device, group: Any = None) -> None:
+    def __init__(self, device: torch.device, group: Any = None, host_group: Any = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised torch.distributed process group.")
         self.device = device
         self.group = group
         self._calls = 0
+        self._host_group: Any = host_group if host_group is not None else group
+        self._has_host_group = host_group is not None or _is_gloo(group)
+        if group is not None and not self._has_host_group:
+            raise ValueError(
+                f"The process group's backend is {dist.get_backend(group)!r}, which cannot move host data. HINT: "
+                "pass host_group=dist.new_group(ranks, backend='gloo') over the same ranks (every process of the "
+                "world must create it), or leave group unset for the world group."
+            )
 
     @property
     def world_size(self) -> int:  # noqa: D102
@@ -96,10 +134,29 @@ class TorchCommunicator:
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
         self._collective("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group))
 
+    def host_all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
+        group = self._host()
+        self._collective("host all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group))
+
     def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
+        group = self._host()
         gathered: list[Any] = [None] * self.world_size
-        self._collective("all-gather", lambda: dist.all_gather_object(gathered, obj, group=self.group))
+        self._collective("all-gather", lambda: dist.all_gather_object(gathered, obj, group=group))
         return gathered
+
+    def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:  # noqa: D102
+        group = self._host()
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        target = dst if group is None else dist.get_global_rank(group, dst)  # torch takes the world's rank
+        self._collective("gather", lambda: dist.gather_object(obj, gathered, dst=target, group=group))
+        return gathered
+
+    def _host(self) -> Any:
+        """The host group, created over the world's ranks at its first use where the group is not gloo."""
+        if not self._has_host_group:
+            self._host_group = dist.new_group(backend="gloo", timeout=_group_timeout(self.group, self.device))
+            self._has_host_group = True
+        return self._host_group
 
     def _collective(self, name: str, run: Callable[[], object]) -> None:
         """Run one collective; a timeout or a lost peer becomes a :class:`ReplicaStalledError` naming the absent.
@@ -126,6 +183,24 @@ class NoMergeWeightError(ValueError):
     def __init__(self, message: str, rows: list[list[float]]) -> None:
         super().__init__(message)
         self.rows = rows
+
+
+def _is_gloo(group: Any) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _group_timeout(group: Any, device: torch.device) -> timedelta | None:
+    """The timeout ``group`` was created with; ``None`` (torch's default) where torch does not tell.
+
+    The host group waits as long, so that a stalled peer is found as soon on either group. Torch keeps the timeout
+    in private options only, hence the guard.
+    """
+    try:
+        process_group = group if group is not None else dist.distributed_c10d._get_default_group()
+        timeout = process_group._get_backend(device).options._timeout
+    except Exception:
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
@@ -285,15 +360,20 @@ class WeightedAllReduce:
     floating bucket gets ``n`` row slots after the weight, replica ``r`` writes its row into slot ``r`` and zeros
     elsewhere, so the SUM gathers every replica's row without a collective of its own.
 
+    Every bucket lives on its flats' device, and the host waits for the device once a call: the division by
+    ``Σw`` runs on the device, and ``Σw`` and the rows come back in one read (:func:`~.flat.to_host`).
+
     Buckets are kept between calls: a merge runs on the training path, and a fresh model-sized buffer costs as
     much as a copy of the model.
 
     Args:
         comm: the communicator.
+        device: where the rows travel when there are no flats (the model's device); the CPU by default.
     """
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, device: torch.device | None = None) -> None:
         self.comm = comm
+        self.device = device if device is not None else torch.device("cpu")
         self._buckets: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
 
     def __call__(
@@ -310,43 +390,52 @@ class WeightedAllReduce:
         """
         means = list(flats)  # placeholders, each replaced by its mean below
         dtypes = list(dict.fromkeys(flat.dtype for flat in flats))
-        carrier = _row_carrier(dtypes)
-        rows: list[list[float]] = []
-        row_slots = len(row) * self.comm.world_size
-        total_weight = 0.0
+        carrier = _row_carrier(dtypes) if row else None
+        tail = _tail(weight, row, self.comm.rank, self.comm.world_size)
+        summed_tail: Tensor | None = None  # Σw, then every replica's row: what the host reads back
         for dtype in dtypes:
             positions = [k for k, flat in enumerate(flats) if flat.dtype == dtype]
+            bucket, body = self._reduce([flats[k] for k in positions], weight, tail if dtype == carrier else None)
             sizes = [flats[k].numel() for k in positions]
-            body = sum(sizes)
-            extra = row_slots if dtype == carrier else 0
-            bucket = self._bucket(dtype, flats[positions[0]].device, body + 1 + extra)
-            for k, chunk in zip(positions, torch.split(bucket[:body], sizes), strict=True):
-                if weight == 0:
-                    chunk.zero_()  # 0·NaN would be NaN
-                else:
-                    torch.mul(flats[k].reshape(-1), weight, out=chunk)
-            bucket[body] = weight
-            if extra:
-                _write_row(bucket[body + 1 :], row, self.comm.rank)
-            self.comm.all_reduce_sum_(bucket)
-            total_weight = float(bucket[body])
-            if total_weight > 0:
-                bucket[:body].div_(total_weight)
-            if extra:
-                rows = bucket[body + 1 :].view(-1, len(row)).tolist()
             for k, mean in zip(positions, torch.split(bucket[:body], sizes), strict=True):
                 means[k] = mean
-        if row and not rows:  # no float32/float64 bucket to carry the row: send it on its own
-            device = flats[0].device if flats else torch.device("cpu")
-            slots = torch.zeros(row_slots, dtype=torch.float64, device=device)
-            _write_row(slots, row, self.comm.rank)
-            self.comm.all_reduce_sum_(slots)
-            rows = slots.view(-1, len(row)).tolist()
+            if summed_tail is None or dtype == carrier:
+                summed_tail = bucket[body:]
+        if row and carrier is None:  # no float32/float64 bucket to carry the row: send it on its own
+            summed_tail = torch.empty(len(tail), dtype=torch.float64, device=flats[0].device if flats else self.device)
+            _copy_from_host(summed_tail, tail)
+            self.comm.all_reduce_sum_(summed_tail)
+        if summed_tail is None:
+            return means, []
+        total_weight, rows = _split_tail(to_host(summed_tail), len(row))
         if flats and not total_weight > 0:
             raise NoMergeWeightError(
                 f"The merge weights of all replicas sum to {total_weight}; at least one must be positive.", rows
             )
         return means, rows
+
+    def _reduce(self, flats: Sequence[Tensor], weight: float, tail: Sequence[float] | None) -> tuple[Tensor, int]:
+        """All-reduce one dtype's flats and divide them by ``Σw``, on the device; returns the bucket and its body.
+
+        The bucket holds ``[w·θ…, w]``, then the rest of ``tail`` (the rows) where it carries them.
+        """
+        sizes = [flat.numel() for flat in flats]
+        body = sum(sizes)
+        bucket = self._bucket(flats[0].dtype, flats[0].device, body + (len(tail) if tail is not None else 1))
+        for flat, chunk in zip(flats, torch.split(bucket[:body], sizes), strict=True):
+            if weight == 0:
+                chunk.zero_()  # 0·NaN would be NaN
+            else:
+                torch.mul(flat.reshape(-1), weight, out=chunk)
+        if tail is not None:
+            _copy_from_host(bucket[body:], tail)
+        else:
+            bucket[body] = weight
+        self.comm.all_reduce_sum_(bucket)
+        # Divided by the summed weight where it lies: reading it first would make the host wait for the device.
+        # A sum of zero gives NaN here, but then the caller raises and the means are never seen.
+        bucket[:body].div_(bucket[body])
+        return bucket, body
 
     def _bucket(self, dtype: torch.dtype, device: torch.device, size: int) -> Tensor:
         key = (dtype, device, size)
@@ -367,7 +456,28 @@ def _row_carrier(dtypes: Sequence[torch.dtype]) -> torch.dtype | None:
     return None
 
 
-def _write_row(slots: Tensor, row: Sequence[float], rank: int) -> None:
-    slots.zero_()
+def _tail(weight: float, row: Sequence[float], rank: int, world_size: int) -> list[float]:
+    """What follows a bucket's body: the weight, then this replica's row in its slot and zeros elsewhere."""
     width = len(row)
-    slots[rank * width : (rank + 1) * width] = torch.tensor(list(row), dtype=slots.dtype)
+    tail = [float(weight)] + [0.0] * (width * world_size)
+    tail[1 + rank * width : 1 + (rank + 1) * width] = [float(value) for value in row]
+    return tail
+
+
+def _split_tail(values: list[float], width: int) -> tuple[float, list[list[float]]]:
+    """The summed weight and every replica's row from a summed tail as the host reads it."""
+    rows = values[1:]
+    return values[0], [rows[start : start + width] for start in range(0, len(rows), width)] if width else []
+
+
+def _copy_from_host(target: Tensor, values: Sequence[float]) -> None:
+    """Fill ``target`` with host ``values`` through a staging tensor moved to ``target``'s device.
+
+    On CUDA the staging tensor is pinned and the copy does not block: a plain copy from pageable memory would make
+    the host wait for the device's queued work (the local step) before the merge's collective is even issued.
+    """
+    staging = torch.tensor(list(values), dtype=target.dtype)
+    if target.device.type == "cuda":
+        target.copy_(staging.pin_memory(), non_blocking=True)
+    else:
+        target.copy_(staging.to(target.device))

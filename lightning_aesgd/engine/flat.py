@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -18,13 +19,19 @@ class FlatView:
     persistent flat buffer (their ``.data`` is rebound, as torch's ``average_parameters`` does): :attr:`live`
     then *is* the model, and merges update it in place without copying it out and back.
 
+    Flat copies live on :attr:`device`, an empty view's too: a merge puts every flat into one bucket, where an
+    empty flat on another device than the model's fails as surely as a full one.
+
     Args:
         tensors: the tensors to view, e.g. a module's trainable parameters; their order is the flat layout.
         bind: make the tensors views of one flat buffer where possible.
+        device: where the flats of a view without tensors live: give the model's device wherever a view may be
+            empty (a model without buffers); the CPU by default. A view of tensors uses its first tensor's device.
     """
 
-    def __init__(self, tensors: Iterable[Tensor], bind: bool = False) -> None:
+    def __init__(self, tensors: Iterable[Tensor], bind: bool = False, device: torch.device | str | None = None) -> None:
         self.tensors = list(tensors)
+        self.device = self.tensors[0].device if self.tensors else torch.device(device or "cpu")
         self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in self.tensors) else torch.float32
         self.numel = sum(t.numel() for t in self.tensors)
         self.live: Tensor | None = self._bind() if bind and self._bindable() else None
@@ -52,8 +59,8 @@ class FlatView:
         if self.live is not None:
             return self.live.clone()
         if not self.tensors:
-            return torch.empty(0, dtype=self.dtype)
-        return torch.cat([t.detach().reshape(-1).to(self.dtype) for t in self.tensors])
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        return torch.cat([t.detach().reshape(-1).to(self.device, self.dtype) for t in self.tensors])
 
     @torch.no_grad()
     def read_into(self, out: Tensor) -> Tensor:
@@ -77,6 +84,22 @@ class FlatView:
             return
         for tensor, chunk in zip(self.tensors, torch.split(flat, [t.numel() for t in self.tensors]), strict=True):
             tensor.copy_(chunk.view_as(tensor))
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module's tensors live: its first parameter's or buffer's device (the CPU for a module of neither)."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def to_host(tensor: Tensor) -> list[float]:
+    """The elements of a small tensor, flattened, as Python numbers: where the engine waits for its device.
+
+    The merge path reads device numbers through here only, so that its host synchronisations are few and
+    visible, and tests on the ``meta`` device (which holds no numbers) can stand in for it.
+    """
+    return tensor.reshape(-1).tolist()
 
 
 def trainable_parameters(module: nn.Module) -> list[Tensor]:

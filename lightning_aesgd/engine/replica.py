@@ -26,7 +26,7 @@ from lightning_aesgd.core.slowdown import SlowdownProfile
 from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
-from lightning_aesgd.engine.flat import FlatView, floating_buffers
+from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
 from lightning_aesgd.engine.loading import (
     ElasticDataLoader,
     LoaderClock,
@@ -116,7 +116,9 @@ class ReplicaEngine:
         self._compute_clock: ComputeClock | None = None
         self._first_step = True
         self._saved_step_batch_size: int | None = None  # the checkpoint's, when resuming
-        self._center_norm = -1.0  # the merged model's norm after the latest merge, for adaptive normalization
+        # The merged model's norm after the latest merge, for adaptive normalization: left on the device until the
+        # next merge reads it back with its other numbers.
+        self._center_norm: torch.Tensor | float = -1.0
         self._maybe_skipped: list[tuple[Any, float]] = []  # (skipped?, samples) of the steps since the last merge
         if lr_scaling and merging.weights == "samples":
             # Both favour large batches: together they count a sample of a large batch twice.
@@ -285,22 +287,33 @@ class ReplicaEngine:
         rank = self._comm().rank
         return emulated_slowdown(self._compute_clock, self.slowdown.factor(rank, self._global_step))
 
-    def _discount_skipped_steps(self, averager: ElasticAverager) -> None:
+    def _read_before_merge(self, averager: ElasticAverager) -> tuple[float, list[float], float]:
+        """What the merge's report needs from the device, read back in one host synchronisation.
+
+        Returns the finite probe (:meth:`~.ElasticAverager.finite_probe`), whether each step since the last merge
+        was skipped (its scaler's flag, nonzero when skipped) and the merged model's norm after the last merge.
+        """
+        values = [averager.finite_probe(), *(skipped for skipped, _ in self._maybe_skipped), self._center_norm]
+        read = _read_numbers(values, averager.device)
+        return read[0], read[1:-1], read[-1]
+
+    def _discount_skipped_steps(self, averager: ElasticAverager, skipped: list[float]) -> None:
         # The scaler lowers its scale exactly when it skips a step; read once per merge (no per-step host sync).
-        for skipped, num_samples in self._maybe_skipped:
-            if bool(skipped):
+        for flag, (_, num_samples) in zip(skipped, self._maybe_skipped, strict=True):
+            if flag:
                 averager.discount_skipped(num_samples)
         self._maybe_skipped.clear()
 
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer, stop_requested: bool) -> None:
         rank = averager.comm.rank
-        self._discount_skipped_steps(averager)
+        probe, skipped, center_norm = self._read_before_merge(averager)
+        self._discount_skipped_steps(averager, skipped)
         # A replica whose model is not finite (a NaN loss or gradient) is left out with weight 0 and restored from
         # the merged model: replicas are whole models, so the others carry on. Its flag rides in its report.
-        finite = averager.is_finite()
+        finite = averager.is_finite(probe)
         weight = self.normalization.weight(averager.own_weight(), rank, self.router.merge_weights, averager.local_steps)
         report = self.router.report(
-            weight if finite else 0.0, stop=stop_requested, finite=finite, center_norm=self._center_norm
+            weight if finite else 0.0, stop=stop_requested, finite=finite, center_norm=center_norm
         )
         try:
             center, rows = averager.merge(report.merge_weight, optimizer, report.as_row())
@@ -327,7 +340,7 @@ class ReplicaEngine:
             # devices may differ in the last bit, and replicas that judged the trend differently would mix
             # nudged and plain weights in one merge.
             self.normalization.observe(PeriodReport.from_row(rows[0]).center_norm)
-            self._center_norm = float(center.norm())
+            self._center_norm = center.norm()  # now, as `center` may be scratch that the next merge overwrites
         self.router.receive(rows, self._step_key)
 
     def _note_exclusions(self, rows: list[list[float]]) -> None:
@@ -403,7 +416,9 @@ class ReplicaEngine:
         """What a checkpoint needs to resume exactly (a collective when replicas are saved).
 
         The state every replica shares (schedule position, the rule's buffers, plans, the L2 trend) and, with
-        ``checkpoint_replicas``, every replica's own model, optimizer state and counters, gathered to every rank.
+        ``checkpoint_replicas``, every replica's own model, optimizer state and counters, on the CPU, gathered
+        to rank zero over the host group (on other ranks ``"replicas"`` is ``None``): only rank zero writes the
+        checkpoint, and gathering every replica's model onto every rank would hold ``n`` models on each.
         """
         averager = self._running_averager()
         shared: dict[str, Any] = {
@@ -417,19 +432,22 @@ class ReplicaEngine:
         if self.checkpoint_replicas:
             params, buffers = averager.local_model()
             own = {
-                "params": params.cpu(),
-                "buffers": buffers.cpu(),
-                "optimizer": _on_cpu(optimizer.state_dict()) if optimizer is not None else None,
+                "params": params,
+                "buffers": buffers,
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "averager": averager.local_state(),
                 "router": self.router.local_state(),
             }
-            state["replicas"] = averager.comm.all_gather_object(own)
+            state["replicas"] = averager.comm.gather_object(_on_cpu(own), dst=0)
         return state
 
     def load_training_state(
         self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None, device: torch.device
     ) -> None:
-        """Put back what :meth:`training_state` saved; this replica's own part when the world size matches."""
+        """Put back what :meth:`training_state` saved; this replica's own part when the world size matches.
+
+        Every rank reads the checkpoint file that rank zero wrote, so every rank finds every replica's part there.
+        """
         averager = self._running_averager()
         if "averager" not in state["shared"]:  # a checkpoint of sync="gradients": its plans carry over
             self.router.load_shared_state(state["shared"]["router"])
@@ -460,7 +478,9 @@ class ReplicaEngine:
 def _broadcast_module(module: nn.Module, comm: Communicator, with_buffers: bool) -> None:
     # Every parameter, frozen ones too (as DDP does): an unseeded frozen layer would otherwise differ per replica,
     # and merges, which skip frozen parameters, would never make them agree.
-    for view in (FlatView(module.parameters()), FlatView(floating_buffers(module) if with_buffers else [])):
+    device = module_device(module)
+    buffers = floating_buffers(module) if with_buffers else []
+    for view in (FlatView(module.parameters(), device=device), FlatView(buffers, device=device)):
         if view:
             flat = view.read()
             comm.broadcast_(flat, src=0)
@@ -494,6 +514,20 @@ def _loss_scale(grad_scaler: Any) -> Any:
     if scale is None:  # before the first scaled loss: the scale it will start from
         return torch.tensor(float(grad_scaler.get_scale()))
     return scale.clone()
+
+
+def _read_numbers(values: list[Any], device: torch.device) -> list[float]:
+    """Numbers, some of them one-element tensors, as floats: the tensors read back together, in one synchronisation.
+
+    Host numbers stay on the host (sending them to the device would cost a synchronisation of its own).
+    """
+    tensors = [value.to(device=device, dtype=torch.float64).reshape(()) for value in values if _is_tensor(value)]
+    read = iter(to_host(torch.stack(tensors)) if tensors else [])
+    return [next(read) if _is_tensor(value) else float(value) for value in values]
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _on_cpu(state: Any) -> Any:

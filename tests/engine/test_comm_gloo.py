@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_aesgd.engine import comm as comm_module
 from lightning_aesgd.engine.comm import TorchCommunicator, WeightedAllReduce
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
@@ -41,8 +42,25 @@ def _run_collectives(rank: int, world_size: int, init_file: str) -> None:
         torch.testing.assert_close(tensor, torch.ones(4))
 
         assert comm.all_gather_object({"rank": rank}) == [{"rank": r} for r in range(world_size)]
+        _check_host_collectives(comm, rank, world_size)
+        # As over NCCL: a gloo host group of its own, made at the first host collective, waiting as long as the group.
+        comm_module._is_gloo = lambda group: False
+        beside = TorchCommunicator(torch.device("cpu"))
+        _check_host_collectives(beside, rank, world_size)
+        assert beside._host() is not None
+        assert beside._host()._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=60)
+        with pytest.raises(ValueError, match="HINT: pass host_group="):  # a subgroup cannot make one alone
+            TorchCommunicator(torch.device("cpu"), group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
+
+
+def _check_host_collectives(comm: TorchCommunicator, rank: int, world_size: int) -> None:
+    gathered = comm.gather_object({"rank": rank}, dst=1)
+    assert gathered == ([{"rank": r} for r in range(world_size)] if rank == 1 else None)
+    counts = torch.tensor([rank + 1, 10], dtype=torch.int64)
+    comm.host_all_reduce_sum_(counts)
+    assert counts.tolist() == [sum(range(1, world_size + 1)), 10 * world_size]
 
 
 def test_collectives_on_two_gloo_processes(tmp_path):

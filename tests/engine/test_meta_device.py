@@ -1,0 +1,219 @@
+"""The merge machinery keeps every tensor on the model's device, checked on the ``meta`` device.
+
+A ``meta`` tensor meets a CPU tensor with the error a CUDA tensor meets it with ("Expected all tensors to be on
+the same device"), so a model on ``meta`` finds, on a machine without a GPU, every tensor the machinery creates
+on the CPU by mistake. The fake communicator takes tensors of the model's device only, as NCCL does.
+
+A ``meta`` tensor holds no numbers: the engine's reads back to the host (:func:`~lightning_aesgd.engine.flat.
+to_host`) are stood in for, answering a chosen number for every element. Each test runs on the CPU too, where
+the same reads return the real numbers and the values are checked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import FakeCommunicator, RegressionData
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_aesgd.core.merge import get_merge_rule
+from lightning_aesgd.engine import averager as averager_module
+from lightning_aesgd.engine import comm as comm_module
+from lightning_aesgd.engine import replica as replica_module
+from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
+from lightning_aesgd.engine.comm import WeightedAllReduce
+from lightning_aesgd.engine.flat import FlatView, to_host
+from lightning_aesgd.engine.replica import ReplicaEngine
+from lightning_aesgd.engine.routing import Router
+
+DEVICES = ["cpu", "meta"]
+RULES = {"elastic_average": {"alpha": 0.5, "momentum": 0.5}, "sma": {}, "easgd": {}}
+
+
+class HostReads:
+    """Stands in for the engine's reads back to the host and records every tensor read.
+
+    On the CPU a read returns the tensor's numbers; on ``meta``, which has none, ``value`` for every element.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.value = 1.0
+
+    def __call__(self, tensor: Tensor) -> list[float]:
+        self.tensors.append(tensor)
+        return [self.value] * tensor.numel() if tensor.is_meta else to_host(tensor)
+
+    def devices(self) -> set[str]:
+        return {tensor.device.type for tensor in self.tensors}
+
+
+@pytest.fixture
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> HostReads:
+    reads = HostReads()
+    for module in (comm_module, averager_module, replica_module):
+        monkeypatch.setattr(module, "to_host", reads)
+    return reads
+
+
+def _bufferless(device: str) -> nn.Module:
+    model = nn.Linear(3, 2, device=device)
+    if device != "meta":
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+            model.bias.fill_(-1.0)
+    return model
+
+
+def _on(device: str, tensors: list[Tensor]) -> None:
+    assert {tensor.device.type for tensor in tensors} == {device}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_empty_flat_view_reads_an_empty_flat_on_its_device(device):
+    flat = FlatView([], device=torch.device(device)).read()
+    assert flat.device.type == device
+    assert flat.numel() == 0
+
+
+@pytest.mark.parametrize("bind", [False, True], ids=["copied", "bound"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_flat_view_reads_and_writes_on_the_tensors_device(device, bind):
+    tensors = [torch.ones(2, 2, device=device), torch.zeros(3, device=device, dtype=torch.float16)]
+    view = FlatView(tensors, bind=bind, device=torch.device(device))
+    flat = view.read()
+    _on(device, [flat, view.current(), view.read_into(torch.empty_like(flat))])
+    view.write_(flat.add(1.0))
+    if device == "cpu":
+        torch.testing.assert_close(view.read(), torch.tensor([2.0] * 4 + [1.0] * 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_weighted_mean_with_an_empty_flat_stays_on_the_device_and_reads_the_host_once(device, host_reads):
+    comm = FakeCommunicator(world_size=2, rank=1, device=device)
+    flats = [torch.full((3,), 2.0, device=device), torch.empty(0, device=device)]
+    means, rows = WeightedAllReduce(comm)(flats, 1.0, row=[5.0, 6.0])
+    _on(device, means)
+    assert [mean.numel() for mean in means] == [3, 0]
+    assert len(host_reads.tensors) == 1
+    assert host_reads.devices() == {device}
+    assert [len(row) for row in rows] == [2, 2]
+    if device == "cpu":  # an identical peer doubles the bucket: this replica's row, twice, in its own slot
+        torch.testing.assert_close(means[0], flats[0])
+        assert rows == [[0.0, 0.0], [10.0, 12.0]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_rows_of_a_half_precision_model_travel_on_its_device(device, host_reads):
+    comm = FakeCommunicator(world_size=1, device=device)
+    means, rows = WeightedAllReduce(comm)([torch.ones(3, dtype=torch.float16, device=device)], 2.0, row=[70000.0])
+    _on(device, means)
+    assert comm.calls == ["all_reduce_sum_", "all_reduce_sum_"]  # the rows leave the half-precision bucket
+    assert len(host_reads.tensors) == 1
+    if device == "cpu":
+        assert rows == [[70000.0]]
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_rule_merges_a_bufferless_model_on_its_device(device, rule, host_reads):
+    model = _bufferless(device)
+    comm = FakeCommunicator(world_size=2, device=device)  # an identical peer: the merge changes nothing
+    averager = ElasticAverager(model, comm, MergeSettings(get_merge_rule(rule, **RULES[rule])))
+    averager.before_local_step()
+    assert averager.after_local_step(num_samples=4)
+    center, _ = averager.merge(weight=4.0)
+    _on(device, [center, *model.parameters(), *averager.rule_state.values(), *averager.global_model()])
+    assert "all_reduce_sum_" in comm.calls
+    assert host_reads.devices() == {device}
+    if device == "cpu":
+        torch.testing.assert_close(model.weight, torch.ones(2, 3))
+        torch.testing.assert_close(model.bias, -torch.ones(2))
+
+
+@pytest.mark.parametrize("mode", ["reset", "average"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_optimizer_state_is_merged_on_the_device_and_counted_on_the_host(device, mode, host_reads):
+    model = _bufferless(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for parameter in model.parameters():
+        optimizer.state[parameter]["momentum_buffer"] = torch.full_like(parameter, 0.5)
+    comm = FakeCommunicator(world_size=2, device=device)
+    ElasticAverager(model, comm, MergeSettings(get_merge_rule("elastic_average"), optimizer_state=mode)).merge(
+        weight=1.0, optimizer=optimizer
+    )
+    assert len(host_reads.tensors) == 1  # the moment count is host data: summed on the host group, not read back
+    if mode == "reset":
+        assert not optimizer.state
+        return
+    assert comm.calls == ["host_all_reduce_sum_", "all_reduce_sum_"]
+    moments = [optimizer.state[parameter]["momentum_buffer"] for parameter in model.parameters()]
+    _on(device, moments)
+    if device == "cpu":
+        for moment in moments:
+            torch.testing.assert_close(moment, torch.full_like(moment, 0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_finite_check_reads_the_host_once_for_a_finite_model(device, host_reads):
+    averager = ElasticAverager(
+        _bufferless(device), FakeCommunicator(device=device), MergeSettings(get_merge_rule("sma"))
+    )
+    assert averager.is_finite()
+    assert len(host_reads.tensors) == 1
+    assert host_reads.devices() == {device}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_that_is_not_finite_is_found_on_its_device(device, host_reads):
+    model = _bufferless(device)
+    if device == "cpu":
+        with torch.no_grad():
+            model.weight[0, 0] = math.nan
+    host_reads.value = math.nan  # what the meta model's sums would read
+    averager = ElasticAverager(model, FakeCommunicator(device=device), MergeSettings(get_merge_rule("sma")))
+    assert not averager.is_finite()
+    assert host_reads.devices() == {device}
+
+
+def test_finite_values_whose_sum_overflows_are_finite(host_reads):
+    model = _bufferless("cpu")
+    with torch.no_grad():
+        model.weight.fill_(3e38)
+    averager = ElasticAverager(model, FakeCommunicator(), MergeSettings(get_merge_rule("sma")))
+    assert averager.is_finite()
+    assert len(host_reads.tensors) == 2  # the sum overflowed: the elementwise check tells it from a NaN
+
+
+class _Scaler:
+    """A GradScaler as the engine reads it, whose loss scale never drops (no step skipped)."""
+
+    _scale = torch.tensor(1024.0)
+
+    def is_enabled(self) -> bool:
+        return True
+
+
+def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
+    # Once before the collective (the finite probe, the scaler's flags, the last merged norm) and once after it
+    # (the summed weight and the rows): whatever the period and the options.
+    module = nn.Linear(2, 1)
+    settings = MergeSettings(get_merge_rule("elastic_average"), period=3)
+    options = {"lr_scaling": False, "lr_schedule": None, "slowdown": None, "step_batch_size": None}
+    options |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
+    engine = ReplicaEngine(settings, Router(), l2_nudge=True, **options)
+    engine.start(module, FakeCommunicator(world_size=1), torch.device("cpu"))
+    loader = engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    reads_per_merge = []
+    for index, _ in enumerate(loader):
+        before = len(host_reads.tensors)
+        engine.begin_step(0, index, index)
+        engine.optimizer_step(optimizer, lambda: None, lambda: False, grad_scaler=_Scaler())
+        if engine.merged_last_step:
+            reads_per_merge.append(len(host_reads.tensors) - before)
+    assert reads_per_merge == [2] * engine.averager.merges
+    assert engine.averager.merges == 3
