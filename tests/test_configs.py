@@ -51,10 +51,14 @@ def test_the_single_device_floor_builds_one_process_on_the_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("group", ["data", "model", "devices", "trainer", "experiment"])
-def test_every_option_of_every_group_composes(tmp_path, group):
+def test_every_option_of_every_group_composes_to_its_own_choice(tmp_path, group):
     for option in _options(group):
         cfg = _compose(tmp_path, f"{group}={option}")
-        assert cfg[group if group != "experiment" else "data"] is not None
+        assert cfg.hydra.runtime.choices[group] == option
+        if group == "experiment":  # an experiment sets the trainer at least
+            assert cfg.trainer._target_.endswith("Trainer")
+        else:
+            assert cfg[group], f"{group}={option} composed to an empty group"
 
 
 @pytest.mark.parametrize(("experiment", "outer_momentum"), [(None, 0.3), ("fashion_mnist", 0.0), ("digits", 0.0)])

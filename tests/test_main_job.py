@@ -24,7 +24,7 @@ from lightning_aesgd.train import FirstValidation, config_dir, hyperparameters
 
 SUMMARY = "adaptive_elastic: replicas at the end of fit"
 LINE_BUDGET = 10
-"""Lines the main job may print besides the progress bar, the end-of-fit summary and the results (issue 11)."""
+"""Lines the main job may print besides the progress bar, the end-of-fit summary and the results."""
 _LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PROGRESS = re.compile(r"^\s*(\x1b\[A)?\s*$|(it/s|s/it)\]|^(Training|Validation|Testing|Epoch \d+)\b.*\|")
 

@@ -1,4 +1,4 @@
-"""The lightning-hydra-template layout (issue 11, item 5): logger, callbacks, paths, debug and hparams_search
+"""The lightning-hydra-template layout: logger, callbacks, paths, debug and hparams_search
 groups, the submitit launchers, ``tags``, ``ckpt_path`` and ``optimized_metric``; with an Optuna search, a
 submitit sweep and a resumed job run end to end on tiny settings."""
 

@@ -1,4 +1,4 @@
-"""The benchmark's figures (issue 11, item 9): targets in the legend, legends off the data, honest y-axes, and the
+"""The benchmark's figures: targets in the legend, legends off the data, honest y-axes, and the
 straggler's targets following its slowdown."""
 
 from __future__ import annotations

@@ -88,8 +88,9 @@ def test_merge_due_rejects_a_negative_step() -> None:
         merge_due(-1, period=2)
 
 
-def test_validate_schedule_accepts_the_smallest_valid_settings() -> None:
-    validate_schedule(1, 0)
+def test_the_smallest_valid_settings_merge_after_every_step() -> None:
+    validate_schedule(1, 0)  # raises if the smallest settings were refused
+    assert all(merge_due(step, period=1, warmup_steps=0) for step in range(5))
 
 
 def _drops(scheduler_factory, steps: int) -> list[int]:
