@@ -6,6 +6,12 @@ report measures everything the replica did in between (data loading, hooks, comp
 the time it waited for peers (:mod:`lightning_aesgd.core.sensing`). The reports travel inside the merge's
 all-reduce; every replica computes the same next plan from the same numbers, and the plan takes effect ``lag``
 steps later (see :class:`~lightning_aesgd.engine.sampler.PlanBook`).
+
+The stamps lie on the device's own timeline (:mod:`lightning_aesgd.engine.timing`). On a CUDA device the host
+runs ahead of the kernels and a collective returns once queued, so host clocks would put a step's wait for the
+slowest replica into the next step's arrival; events on the compute stream do not, but are readable only once
+the device has passed them. There a report carries the previous period's numbers, all of one period, read
+without waiting unless the device is still a whole period behind the host.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from lightning_aesgd.core.planners import Planner, StaticPlanner, get_planner
 from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, check_plan_damping, damped_plan
 from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.engine.sampler import PlanBook, StepRecord
-from lightning_aesgd.engine.timing import BusyTimer
+from lightning_aesgd.engine.timing import HostTimeline, SpanLedger, Timeline, timeline_for
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +238,22 @@ class Router:
 
     Args:
         settings: the planner and its bounds, damping and smoothing.
-        clock: wall clock in seconds (tests pass a scripted one).
+        clock: wall clock in seconds, the stamps of a replica that does not work on a CUDA device (tests pass a
+            scripted one).
+        timeline: where to stamp arrivals and releases whatever the device (tests pass a scripted one); by
+            default the device's own (:func:`~lightning_aesgd.engine.timing.timeline_for`).
     """
 
-    def __init__(self, settings: PlanSettings | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        settings: PlanSettings | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        timeline: Timeline | None = None,
+    ) -> None:
         self.settings = settings if settings is not None else PlanSettings()
         self.clock = clock
+        self._chosen_timeline = timeline
+        self._timeline = timeline if timeline is not None else HostTimeline(clock)
         self.cost_aware = False
         self.plan_book: PlanBook | None = None
         self.planner: Planner = self.settings.build_planner(self.settings.min_batch)
@@ -251,14 +267,11 @@ class Router:
         # The latest merges' step, measured speeds and plan, for the benchmark's plots.
         self.history: deque[tuple[int, tuple[float, ...], tuple[int, ...]]] = deque(maxlen=HISTORY_LENGTH)
         self._saved_state: dict[str, Any] | None = None
-        self._timer: BusyTimer | None = None
-        self._period = _Period()
-        self._release: float | None = None  # None while paused
-        self._active_before = 0.0  # active seconds of this period before a pause
-        self._arrival = 0.0
-        self._wait_fraction = 0.0
-        self._waited = 0.0  # seconds blocked on peers this period, under overlapped synchronisation
-        self._wait_started: float | None = None
+        self._period = _Period(self._timeline)
+        self._previous: _Period | None = None  # the period before this one, once it ended (its wait included)
+        self._release: Any = None  # the stamp the running active span began at; None while paused
+        self._arrival: Any = None  # the stamp of the latest report
+        self._wait_started: Any = None
         self._next_plan = 0
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -267,13 +280,20 @@ class Router:
         """Start measuring one of ``num_replicas`` replicas, working on ``device``."""
         if self.model is None or self.model.num_replicas != num_replicas:
             self.model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
-        self._timer = BusyTimer(device)
+        chosen = self._chosen_timeline
+        self._timeline = chosen if chosen is not None else timeline_for(device, self.clock)
+        self._forget_periods()
         self.stop_requested = False
         self.interrupt()
 
     def detach(self) -> None:
         """Stop measuring (fit ended); plans and models are kept for a later fit on the same Trainer."""
-        self._timer = None
+        self._forget_periods()
+
+    def _forget_periods(self) -> None:
+        # A fit's first report measures nothing: the periods of an earlier fit are not this one's.
+        self._period, self._previous = _Period(self._timeline), None
+        self._release = self._arrival = self._wait_started = None
 
     def plan_book_for(self, total: int, num_replicas: int, lag: int, cost_aware: bool = False) -> PlanBook:
         """The plan book for steps of ``total`` samples, created on first use or restored from a checkpoint.
@@ -303,15 +323,12 @@ class Router:
 
         Its busy time (inside the body) goes to telemetry; the arrival at the next merge measures the rest.
         """
-        assert self._timer is not None
         # The work counts from the start: under gradient synchronisation the replica reports mid-step.
         self._period.add(record.cost if self.cost_aware else float(record.num_samples), record.planned)
         self._period.loader += loader_seconds
-        self._timer.start()
+        started = self._timeline.stamp()
         yield
-        self._timer.stop()
-        # On CUDA a step's busy time is known a step or two later; only complete regions are counted.
-        self._period.busy += sum(self._timer.pop_completed())
+        self._period.spans.add(_BUSY, started, self._timeline.stamp())
 
     def interrupt(self) -> None:
         """A new epoch began (loader workers started, epoch-end hooks ran): restart the period's clock.
@@ -320,8 +337,8 @@ class Router:
         """
         if self._period.steps:
             self._period.measured = False
-        self._release = self.clock()
-        self._active_before = 0.0
+        self._period.spans.discard(_ACTIVE)
+        self._release = self._timeline.stamp()
 
     def pause(self) -> None:
         """Stop the period's clock while something other than training runs (validation, a checkpoint).
@@ -329,37 +346,66 @@ class Router:
         The time since the release, the replica's hooks after its last step included, stays in the period.
         """
         if self._release is not None:
-            self._active_before += self.clock() - self._release
-            self._release = None
+            self._pause_at(self._timeline.stamp())
 
     def resume(self) -> None:
         """Restart the period's clock after :meth:`pause`."""
         if self._release is None:
-            self._release = self.clock()
+            self._resume_at(self._timeline.stamp())
+
+    def _pause_at(self, stamp: Any) -> None:
+        self._period.spans.add(_ACTIVE, self._release, stamp)
+        self._release = None
+
+    def _resume_at(self, stamp: Any) -> None:
+        if self._release is None:
+            self._release = stamp
 
     # --- at a merge ---------------------------------------------------------------------------------------
 
     def report(
         self, merge_weight: float, stop: bool = False, finite: bool = True, center_norm: float = -1.0
     ) -> PeriodReport:
-        """This replica's report for the merge it is arriving at; stamps the arrival."""
-        self._arrival = self.clock()
+        """This replica's report for the merge it is arriving at; stamps the arrival.
+
+        On a deferred timeline (a CUDA device) the numbers are the previous period's, read now, blocking the host
+        at most once (if the device has not yet reached that period's end); a fit's first report measures
+        nothing. On the host's clock they are this period's. The wait fraction is always the previous period's:
+        its wait at the merge that ended it is known only after its report.
+        """
         period = self._period
-        measured = period.measured and self._release is not None
-        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
+        self._arrival = self._timeline.stamp()
+        period.reported_measured = period.measured and self._release is not None
+        if self._release is not None:
+            period.spans.add(_ACTIVE, self._release, self._arrival)
+            self._release = self._arrival
+        previous = self._previous
+        if previous is not None:
+            previous.spans.settle()  # on a device, the report's only wait, and only while it lags a whole period
+        shown = self._reported_period()
         return PeriodReport(
             merge_weight=merge_weight,
-            work=period.work,
-            planned=period.planned,
-            steps=float(period.steps) if measured else 0.0,
-            active=active,
-            loader=period.loader,
-            busy=period.busy,
-            wait_fraction=self._wait_fraction,
+            work=shown.work,
+            planned=shown.planned,
+            steps=float(shown.steps) if shown.reported_measured else 0.0,
+            active=shown.spans.total(_ACTIVE),
+            loader=shown.loader,
+            busy=shown.spans.total(_BUSY),
+            wait_fraction=previous.wait_fraction() if previous is not None else 0.0,
             stop=1.0 if stop else 0.0,
             finite=1.0 if finite else 0.0,
             center_norm=center_norm,
         )
+
+    def _reported_period(self) -> _Period:
+        """The period whose numbers a report carries: this one on the host's clock, the previous one on a device."""
+        if not self._timeline.deferred:
+            return self._period  # the host's readings were read as they were taken
+        if self._previous is None:  # nothing has completed before a fit's first report
+            empty = _Period(self._timeline)
+            empty.reported_measured = False
+            return empty
+        return self._previous
 
     def continue_after_arrival(self) -> None:
         """Start the next period at the arrival just reported: the replica works on while the reports travel.
@@ -367,26 +413,26 @@ class Router:
         For overlapped synchronisation (a delayed gradient sum), where the replica blocks on peers later, inside
         :meth:`pause`/:meth:`resume`; the reports then come back through ``receive(..., released=False)``.
         """
-        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
-        wall = active + self._waited
-        self._wait_fraction = self._waited / wall if wall > 0 else 0.0
         self._release = self._arrival
-        self._active_before = 0.0
-        self._waited = 0.0
-        self._period = _Period()
+        self._end_period()
 
     def begin_wait(self) -> None:
-        """Start blocking on peers (counted as waiting, not active) until :meth:`end_wait`; see :meth:`waiting`."""
+        """Start blocking on peers (counted as waiting, not active) until :meth:`end_wait`; see :meth:`waiting`.
+
+        On CUDA the stamps lie on the compute stream: this one before the collective is launched, that of
+        :meth:`end_wait` once the step's sums were awaited, after them on the device.
+        """
         self._wait_started = None
         if self._release is not None:  # not already paused
-            self._wait_started = self.clock()
-            self.pause()
+            self._wait_started = self._timeline.stamp()
+            self._pause_at(self._wait_started)
 
     def end_wait(self) -> None:
         """Stop blocking on peers (see :meth:`begin_wait`)."""
         if self._wait_started is not None:
-            self.resume()
-            self._waited += self.clock() - self._wait_started
+            released = self._timeline.stamp()
+            self._resume_at(released)
+            self._period.spans.add(_WAITED, self._wait_started, released)
             self._wait_started = None
 
     @contextmanager
@@ -395,13 +441,14 @@ class Router:
         if self._release is None:  # already paused (validation, a checkpoint): the wait is part of that
             yield
             return
-        start = self.clock()
-        self.pause()
+        start = self._timeline.stamp()
+        self._pause_at(start)
         try:
             yield
         finally:
-            self.resume()
-            self._waited += self.clock() - start
+            end = self._timeline.stamp()
+            self._resume_at(end)
+            self._period.spans.add(_WAITED, start, end)
 
     def receive(self, rows: Sequence[Sequence[float]], step: int, released: bool = True) -> None:
         """Take every replica's report (rank order) after the merge; update the models and schedule a plan.
@@ -432,15 +479,16 @@ class Router:
         self.latest_reports = reports
         self.history.append((step, tuple(self.model.rates()), self.plan_book.latest))
         if released:
-            self._period = _Period()
+            self._end_period()
 
     def _release_now(self) -> None:
-        released = self.clock()
-        active = self._active_before + (self._arrival - self._release if self._release is not None else 0.0)
-        wall = active + released - self._arrival
-        self._wait_fraction = (released - self._arrival) / wall if wall > 0 else 0.0
+        released = self._timeline.stamp()
+        if self._arrival is not None:
+            self._period.spans.add(_WAITED, self._arrival, released)  # the merge: waiting for the slowest
         self._release = released
-        self._active_before = 0.0
+
+    def _end_period(self) -> None:
+        self._previous, self._period = self._period, _Period(self._timeline)
 
     def _plans_now(self, step: int, models: Sequence[StepTime]) -> bool:
         """Whether to ask a named planner for a new plan at this merge (a Planner object is always asked).
@@ -563,16 +611,26 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-class _Period:
-    """Work, planned samples, steps and busy time since the last merge."""
+_ACTIVE, _WAITED, _BUSY = "active", "waited", "busy"
+"""A period's spans: released to arrived (or paused), blocked on peers, inside the optimizer step."""
 
-    def __init__(self) -> None:
+
+class _Period:
+    """Work, planned samples, steps, loader time and timed spans (:data:`_ACTIVE` …) since the last merge."""
+
+    def __init__(self, timeline: Timeline) -> None:
         self.work = 0.0
         self.planned = 0.0
         self.steps = 0
-        self.busy = 0.0
         self.loader = 0.0
-        self.measured = True
+        self.spans = SpanLedger(timeline)
+        self.measured = True  # no interruption so far
+        self.reported_measured = True  # whether its report measured it (not paused at the arrival)
+
+    def wait_fraction(self) -> float:
+        """Share of the period's wall time spent blocked on peers; its spans must all have been read."""
+        active, waited = self.spans.total(_ACTIVE), self.spans.total(_WAITED)
+        return waited / (active + waited) if active + waited > 0 else 0.0
 
     def add(self, work: float, planned: int) -> None:
         self.work += work

@@ -1,30 +1,191 @@
-"""Clocks of one replica: the busy time the routing measures and the compute time the emulation scales.
+"""Clocks of one replica: the timeline its arrivals are stamped on, and the compute time the emulation scales.
 
-:class:`BusyTimer` times a replica's busy region without forcing a device synchronisation; :class:`ComputeClock`
-and :func:`emulated_slowdown` make a step take ``f`` times its compute time (the ``step`` emulation mode of
-:class:`~lightning_aesgd.core.slowdown.SlowdownProfile`).
+A :class:`Timeline` stamps moments of this replica's work: :class:`HostTimeline` reads the host's clock, whose
+readings are known at once; :class:`CudaTimeline` records an event on the device's current stream, whose
+reading is known only once the device has run everything queued before it. A :class:`SpanLedger` sums the
+seconds between pairs of stamps as they become readable, without waiting for the device. :class:`BusyTimer`
+times a code region on either. :class:`ComputeClock` and :func:`emulated_slowdown` make a step take ``f`` times
+its compute time (the ``step`` emulation mode of :class:`~lightning_aesgd.core.slowdown.SlowdownProfile`).
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, ClassVar
 
 import torch
 
 
-class BusyTimer:
-    """Busy seconds of a code region, one measurement per ``start()``/``stop()`` pair.
+class Timeline(ABC):
+    """Where a replica's moments are stamped; the seconds between two stamps are read once both are readable.
 
-    On CPU the region is timed with ``time.perf_counter`` and completes at ``stop()``. On CUDA, kernels run
-    asynchronously, so each region records a pair of ``torch.cuda.Event(enable_timing=True)`` on the current
-    stream and :meth:`pop_completed` only reads pairs whose end event has already happened (``query()``):
-    the speed estimate lags a step or two instead of forcing a device synchronisation every step.
+    Attributes:
+        deferred: whether stamps become readable only later (a device's queue runs behind the host).
+    """
+
+    deferred: ClassVar[bool] = False
+
+    @abstractmethod
+    def stamp(self) -> Any:
+        """A stamp of this moment of the replica's work."""
+
+    @abstractmethod
+    def ready(self, stamp: Any) -> bool:
+        """Whether ``stamp`` can be read now; never blocks."""
+
+    @abstractmethod
+    def wait(self, stamp: Any) -> None:
+        """Block the host until ``stamp`` can be read (a host synchronisation where the timeline is deferred)."""
+
+    @abstractmethod
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end``, both readable."""
+
+
+class HostTimeline(Timeline):
+    """The host's clock: a stamp is a reading, readable at once.
 
     Args:
-        device: The device doing the work; CUDA devices are timed with events.
+        clock: seconds on a monotonic clock (tests pass a scripted one); ``time.perf_counter`` when omitted.
+    """
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock if clock is not None else time.perf_counter
+
+    def stamp(self) -> float:  # noqa: D102
+        return self.clock()
+
+    def ready(self, stamp: Any) -> bool:  # noqa: D102
+        return True
+
+    def wait(self, stamp: Any) -> None:  # noqa: D102
+        pass
+
+    def seconds(self, start: Any, end: Any) -> float:  # noqa: D102
+        return float(end - start)
+
+
+class CudaTimeline(Timeline):
+    """A CUDA device's own clock: each stamp is an event recorded on the device's current stream.
+
+    The host queues kernels ahead of the device, so a host reading says when work was queued, not when it ran;
+    an event says when the device reached it. The seconds between two events count the time the device spent
+    between them, idle included (a host stall that starves it), and not the time a stream after them waits for
+    a collective that has not begun. A stamp is readable once the device has passed it (``Event.query()``).
+
+    Args:
+        device: the CUDA device.
+
+    Raises:
+        ValueError: If CUDA is not available.
+    """
+
+    deferred: ClassVar[bool] = True
+
+    def __init__(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"cannot time {device}: CUDA is not available")
+        self.device = device
+
+    def stamp(self) -> torch.cuda.Event:  # noqa: D102
+        # torch leaves Event.__new__, query and synchronize unannotated, hence the ignores.
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def ready(self, stamp: Any) -> bool:  # noqa: D102
+        return bool(stamp.query())
+
+    def wait(self, stamp: Any) -> None:  # noqa: D102
+        stamp.synchronize()
+
+    def seconds(self, start: Any, end: Any) -> float:  # noqa: D102
+        return float(start.elapsed_time(end)) / 1000.0  # elapsed_time is in milliseconds
+
+
+def timeline_for(device: torch.device, clock: Callable[[], float] | None = None) -> Timeline:
+    """The timeline that stamps the work of ``device``: its own clock for CUDA, the host's (``clock``) otherwise."""
+    return CudaTimeline(device) if device.type == "cuda" else HostTimeline(clock)
+
+
+class SpanLedger:
+    """Seconds between pairs of stamps of one timeline, totalled per account as the stamps become readable.
+
+    Spans are read in the order they were added; :meth:`fold` reads those already readable and never blocks,
+    :meth:`settle` reads them all, blocking the host at most once where the stamps lie on one stream.
+
+    Args:
+        timeline: the timeline the stamps come from.
+
+    Example:
+        >>> ledger = SpanLedger(HostTimeline())
+        >>> ledger.add("active", 1.0, 1.5)
+        >>> ledger.add("active", 2.0, 2.25)
+        >>> ledger.total("active")
+        0.75
+    """
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self._totals: dict[str, float] = {}
+        self._pending: deque[tuple[str, Any, Any]] = deque()
+
+    @property
+    def complete(self) -> bool:
+        """Whether every span added has been read."""
+        return not self._pending
+
+    def add(self, account: str, start: Any, end: Any) -> None:
+        """Count the span from ``start`` to ``end`` (stamped now or earlier) in ``account``."""
+        self._pending.append((account, start, end))
+        self.fold()
+
+    def fold(self) -> None:
+        """Read the spans whose stamps are readable, oldest first; never blocks."""
+        timeline = self.timeline
+        while self._pending and timeline.ready(self._pending[0][2]) and timeline.ready(self._pending[0][1]):
+            account, start, end = self._pending.popleft()
+            self._totals[account] = self._totals.get(account, 0.0) + timeline.seconds(start, end)
+
+    def settle(self) -> None:
+        """Read every span: block, if any is still unreadable, until the latest stamp is (then all are, on a stream)."""
+        self.fold()
+        if not self._pending:
+            return
+        self.timeline.wait(self._pending[-1][2])
+        self.fold()
+        # Stamps recorded on another stream (a thread with a stream of its own) need their own waits.
+        for _, start, end in self._pending:
+            self.timeline.wait(start)
+            self.timeline.wait(end)
+        self.fold()
+
+    def discard(self, account: str) -> None:
+        """Forget the spans of ``account``, read or not."""
+        self._totals.pop(account, None)
+        self._pending = deque(span for span in self._pending if span[0] != account)
+
+    def total(self, account: str) -> float:
+        """Seconds of the spans of ``account`` read so far."""
+        return self._totals.get(account, 0.0)
+
+
+class BusyTimer:
+    """Busy seconds of a code region, one measurement per ``start()``/``stop()`` pair, never synchronising.
+
+    On CPU a region completes at ``stop()``. On CUDA it is a pair of stamps of a :class:`CudaTimeline` and
+    :meth:`pop_completed` returns it only once the device has run it: the measurement lags a step or two
+    instead of forcing a device synchronisation every step.
+
+    Args:
+        device: The device doing the work; CUDA devices are timed on their own timeline.
+
+    Raises:
+        ValueError: If ``device`` is a CUDA device and CUDA is not available.
 
     Example:
         >>> timer = BusyTimer(torch.device("cpu"))
@@ -35,19 +196,15 @@ class BusyTimer:
     """
 
     def __init__(self, device: torch.device) -> None:
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"cannot time {device}: CUDA is not available")
         self.device = device
-        self._uses_events = device.type == "cuda"
-        self._start_time: float | None = None
-        self._start_event: torch.cuda.Event | None = None
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
-        self._completed: list[float] = []
+        self._timeline = timeline_for(device)
+        self._started: Any = None
+        self._pending: deque[tuple[Any, Any]] = deque()
 
     @property
     def is_running(self) -> bool:
         """Whether a region has started and not yet stopped."""
-        return self._start_time is not None or self._start_event is not None
+        return self._started is not None
 
     def start(self) -> None:
         """Mark the beginning of a busy region.
@@ -57,10 +214,7 @@ class BusyTimer:
         """
         if self.is_running:
             raise RuntimeError("BusyTimer.start() called twice: call stop() to end the running region first")
-        if self._uses_events:
-            self._start_event = self._record_event()
-        else:
-            self._start_time = time.perf_counter()
+        self._started = self._timeline.stamp()
 
     def stop(self) -> None:
         """Mark the end of the running busy region.
@@ -68,14 +222,10 @@ class BusyTimer:
         Raises:
             RuntimeError: If no region is running.
         """
-        if self._start_event is not None:
-            self._pending.append((self._start_event, self._record_event()))
-            self._start_event = None
-        elif self._start_time is not None:
-            self._completed.append(time.perf_counter() - self._start_time)
-            self._start_time = None
-        else:
+        if not self.is_running:
             raise RuntimeError("BusyTimer.stop() called without start(): call start() before the region")
+        self._pending.append((self._started, self._timeline.stamp()))
+        self._started = None
 
     def pop_completed(self) -> list[float]:
         """Return the seconds of regions finished since the last call, oldest first; never synchronises.
@@ -83,17 +233,11 @@ class BusyTimer:
         A region can measure ``0.0`` at the clock's resolution (a CUDA region that launched no kernel), which
         :meth:`SpeedEstimator.update` rejects: callers drop such a measurement together with its work.
         """
-        # torch leaves Event.query and Event.__new__ unannotated, hence the ignores.
-        while self._pending and all(event.query() for event in self._pending[0]):  # type: ignore[no-untyped-call]
+        timeline, completed = self._timeline, []
+        while self._pending and all(timeline.ready(stamp) for stamp in self._pending[0]):
             start, end = self._pending.popleft()
-            self._completed.append(start.elapsed_time(end) / 1000.0)  # elapsed_time is in milliseconds
-        completed, self._completed = self._completed, []
+            completed.append(timeline.seconds(start, end))
         return completed
-
-    def _record_event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
-        return event
 
 
 class ComputeClock:
@@ -109,9 +253,12 @@ class ComputeClock:
         backward (CPU autograd runs on the calling thread) and the update, but not the work of gloo's own threads
         on a collective in flight meanwhile (DDP's earlier buckets, ABS-SGD's delayed sum), which a slower device
         would not slow down. With several intra-op threads, the process's CPU time.
+
+        On CUDA, the host's clock once the current stream has run what was queued on it: a synchronisation of
+        the whole device would also wait for the collectives' streams, so compute would include the wait for peers.
         """
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
             return time.perf_counter()
         return time.thread_time() if torch.get_num_threads() == 1 else time.process_time()
 

@@ -1,8 +1,10 @@
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from cuda_run import run_on_cuda
 
 from lightning_aesgd.engine import timing
 from lightning_aesgd.engine.timing import BusyTimer
@@ -66,9 +68,14 @@ def test_busy_timer_rejects_cuda_without_cuda() -> None:
         BusyTimer(torch.device("cuda"))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_busy_timer_cuda_reads_events_without_synchronising() -> None:
+@pytest.mark.cuda
+def test_busy_timer_cuda_reads_events_without_synchronising(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The test process never initialises CUDA (see conftest.py): the body runs in a fresh process.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent))
+    run_on_cuda("test_timing:busy_timer_reads_events_without_synchronising")
+
+
+def busy_timer_reads_events_without_synchronising() -> None:
     device = torch.device("cuda")
     timer = BusyTimer(device)
     matrix = torch.randn(4096, 4096, device=device)
@@ -123,3 +130,20 @@ def test_compute_clock_counts_the_computing_threads_work_and_not_other_threads()
         assert 0.09 <= clock.now() - started < 0.2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_compute_clock_waits_for_the_current_stream_not_the_whole_device(monkeypatch):
+    """A device-wide synchronisation would also wait for the collectives' streams: for peers, not compute."""
+    synchronised = []
+
+    class Stream:
+        def synchronize(self):
+            synchronised.append("current stream")
+
+    def whole_device(device=None):
+        raise AssertionError("the compute clock synchronised the whole device")
+
+    monkeypatch.setattr(timing.torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", whole_device)
+    timing.ComputeClock(torch.device("cuda", 0)).now()
+    assert synchronised == ["current stream"]

@@ -1,0 +1,392 @@
+"""Arrivals stamped on a device's own timeline, whose stamps are read later: a scripted device on CPU, and a GPU.
+
+The scripted device runs behind the host by as much as the test says: its stamps become readable when the test
+lets it catch up, or when the router blocks on one (counted). The ``cuda`` tests run their bodies in a fresh
+process that sees the GPUs (``tests/cuda_run.py``); the functions they run are at the end of this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cuda_run import run_on_cuda
+
+from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.engine.routing import PlanSettings, Router
+from lightning_aesgd.engine.sampler import StepRecord
+from lightning_aesgd.engine.timing import CudaTimeline, HostTimeline, SpanLedger, Timeline
+
+HERE = Path(__file__).resolve().parent
+MEASURED_FIELDS = ("work", "planned", "steps", "active", "loader", "busy")
+
+
+class ScriptedDevice(Timeline):
+    """A device that runs behind the host: a stamp reads the scripted time, readable once the device reached it.
+
+    The device reaches stamps in the order they were taken (one stream); :meth:`wait` blocks until it reached
+    one, as ``Event.synchronize()`` does, and is counted.
+    """
+
+    deferred = True
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.times: list[float] = []
+        self.reached = 0  # stamps below this index are readable
+        self.waits = 0
+
+    def stamp(self) -> int:
+        self.times.append(self.now)
+        return len(self.times) - 1
+
+    def ready(self, stamp: Any) -> bool:
+        return stamp < self.reached
+
+    def wait(self, stamp: Any) -> None:
+        self.waits += 1
+        self.reached = max(self.reached, stamp + 1)
+
+    def seconds(self, start: Any, end: Any) -> float:
+        # Like Event.elapsed_time, reading a stamp the device has not reached is an error.
+        assert self.ready(start), "read a stamp the device has not reached"
+        assert self.ready(end), "read a stamp the device has not reached"
+        return self.times[end] - self.times[start]
+
+    def catch_up(self) -> None:
+        """The device runs everything queued so far."""
+        self.reached = len(self.times)
+
+
+class ScriptedHost:
+    """The host's clock, scripted: the same script as :class:`ScriptedDevice`, readable at once."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a replica under synchronous gradient sums: its size, its own time, its wait for peers."""
+
+    size: int
+    active: float
+    wait: float
+    reports: bool
+    loader: float = 0.0
+
+
+def _router(deferred: bool) -> tuple[Router, Any]:
+    if deferred:
+        device = ScriptedDevice()
+        router = Router(PlanSettings(planner="static"), timeline=device)
+    else:
+        device = ScriptedHost()
+        router = Router(PlanSettings(planner="static"), clock=device)
+    router.attach(1, torch.device("cpu"))
+    router.plan_book_for(64, 1, lag=1)
+    return router, device
+
+
+def _run_gradient_steps(router: Router, clock: Any, steps: list[Step]) -> tuple[list[PeriodReport], list[int]]:
+    """Drive the router as the gradient engine does: arrival at the last bucket, release after the sums.
+
+    Returns the reports and, per step, the blocking reads the router made (0 on the host's clock).
+    """
+    reports, blocking = [], []
+    for index, step in enumerate(steps):
+        waits_before = getattr(clock, "waits", 0)
+        router.resume()
+        record = StepRecord(num_samples=step.size, cost=float(step.size), planned=step.size)
+        with router.timing(record, loader_seconds=step.loader):
+            clock.now += step.active  # data, forward, backward: the last bucket is ready
+            if step.reports:
+                reports.append(router.report(1.0))
+                router.continue_after_arrival()
+            router.begin_wait()
+            clock.now += step.wait  # the sums wait for the slowest replica
+            if step.reports:
+                router.receive([reports[-1].as_row()], index, released=False)
+            router.end_wait()
+        blocking.append(getattr(clock, "waits", 0) - waits_before)
+    return reports, blocking
+
+
+# Reports at steps 0, 2, 4 and 6: periods of steps {0}, {1, 2}, {3, 4}, {5, 6}.
+SCRIPT = [
+    Step(size=8, active=0.10, wait=0.50, reports=True, loader=0.01),
+    Step(size=9, active=0.20, wait=0.40, reports=False, loader=0.02),
+    Step(size=10, active=0.30, wait=0.30, reports=True, loader=0.03),
+    Step(size=11, active=0.40, wait=0.20, reports=False, loader=0.04),
+    Step(size=12, active=0.50, wait=0.10, reports=True, loader=0.05),
+    Step(size=13, active=0.60, wait=0.00, reports=False, loader=0.06),
+    Step(size=14, active=0.70, wait=0.05, reports=True, loader=0.07),
+]
+
+
+def _measured(report: PeriodReport) -> tuple[float, ...]:
+    return tuple(getattr(report, name) for name in MEASURED_FIELDS)
+
+
+def test_a_deferred_report_carries_the_previous_completed_period():
+    router, device = _router(deferred=True)
+    reports, _ = _run_gradient_steps(router, device, SCRIPT)
+    first, second, third = reports[:3]
+    assert first.steps == 0  # nothing has completed before a fit's first report
+    assert not first.measured
+    # The period of step 0: from the fit's start to its arrival.
+    assert (second.work, second.planned, second.steps, second.loader) == (8.0, 8.0, 1.0, pytest.approx(0.01))
+    assert second.active == pytest.approx(0.10)
+    # Steps 1 and 2, their arrivals measured from the releases before them: the waits are left out.
+    assert (third.work, third.planned, third.steps, third.loader) == (19.0, 19.0, 2.0, pytest.approx(0.05))
+    assert third.active == pytest.approx(0.20 + 0.30)
+    # Its busy time (inside the optimizer step) is that of the steps that ended in it, the wait of each included.
+    assert third.busy == pytest.approx((0.10 + 0.50) + (0.20 + 0.40))
+    # Its wait: from step 0's arrival to its release, and step 1's.
+    assert third.wait_fraction == pytest.approx((0.50 + 0.40) / (0.50 + 0.40 + 0.20 + 0.30))
+
+
+def test_the_host_clock_reports_the_current_period():
+    router, clock = _router(deferred=False)
+    reports, blocking = _run_gradient_steps(router, clock, SCRIPT)
+    first, second = reports[:2]
+    assert (first.work, first.steps, first.active) == (8.0, 1.0, pytest.approx(0.10))
+    assert (second.work, second.steps, second.active) == (19.0, 2.0, pytest.approx(0.50))
+    assert second.wait_fraction == 0.0  # the period of step 0 has no wait before its arrival
+    assert reports[2].wait_fraction == pytest.approx((0.50 + 0.40) / (0.50 + 0.40 + 0.20 + 0.30))
+    assert blocking == [0] * len(SCRIPT)
+
+
+def test_deferred_reports_are_the_host_reports_one_report_later():
+    """Work, planned, steps, loader, busy and active of one period travel together, as do its wait fraction."""
+    device_router, device = _router(deferred=True)
+    host_router, clock = _router(deferred=False)
+    deferred, _ = _run_gradient_steps(device_router, device, SCRIPT)
+    host, _ = _run_gradient_steps(host_router, clock, SCRIPT)
+    for late, now in zip(deferred[1:], host, strict=False):
+        assert _measured(late) == pytest.approx(_measured(now))
+    # The wait fraction is always the previous period's: the deferred report's numbers are of that period.
+    assert [r.wait_fraction for r in deferred] == pytest.approx([r.wait_fraction for r in host])
+
+
+def test_a_report_blocks_at_most_once_and_steps_without_a_report_never():
+    router, device = _router(deferred=True)
+    _, blocking = _run_gradient_steps(router, device, SCRIPT)
+    # The device never caught up on its own: every report after the first waits once, for the period it reads.
+    assert blocking == [0, 0, 1, 0, 1, 0, 1]
+
+
+def test_a_report_does_not_block_where_the_device_has_caught_up():
+    router, device = _router(deferred=True)
+    blocking = []
+    for step in SCRIPT:
+        device.catch_up()  # e.g. a loss read on the host: the device ran everything queued before it
+        blocking += _run_gradient_steps(router, device, [step])[1]
+    assert blocking == [0] * len(SCRIPT)
+
+
+def test_active_time_excludes_waiting_for_peers_on_the_device_timeline():
+    """A fast replica that waits most of each step for a slow peer measures its own time, not the peer's."""
+    router, device = _router(deferred=True)
+    steps = [Step(size=8, active=0.01, wait=0.99, reports=index % 4 == 0) for index in range(13)]
+    reports, _ = _run_gradient_steps(router, device, steps)
+    later = [report for report in reports if report.measured][1:]  # past the fit's first period
+    assert later
+    for report in later:
+        assert report.active / report.steps == pytest.approx(0.01)
+        assert report.wait_fraction == pytest.approx(0.99)
+
+
+def test_a_merge_wait_counts_as_waiting_of_the_period_it_ends():
+    """Under model merges a report's period ends at the merge; its wait there is read with it, a merge later."""
+    router, device = _router(deferred=True)
+    reports = []
+    for merge, (active, wait) in enumerate([(0.2, 0.6), (0.3, 0.1), (0.4, 0.0)]):
+        with router.timing(StepRecord(num_samples=8, cost=8.0, planned=8)):
+            device.now += active
+        reports.append(router.report(1.0))
+        device.now += wait  # the merge's all-reduce waits for the slowest replica
+        router.receive([reports[-1].as_row()], merge)
+    assert reports[0].steps == 0
+    assert (reports[1].active, reports[1].wait_fraction) == (pytest.approx(0.2), pytest.approx(0.6 / 0.8))
+    assert (reports[2].active, reports[2].wait_fraction) == (pytest.approx(0.3), pytest.approx(0.1 / 0.4))
+    assert device.waits <= 2
+
+
+def test_an_interrupted_period_reports_no_measurement_a_report_later():
+    router, device = _router(deferred=True)
+    with router.timing(StepRecord(num_samples=8, cost=8.0, planned=8)):
+        device.now += 0.5
+    router.interrupt()  # a new epoch
+    device.now += 0.25
+    first = router.report(1.0)
+    router.receive([first.as_row()], 0)
+    second = router.report(1.0)
+    assert (first.steps, second.steps) == (0.0, 0.0)
+    assert second.work == 8.0  # the period's work, unmeasured
+
+
+def test_a_new_fit_starts_without_the_previous_fits_periods():
+    router, device = _router(deferred=True)
+    _run_gradient_steps(router, device, SCRIPT[:3])
+    router.detach()
+    router.attach(1, torch.device("cpu"))
+    reports, _ = _run_gradient_steps(router, device, SCRIPT[:1])
+    assert (reports[0].steps, reports[0].work) == (0.0, 0.0)
+
+
+def test_a_span_ledger_reads_spans_as_the_device_reaches_them():
+    device = ScriptedDevice()
+    ledger = SpanLedger(device)
+    for seconds in (0.5, 0.25):
+        start = device.stamp()
+        device.now += seconds
+        ledger.add("busy", start, device.stamp())
+    assert (ledger.total("busy"), ledger.complete) == (0.0, False)
+    device.reached = 2  # the first span's stamps only
+    ledger.fold()
+    assert ledger.total("busy") == 0.5
+    ledger.settle()
+    assert (ledger.total("busy"), ledger.complete, device.waits) == (0.75, True, 1)
+    ledger.discard("busy")
+    assert ledger.total("busy") == 0.0
+
+
+def test_the_host_timeline_reads_its_clock_at_once():
+    clock = ScriptedHost()
+    timeline = HostTimeline(clock)
+    start = timeline.stamp()
+    clock.now = 1.5
+    end = timeline.stamp()
+    assert timeline.ready(end)
+    assert not timeline.deferred
+    assert timeline.seconds(start, end) == 1.5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is missing")
+def test_the_cuda_timeline_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        CudaTimeline(torch.device("cuda"))
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+# The test process never initialises CUDA (see conftest.py): each body runs in a fresh process.
+
+
+@pytest.mark.cuda
+def test_sensed_active_time_follows_the_gpu_time_of_the_work(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    run_on_cuda("test_device_timeline:sensed_active_follows_gpu_time")
+
+
+@pytest.mark.cuda
+def test_cuda_stamps_are_readable_once_the_device_reached_them(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    run_on_cuda("test_device_timeline:cuda_stamps_are_read_without_waiting")
+
+
+MATRIX_SIZE = 4096
+MATMULS_PER_STEP = 8
+PEER_SPIN_CYCLES = 20_000_000  # about 10 ms at GPU clock rates
+GPU_STEPS = 16
+REPORT_EVERY = 3
+
+
+class CountingCudaTimeline(CudaTimeline):
+    """The CUDA timeline, counting the host's blocking reads."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.waits = 0
+
+    def wait(self, stamp: Any) -> None:
+        self.waits += 1
+        super().wait(stamp)
+
+
+def _join_a_slow_peer(compute: torch.cuda.Stream, collective: torch.cuda.Stream) -> None:
+    """A collective as NCCL queues it: after the compute queued so far, with the compute stream waiting for it.
+
+    The slow peer is a spin on the collective's stream: the compute stream then stands still on the device, as
+    it does while a peer has not arrived.
+    """
+    collective.wait_stream(compute)
+    with torch.cuda.stream(collective):
+        torch.cuda._sleep(PEER_SPIN_CYCLES)
+    compute.wait_stream(collective)
+
+
+def sensed_active_follows_gpu_time() -> None:
+    """Long GPU work and short host work per step: the sensed active time is the GPU time, waits left out."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    matrix = torch.randn(MATRIX_SIZE, MATRIX_SIZE, device=device) / MATRIX_SIZE**0.5
+    work = matrix.clone()
+    for _ in range(4):  # cuBLAS and the kernels load before anything is timed
+        work = torch.tanh(work @ matrix)
+    torch.cuda.synchronize(device)
+    timeline = CountingCudaTimeline(device)
+    router = Router(PlanSettings(planner="static"), timeline=timeline)
+    router.attach(1, device)
+    router.plan_book_for(16, 1, lag=1)
+    compute, collective = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    pairs, reports, waits_in_reports = [], [], 0
+    router.interrupt()  # the fit's first step begins, as the engine's begin_step says
+    for step in range(GPU_STEPS):
+        router.resume()
+        with router.timing(StepRecord(num_samples=16, cost=16.0, planned=16)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(compute)
+            for _ in range(MATMULS_PER_STEP):
+                work = torch.tanh(work @ matrix)
+            end.record(compute)
+            pairs.append((start, end))
+            due = step % REPORT_EVERY == 0
+            if due:
+                before = timeline.waits
+                reports.append(router.report(1.0))
+                assert timeline.waits - before <= 1, "a report blocked the host more than once"
+                waits_in_reports += timeline.waits - before
+                router.continue_after_arrival()
+            router.begin_wait()
+            _join_a_slow_peer(compute, collective)
+            if due:
+                router.receive([reports[-1].as_row()], step, released=False)
+            router.end_wait()
+    torch.cuda.synchronize(device)
+    assert timeline.waits == waits_in_reports, "the router blocked the host outside a report"
+    assert reports[0].steps == 0
+    measured = [report for report in reports if report.measured]
+    assert len(measured) == len(reports) - 1, [report.steps for report in reports]
+    covered = int(sum(report.steps for report in measured))  # the first steps: periods follow one another
+    sensed = sum(report.active for report in measured) / covered
+    gpu = sum(start.elapsed_time(end) for start, end in pairs[:covered]) / covered / 1000.0
+    assert abs(sensed - gpu) <= 0.1 * gpu, f"sensed {sensed:.4f} s of activity per step, the GPU worked {gpu:.4f} s"
+    later = measured[1:]  # the first period has no wait before its arrival
+    assert all(report.wait_fraction > 0.1 for report in later), [report.wait_fraction for report in later]
+
+
+def cuda_stamps_are_read_without_waiting() -> None:
+    """Stamps behind a busy stream are not readable, and reading them waits for nothing else."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    timeline = CudaTimeline(device)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(PEER_SPIN_CYCLES * 20)  # the stream is busy for a while
+    start = timeline.stamp()
+    torch.cuda._sleep(PEER_SPIN_CYCLES)
+    end = timeline.stamp()
+    ledger = SpanLedger(timeline)
+    ledger.add("busy", start, end)
+    assert not timeline.ready(end)  # the host did not wait
+    assert not ledger.complete
+    ledger.settle()
+    assert ledger.complete
+    assert timeline.ready(start)
+    assert 0.0 < ledger.total("busy") < 10.0
