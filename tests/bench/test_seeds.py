@@ -3,85 +3,270 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lightning_aesgd.bench import main
+from lightning_aesgd.bench.race.analysis import RunFigures
+from lightning_aesgd.bench.race.benchmark import BenchResult, BenchSettings
 from lightning_aesgd.bench.race.recorder import RunRecord, Validation
 from lightning_aesgd.bench.race.suites import WORKLOADS, Target
-from lightning_aesgd.bench.seeds.claims import CLAIMS, Claim, Entrant, algorithm_exists, get_claims
-from lightning_aesgd.bench.seeds.program import ClaimResult, epochs_to_target, judge, median_or_none, seeds_table
-from lightning_aesgd.bench.seeds.verdicts import Measured, Verdict, faster_verdict, not_run
+from lightning_aesgd.bench.seeds import program
+from lightning_aesgd.bench.seeds.claims import CLAIMS, Claim, Entrant, algorithm_exists, get_claims, same_batch_ddp
+from lightning_aesgd.bench.seeds.program import (
+    ClaimResult,
+    SeedsOptions,
+    epochs_to_target,
+    judge,
+    measure_claim,
+    seeds_table,
+)
+from lightning_aesgd.bench.seeds.verdicts import (
+    MIN_REPEATS,
+    AllRepeatsCrashedError,
+    Measured,
+    Verdict,
+    failed,
+    median_or_none,
+    not_implemented,
+    separation,
+    spread_text,
+    strongest_rival,
+)
+from lightning_aesgd.bench.seeds.verdicts import judge as judge_entrants
 
 # --- verdicts -------------------------------------------------------------------------------------------------
 
 
-def _m(name: str, time: float | None, final: float | None = 0.93, epochs: float | None = None) -> Measured:
-    return Measured(name, time_to_target=time, epochs_to_target=epochs, final_metric=final)
+def _m(name: str, *times: float | None, final: float | None = 0.93) -> Measured:
+    return Measured(name, times=tuple(times), finals=(final,) * len(times))
 
 
-def test_faster_than_every_rival_at_kept_accuracy_is_reproduced():
-    verdict = faster_verdict(_m("adaptive", 5.0), [_m("equal", 8.0), _m("sma", 9.0), _m("ddp", 10.0)], metric="P@1")
-    assert verdict.status == "reproduced"
-    assert verdict.measured == (
-        "time to target: adaptive 5.0 s = 0.62× equal's, 0.56× sma's, 0.50× ddp's; final P@1 0.9300 (best rival 0.9300)"
+def _status(candidate: Measured, *rivals: Measured) -> str:
+    return judge_entrants(candidate, rivals).status
+
+
+def test_beyond_every_rivals_spread_over_five_repeats_is_reproduced():
+    candidate = _m("adaptive", 4.0, 4.4, 4.2, 4.1, 4.3)
+    rivals = [_m("equal", 6.0, 6.1, 6.2, 6.3, 6.4), _m("ddp", 5.0, 5.2, 5.1, 5.3, 5.4)]
+    verdict = judge_entrants(candidate, rivals, metric="P@1")
+    assert verdict == Verdict(
+        "reproduced",
+        "median time to target: adaptive 4.2 s = 0.81× ddp's 5.2 s (0.68× equal's); final P@1 0.9300 "
+        "(best rival 0.9300); every repeat beat every repeat of equal, ddp",
+        "ddp",
+        "adaptive 4.0–4.4 s (5 repeats), ddp 5.0–5.4 s (5 repeats); ratio 0.74–0.88",
     )
 
 
-def test_a_rival_that_never_reaches_the_target_counts_as_slower():
-    verdict = faster_verdict(_m("adaptive", 5.0), [_m("ddp", None, final=0.85)])
-    assert verdict.status == "reproduced"
-    assert "ddp not reached" in verdict.measured
+def test_faster_in_median_but_within_the_spread_is_a_tie():
+    candidate = _m("adaptive", 4.1, 4.3, 4.4, 4.6, 5.0)  # median 0.86× DDP's, slowest repeat after DDP's fastest
+    rival = _m("ddp", 4.6, 5.0, 5.1, 5.3, 6.2)
+    verdict = judge_entrants(candidate, [rival])
+    assert verdict.status == "tie"
+    assert verdict.measured.endswith("repeats overlap ddp")
+    assert verdict.spread == "adaptive 4.1–5.0 s (5 repeats), ddp 4.6–6.2 s (5 repeats); ratio 0.66–1.09"
 
 
-def test_faster_but_less_accurate_than_tolerated_is_partly_reproduced():
-    rivals = [_m("ddp", 10.0, final=0.95)]
-    assert faster_verdict(_m("adaptive", 5.0, final=0.935), rivals).status == "partly reproduced"
-    assert faster_verdict(_m("adaptive", 5.0, final=0.945), rivals).status == "reproduced"  # within 0.01
-    assert faster_verdict(_m("adaptive", 5.0, final=0.935), rivals, tolerance=0.02).status == "reproduced"
+def test_equal_extremes_are_not_beyond_the_spread():
+    assert _status(_m("a", 1.0, 1.0, 1.0, 1.0, 2.0), _m("b", 2.0, 3.0, 3.0, 3.0, 3.0)) == "tie"
+    assert _status(_m("a", 2.0, 3.0, 3.0, 3.0, 3.0), _m("b", 1.0, 1.0, 1.0, 1.0, 2.0)) == "tie"
 
 
-def test_faster_than_some_rivals_only_is_partly_reproduced():
-    assert faster_verdict(_m("adaptive", 5.0), [_m("sma", 4.0), _m("ddp", 10.0)]).status == "partly reproduced"
+def test_four_repeats_never_reproduce_however_far_apart():
+    verdict = judge_entrants(_m("adaptive", 1.0, 1.0, 1.0, 1.0), [_m("ddp", 9.0, 9.0, 9.0, 9.0, 9.0)])
+    assert verdict.status == "tie"
+    assert verdict.measured.endswith("too few repeats to tell (4 < 5)")
+    assert _status(_m("adaptive", 1.0, 1.0, 1.0, 1.0, 1.0), _m("ddp", 9.0, 9.0, 9.0, 9.0)) == "tie"
+    assert _status(_m("adaptive", 9.0, 9.0, 9.0, 9.0), _m("ddp", 1.0, 1.0, 1.0, 1.0)) == "tie"  # nor refute
+    assert MIN_REPEATS == 5
 
 
-def test_slower_than_every_rival_or_never_there_is_not_reproduced():
-    assert faster_verdict(_m("adaptive", 5.0), [_m("ddp", 5.0)]).status == "not reproduced"  # a tie is no gain
-    assert faster_verdict(_m("adaptive", None), [_m("ddp", 5.0)]).status == "not reproduced"
+def test_beyond_the_spread_on_the_wrong_side_is_not_reproduced():
+    verdict = judge_entrants(_m("adaptive", 6.0, 6.5, 7.0, 6.2, 6.1), [_m("ddp", 4.0, 4.1, 4.2, 4.3, 4.4)])
+    assert verdict.status == "not reproduced"
+    assert verdict.measured.endswith("every repeat came after every repeat of ddp")
 
 
-def test_nobody_at_the_target_is_inconclusive():
-    verdict = faster_verdict(_m("adaptive", None), [_m("ddp", None)])
+def test_every_fair_rival_is_judged_and_the_strongest_is_shown():
+    candidate = _m("adaptive", 4.0, 4.1, 4.2, 4.3, 4.4)
+    strongest = _m("ddp", 5.0, 5.1, 5.2, 5.3, 5.4)
+    noisy = _m("sma", 3.0, 6.0, 6.0, 6.0, 9.0)  # a worse median, but a repeat faster than the candidate's
+    verdict = judge_entrants(candidate, [noisy, strongest])
+    assert (verdict.status, verdict.rival) == ("tie", "ddp")
+    assert verdict.measured.endswith("repeats overlap sma")
+    beaten = _m("sma", 1.0, 1.1, 1.2, 1.3, 1.4)  # beats the candidate beyond the spread: refutes the claim
+    assert _status(candidate, strongest, beaten) == "not reproduced"
+
+
+def test_the_strongest_rival_has_the_best_median_not_the_best_repeat():
+    lucky = _m("sma", 1.0, 8.0, 8.0, 8.0, 8.0)
+    steady = _m("ddp", 5.0, 5.0, 5.0, 5.0, 5.0)
+    assert strongest_rival([lucky, steady]).name == "ddp"
+    assert strongest_rival([_m("sma", None, None, 1.0), _m("ddp", 9.0, 9.0, None)]).name == "ddp"
+    assert strongest_rival([_m("sma", 5.0, 1.0), _m("ddp", 5.0, 2.0)]).name == "sma"  # equal medians: fastest
+
+
+def test_a_missed_target_counts_as_infinitely_late():
+    candidate = _m("adaptive", 4.0, 4.1, 4.2, 4.3, 4.4)
+    assert _status(candidate, _m("ddp", None, None, None, None, None)) == "reproduced"
+    assert _status(candidate, _m("ddp", 5.0, 5.0, 5.0, 5.0, None)) == "reproduced"
+    assert _status(_m("adaptive", 4.0, 4.1, 4.2, 4.3, None), _m("ddp", 5.0, 5.0, 5.0, 5.0, 5.0)) == "tie"
+    assert _status(_m("adaptive", None, None, None, None, None), _m("ddp", 5.0, 5.0, 5.0, 5.0, 5.0)) == (
+        "not reproduced"
+    )
+
+
+def test_nobody_at_the_target_in_most_repeats_is_inconclusive():
+    verdict = judge_entrants(_m("adaptive", None, None, 1.0, None, None), [_m("ddp", None, None, None, 2.0, None)])
     assert verdict.status == "inconclusive"
-    assert verdict.measured.startswith("time to target: adaptive not reached; ddp not reached")
+    assert verdict.measured.startswith("median time to target: adaptive not reached; ddp not reached")
+    assert spread_text(_m("a", None), _m("b", None)) == (
+        "a never at the target (1 repeat), b never at the target (1 repeat); ratio –"
+    )
 
 
-def test_margin_demands_a_given_speed_up():
-    assert faster_verdict(_m("abs", 9.0), [_m("ddp", 10.0)], margin=1 / 1.3).status == "not reproduced"
-    assert faster_verdict(_m("abs", 7.0), [_m("ddp", 10.0)], margin=1 / 1.3).status == "reproduced"
+def test_beyond_the_spread_but_less_accurate_than_tolerated_is_partly_reproduced():
+    times = (4.0, 4.1, 4.2, 4.3, 4.4)
+    rival = _m("ddp", 5.0, 5.1, 5.2, 5.3, 5.4, final=0.95)
+    assert _status(_m("adaptive", *times, final=0.935), rival) == "partly reproduced"
+    assert _status(_m("adaptive", *times, final=0.945), rival) == "reproduced"  # within 0.01
+    assert judge_entrants(_m("adaptive", *times, final=0.935), [rival], tolerance=0.02).status == "reproduced"
+    assert _status(_m("adaptive", *times, final=None), rival) == "partly reproduced"  # no final metric: not kept
 
 
-def test_epochs_are_judged_by_epochs_not_time():
-    small = Measured("sma_b64", time_to_target=20.0, epochs_to_target=0.5, final_metric=0.93)
-    large = Measured("ddp_b512", time_to_target=10.0, epochs_to_target=2.0, final_metric=0.90)
-    verdict = faster_verdict(small, [large], kind="epochs")
-    assert verdict.status == "reproduced"
-    assert verdict.measured.startswith("epochs to target: sma_b64 0.50 epochs = 0.25× ddp_b512's")
-    assert faster_verdict(small, [large], kind="time").status == "not reproduced"
+def test_an_all_crashed_rival_raises_naming_it():
+    candidate = _m("adaptive", 4.0, 4.1, 4.2, 4.3, 4.4)
+    with pytest.raises(AllRepeatsCrashedError, match="every repeat of sma crashed") as raised:
+        judge_entrants(candidate, [_m("ddp", 5.0, 5.1, 5.2, 5.3, 5.4), Measured("sma", crashed=5)])
+    assert raised.value.names == ("sma",)
+    with pytest.raises(AllRepeatsCrashedError, match="adaptive"):
+        judge_entrants(Measured("adaptive", crashed=5), [_m("ddp", 5.0)])
+
+
+def test_crashed_repeats_are_shown_and_not_counted():
+    candidate = Measured("adaptive", times=(4.0, 4.1, 4.2, 4.3), finals=(0.93,) * 4, crashed=1)
+    verdict = judge_entrants(candidate, [_m("ddp", 5.0, 5.1, 5.2, 5.3, 5.4)])
+    assert verdict.status == "tie"  # four finished repeats
+    assert verdict.spread.startswith("adaptive 4.0–4.3 s (4 repeats, 1 crashed)")
 
 
 def test_a_claim_needs_a_rival():
     with pytest.raises(ValueError, match="rival"):
-        faster_verdict(_m("adaptive", 1.0), [])
-    assert not_run("algorithm missing") == Verdict("not run", "not run: algorithm missing")
+        judge_entrants(_m("adaptive", 1.0), [])
+    assert not_implemented("x missing") == Verdict("not implemented", "not implemented: x missing")
+    assert failed("every repeat of ddp crashed") == Verdict("failed", "failed: every repeat of ddp crashed")
+
+
+# The rules as properties: times on a coarse grid make equal and overlapping extremes common.
+_TIME = st.one_of(st.none(), st.integers(1, 12).map(float))
+_FIVE_OR_MORE = st.lists(_TIME, min_size=MIN_REPEATS, max_size=7)
+_FEWER = st.lists(_TIME, min_size=1, max_size=MIN_REPEATS - 1)
+
+
+def _late(times: Sequence[float | None]) -> list[float]:
+    return [float("inf") if t is None else t for t in times]
+
+
+@given(_FIVE_OR_MORE, _FIVE_OR_MORE)
+def test_with_enough_repeats_the_verdict_is_the_separation_of_the_repeats(own: list, theirs: list):
+    status = _status(_m("a", *own), _m("b", *theirs))
+    everybody_missed = median_or_none(own) is None and median_or_none(theirs) is None
+    if everybody_missed:
+        assert status == "inconclusive"
+    else:
+        assert (status == "reproduced") == (max(_late(own)) < min(_late(theirs)))
+        assert (status == "not reproduced") == (min(_late(own)) > max(_late(theirs)))
+        assert status in {"reproduced", "not reproduced", "tie"}
+
+
+@given(st.one_of(st.tuples(_FEWER, _FIVE_OR_MORE), st.tuples(_FIVE_OR_MORE, _FEWER), st.tuples(_FEWER, _FEWER)))
+def test_fewer_than_five_repeats_of_either_side_can_only_tie(lists: tuple[list, list]):
+    assert _status(_m("a", *lists[0]), _m("b", *lists[1])) in {"tie", "inconclusive"}
+
+
+@given(_FIVE_OR_MORE, _FIVE_OR_MORE)
+def test_a_faster_median_within_the_spread_is_a_tie(own: list, theirs: list):
+    c, r = _late(own), _late(theirs)
+    faster_median = median_or_none(own) is not None and _late([median_or_none(own)]) < _late([median_or_none(theirs)])
+    if faster_median and max(c) >= min(r) and min(c) <= max(r):
+        assert _status(_m("a", *own), _m("b", *theirs)) == "tie"
+
+
+@given(_FIVE_OR_MORE, _FIVE_OR_MORE)
+def test_swapping_candidate_and_rival_swaps_reproduced_and_not_reproduced(own: list, theirs: list):
+    forward, backward = _status(_m("a", *own), _m("b", *theirs)), _status(_m("b", *theirs), _m("a", *own))
+    swapped = {"reproduced": "not reproduced", "not reproduced": "reproduced"}
+    assert backward == swapped.get(forward, forward)
+
+
+@given(_FIVE_OR_MORE, _FIVE_OR_MORE, st.integers(2, 1000))
+def test_the_verdict_does_not_depend_on_the_clocks_unit(own: list, theirs: list, scale: int):
+    def scaled(times: list) -> list:
+        return [None if t is None else t * scale / 7 for t in times]
+
+    assert _status(_m("a", *own), _m("b", *theirs)) == _status(_m("a", *scaled(own)), _m("b", *scaled(theirs)))
+
+
+@given(_FIVE_OR_MORE, st.lists(_FIVE_OR_MORE, min_size=2, max_size=3))
+def test_several_rivals_reproduce_only_what_each_alone_would(own: list, rivals: list):
+    candidate = _m("a", *own)
+    named = [_m(f"r{i}", *times) for i, times in enumerate(rivals)]
+    alone = [_status(candidate, rival) for rival in named]
+    together = _status(candidate, *named)
+    if together == "reproduced":
+        assert set(alone) == {"reproduced"}
+    if "not reproduced" in alone:
+        assert together == "not reproduced"
+    if set(alone) == {"reproduced"}:
+        assert together == "reproduced"
+
+
+@given(st.lists(_FIVE_OR_MORE, min_size=1, max_size=4))
+def test_the_strongest_rival_has_the_lowest_median(rivals: list):
+    named = [_m(f"r{i}", *times) for i, times in enumerate(rivals)]
+    best = min(float("inf") if r.time_to_target is None else r.time_to_target for r in named)
+    shown = strongest_rival(named).time_to_target
+    assert (float("inf") if shown is None else shown) == best
+
+
+@given(_FIVE_OR_MORE, _FIVE_OR_MORE)
+def test_separation_is_the_spread_of_the_ratios(own: list, theirs: list):
+    side = separation(_m("a", *own), _m("b", *theirs))
+    c, r = _late(own), _late(theirs)
+    ratios = [x / y for x in c for y in r if not (x == y == float("inf"))]
+    if side == "faster":
+        assert max(ratios) < 1
+    if side == "slower":
+        assert min(ratios) > 1
+
+
+def test_medians_count_a_missed_target_as_infinitely_late():
+    assert median_or_none([3.0, 1.0, 2.0]) == 2.0
+    assert median_or_none([1.0, None]) is None  # the median of 1 and ∞
+    assert median_or_none([]) is None
+    figures = Measured("ddp", times=(3.0, None, 1.0), epochs=(0.5, None, 0.25), finals=(0.9, 0.8, None))
+    assert (figures.repeats, figures.time_to_target, figures.epochs_to_target) == (3, 3.0, 0.5)
+    assert figures.final_metric == pytest.approx(0.85)
+    assert figures.span() == (1.0, float("inf"))
 
 
 # --- claims ---------------------------------------------------------------------------------------------------
 
 
 def test_every_claim_is_well_formed():
-    assert [claim.key for claim in CLAIMS] == ["adaptive_sgd", "crossbow", "abs_sgd"]
+    assert [claim.key for claim in CLAIMS] == [
+        "adaptive_sgd",
+        "crossbow",
+        "crossbow_learners",
+        "abs_sgd",
+        "adaptive_hogbatch",
+    ]
     for claim in CLAIMS:
         names = [entrant.name for entrant in claim.entrants]
         assert len(set(names)) == len(names), claim.key
@@ -89,10 +274,44 @@ def test_every_claim_is_well_formed():
         assert set(claim.rivals) <= set(names), claim.key
         assert claim.candidate not in claim.rivals, claim.key
         assert claim.workload in WORKLOADS, claim.key
-        assert claim.statement, claim.key
         assert claim.source, claim.key
+        assert claim.repeats >= MIN_REPEATS, claim.key  # fewer could only tie
         for entrant in claim.entrants:  # every entrant runs an algorithm config (or is optional / required)
             assert entrant.optional or entrant.algorithm in claim.requires or algorithm_exists(entrant.algorithm)
+        assert claim.capability or not claim.requires, claim.key
+
+
+def test_every_claim_quotes_its_papers_abstract():
+    for claim in CLAIMS:
+        assert claim.statement.startswith('"'), claim.key
+        assert '" (abstract' in claim.statement, claim.key
+        assert "paraphrase" not in claim.statement, claim.key
+    quotes = {claim.key: claim.statement.split('"')[1] for claim in CLAIMS}
+    assert "Adaptive SGD outperforms four state-of-the-art solutions in time-to-accuracy" in quotes["adaptive_sgd"]
+    assert "improves the training time" in quotes["crossbow"]
+    assert "increases the convergence speed by 1.30x on average compared with the best baseline" in quotes["abs_sgd"]
+    assert "faster convergence" in quotes["adaptive_hogbatch"]
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_every_claim_races_ddp_at_the_candidates_batch(tiny: bool):
+    for claim in CLAIMS:
+        assert same_batch_ddp(claim, tiny), claim.key
+    crossbow = get_claims(["crossbow"])[0]
+    assert same_batch_ddp(crossbow) == ["ddp_b64"]
+    assert set(crossbow.rivals) == {"ddp_b64", "ddp_b512"}
+    unfair = Claim(
+        "k",
+        "t",
+        "s",
+        '"x" (abstract)',
+        "xmc_mini",
+        "homogeneous",
+        "sma_b64",
+        ("ddp_b512",),
+        (Entrant("sma_b64", ("algorithm=sma", "data.batch_size=64")), Entrant("ddp_b512", ("data.batch_size=512",))),
+    )
+    assert same_batch_ddp(unfair, tiny) == []
 
 
 def test_the_headline_races_equal_batches_of_the_same_algorithm():
@@ -100,7 +319,7 @@ def test_the_headline_races_equal_batches_of_the_same_algorithm():
     equal = next(e for e in claim.entrants if e.name == "adaptive_sgd_equal")
     assert equal.selection() == ["algorithm=adaptive_sgd", "algorithm.planner=static"]
     assert Entrant("sma").selection() == ["algorithm=sma"]
-    assert (claim.profile, claim.pace) == ("strong", "time")
+    assert claim.profile == "strong"
 
 
 def test_abs_sgd_lights_up_when_its_config_exists(tmp_path: Path):
@@ -114,6 +333,25 @@ def test_abs_sgd_lights_up_when_its_config_exists(tmp_path: Path):
     assert [e.name for e in left_out] == ["sync_adaptive"]
     (tmp_path / "algorithm" / "sync_adaptive.yaml").write_text("{}\n")
     assert [e.name for e in claim.present_entrants(tmp_path)[0]] == ["abs_sgd", "ddp", "sync_adaptive"]
+
+
+@pytest.mark.parametrize("key", ["crossbow_learners", "adaptive_hogbatch"])
+def test_a_claim_without_its_capability_is_not_implemented_and_not_raced(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    claim = get_claims([key])[0]
+    if not claim.missing():
+        pytest.skip(f"{claim.requires} exists: the claim is raced")
+
+    def no_race(settings: BenchSettings) -> BenchResult:
+        raise AssertionError("a claim that is not implemented must not race")
+
+    monkeypatch.setattr(program, "run_benchmark", no_race)
+    result = measure_claim(claim, SeedsOptions(out=tmp_path))
+    assert result.verdict.status == "not implemented"
+    assert result.verdict.measured == (
+        f"not implemented: {claim.capability} (configs/algorithm/{claim.requires[0]}.yaml missing)"
+    )
 
 
 def test_unknown_claims_are_named():
@@ -136,33 +374,130 @@ def test_epochs_to_target_counts_the_samples_before_the_validation():
     assert epochs_to_target(RunRecord(), Target("val/p@1", 0.6), epochs=2) is None
 
 
-def test_medians_count_a_missed_target_as_infinitely_late():
-    assert median_or_none([3.0, 1.0, 2.0]) == 2.0
-    assert median_or_none([1.0, None]) is None  # the median of 1 and ∞
-    assert median_or_none([]) is None
+def _five(name: str, start: float, epochs: float | None = None) -> Measured:
+    times = tuple(start + 0.1 * i for i in range(5))
+    return Measured(name, times=times, epochs=(epochs,) * 5, finals=(0.93,) * 5)
 
 
-def test_judge_skips_controls_and_missing_entrants():
+def test_crossbow_is_judged_on_the_clock_against_ddp_at_its_batch():
     claim = get_claims(["crossbow"])[0]
     measured = [
-        Measured("sma_b64", epochs_to_target=0.5, final_metric=0.93),
-        Measured("ddp_b512", epochs_to_target=1.0, final_metric=0.92),
-        Measured("ddp_b64", epochs_to_target=0.1, final_metric=0.99),  # the control would win, but is not judged
+        _five("sma_b64", 20.0, epochs=0.5),  # fewest epochs, but the slowest clock
+        _five("ddp_b64", 10.0, epochs=0.4),
+        _five("ddp_b512", 12.0, epochs=2.0),
     ]
     verdict = judge(claim, measured, "val/p@1")
-    assert verdict.status == "reproduced"
-    assert verdict.measured.endswith("; control (not judged): ddp_b64 0.10 epochs, final 0.9900")
-    assert judge(claim, measured[1:], "val/p@1").status == "not run"  # the candidate failed
-    assert judge(claim, measured[:1], "val/p@1").measured == "not run: no rival ran"
+    assert (verdict.status, verdict.rival) == ("not reproduced", "ddp_b64")
+    assert verdict.measured.endswith(
+        "; median epochs to target (not judged): sma_b64 0.50 epochs, ddp_b64 0.40 epochs, ddp_b512 2.00 epochs"
+    )
+
+
+def test_judge_shows_controls_without_judging_them():
+    claim = get_claims(["adaptive_sgd"])[0]
+    claim = replace(claim, rivals=("ddp",))
+    measured = [_five("adaptive_sgd", 4.0), _five("adaptive_sgd_equal", 1.0), _five("sma", 9.0), _five("ddp", 6.0)]
+    verdict = judge(claim, measured, "val/p@1")
+    assert verdict.status == "reproduced"  # the faster control is not judged
+    assert verdict.measured.endswith(
+        "; control (not judged): adaptive_sgd_equal 1.0–1.4 s (5 repeats), median 1.2 s, final 0.9300; "
+        "sma 9.0–9.4 s (5 repeats), median 9.2 s, final 0.9300"
+    )
+
+
+def _runs(name: str, times: Sequence[float | None], crashed: int = 0) -> list[RunFigures]:
+    finished = [
+        RunFigures("strong", name, i, time_to_target=t, final_metric=0.93, record=None) for i, t in enumerate(times)
+    ]
+    broken = [RunFigures("strong", name, len(times) + i, error="RuntimeError: boom") for i in range(crashed)]
+    return finished + broken
+
+
+def _fake_race(runs: list[RunFigures], seen: list[BenchSettings] | None = None):
+    def race(settings: BenchSettings) -> BenchResult:
+        if seen is not None:
+            seen.append(settings)
+        return BenchResult(1.0, runs, [], "| race |", [])
+
+    return race
+
+
+def test_a_rival_whose_repeats_all_crashed_fails_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    times = [4.0, 4.1, 4.2, 4.3, 4.4]
+    runs = [
+        *_runs("adaptive_sgd", times),
+        *_runs("adaptive_sgd_equal", [t + 2 for t in times]),
+        *_runs("sma", [], crashed=5),
+        *_runs("ddp", [t + 1 for t in times]),
+    ]
+    monkeypatch.setattr(program, "run_benchmark", _fake_race(runs))
+    assert main(["seeds", "--claims", "adaptive_sgd", "--out", str(tmp_path)]) == 1
+    assert "error: claim adaptive_sgd failed: every repeat of sma crashed" in capsys.readouterr().err
+    results = json.loads((tmp_path / "seeds.json").read_text())
+    (claim,) = results["claims"]
+    assert claim["verdict"]["status"] == "failed"
+    assert claim["measured"][2] == {
+        "name": "sma",
+        "times": [],
+        "epochs": [],
+        "finals": [],
+        "crashed": 5,
+        "repeats": 0,
+        "time_to_target": None,
+        "epochs_to_target": None,
+        "final_metric": None,
+    }
+
+
+def test_every_repeat_is_measured_and_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    times = [4.0, 4.1, 4.2, 4.3, 4.4]
+    runs = [
+        *_runs("adaptive_sgd", times, crashed=1),
+        *_runs("adaptive_sgd_equal", [t + 2 for t in times]),
+        *_runs("sma", [t + 3 for t in times]),
+        *_runs("ddp", [None, *[t + 1 for t in times[1:]]]),
+    ]
+    seen: list[BenchSettings] = []
+    monkeypatch.setattr(program, "run_benchmark", _fake_race(runs, seen))
+    result = measure_claim(get_claims(["adaptive_sgd"])[0], SeedsOptions(out=tmp_path))
+    assert seen[0].repeats == 5
+    assert [(m.name, m.repeats, m.crashed) for m in result.measured] == [
+        ("adaptive_sgd", 5, 1),
+        ("adaptive_sgd_equal", 5, 0),
+        ("sma", 5, 0),
+        ("ddp", 5, 0),
+    ]
+    assert result.measured[3].times == (None, 5.1, 5.2, 5.3, 5.4)
+    assert result.verdict.status == "reproduced"
+    assert result.verdict.spread.startswith("adaptive_sgd 4.0–4.4 s (5 repeats, 1 crashed), ddp 5.1–∞ s")
+
+
+@pytest.mark.parametrize(
+    ("argv", "repeats"),
+    [([], 5), (["--quick"], 1), (["--tiny"], 1), (["--tiny", "--repeats", "3"], 3), (["--repeats", "7"], 7)],
+)
+def test_repeats_default_to_the_claims_own(
+    argv: list[str], repeats: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    seen: list[BenchSettings] = []
+    runs = [*_runs("adaptive_sgd", [1.0]), *_runs("adaptive_sgd_equal", [2.0]), *_runs("sma", [2.0])]
+    monkeypatch.setattr(program, "run_benchmark", _fake_race([*runs, *_runs("ddp", [2.0])], seen))
+    assert main(["seeds", "--claims", "adaptive_sgd", "--out", str(tmp_path), *argv]) == 0
+    assert seen[0].repeats == repeats
 
 
 def test_seeds_table_has_one_row_per_claim():
-    claim = Claim("k", "A title", "Someone, 2020", "It is fast.", "xmc_mini", "strong", "a", ("b",), (Entrant("a"),))
-    table = seeds_table([ClaimResult(claim, Verdict("reproduced", "a 1.0 s = 0.50× b's"))])
+    claim = Claim("k", "A title", "Someone, 2020", '"It is fast."', "xmc_mini", "strong", "a", ("b",), (Entrant("a"),))
+    verdict = Verdict("tie", "a 1.0 s = 0.50× b's", "b", "a 1.0–1.0 s (1 repeat), b 2.0–2.0 s (1 repeat)")
+    table = seeds_table([ClaimResult(claim, verdict), ClaimResult(claim, not_implemented("x"))])
     assert table.splitlines() == [
-        "| claim | paper says | we measured | verdict |",
-        "|---|---|---|---|",
-        "| A title (Someone, 2020) | It is fast. | a 1.0 s = 0.50× b's | **reproduced** |",
+        "| claim | paper says | rival | spread | we measured | verdict |",
+        "|---|---|---|---|---|---|",
+        '| A title (Someone, 2020) | "It is fast." | b | a 1.0–1.0 s (1 repeat), b 2.0–2.0 s (1 repeat) | '
+        "a 1.0 s = 0.50× b's | **tie** |",
+        '| A title (Someone, 2020) | "It is fast." | – | – | not implemented: x | **not implemented** |',
     ]
 
 
@@ -180,15 +515,18 @@ def test_tiny_seeds_run_writes_the_table_and_verdicts(tmp_path: Path, capsys: py
     claims = {claim["key"]: claim for claim in results["claims"]}
     assert list(claims) == ["crossbow", "abs_sgd"]
     crossbow = claims["crossbow"]
-    assert crossbow["verdict"]["status"] in {"reproduced", "partly reproduced", "not reproduced"}
-    assert [m["name"] for m in crossbow["measured"]] == ["sma_b64", "ddp_b512", "ddp_b64"]
-    assert all(m["epochs_to_target"] is not None and m["final_metric"] is not None for m in crossbow["measured"])
+    assert crossbow["verdict"]["status"] == "tie"  # one repeat can tell nothing
+    assert crossbow["verdict"]["rival"] in {"ddp_b64", "ddp_b512"}
+    assert [m["name"] for m in crossbow["measured"]] == ["sma_b64", "ddp_b64", "ddp_b512"]
+    for figures in crossbow["measured"]:
+        assert (figures["repeats"], figures["crashed"]) == (1, 0)
+        assert None not in (figures["time_to_target"], figures["epochs_to_target"], figures["final_metric"])
     if not algorithm_exists("abs_sgd"):
-        assert claims["abs_sgd"]["verdict"]["measured"].startswith("not run: algorithm missing")
+        assert claims["abs_sgd"]["verdict"]["status"] == "not implemented"
 
     table = (tmp_path / "seeds.md").read_text()
-    assert table.startswith("| claim | paper says | we measured | verdict |")
+    assert table.startswith("| claim | paper says | rival | spread | we measured | verdict |")
     assert "## crossbow:" in table
     assert "| homogeneous | sma_b64 |" in table  # the claim's own race table
     assert (tmp_path / "crossbow" / "results.json").is_file()
-    assert "| claim | paper says | we measured | verdict |" in capsys.readouterr().out
+    assert "| claim | paper says | rival | spread | we measured | verdict |" in capsys.readouterr().out

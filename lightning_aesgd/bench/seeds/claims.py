@@ -2,10 +2,15 @@
 
 Adding a claim is one entry of :data:`CLAIMS`. An entrant is a name and the Hydra overrides that stand for
 ``algorithm=<name>`` in the race (:class:`~lightning_aesgd.bench.race.benchmark.BenchSettings` ``variants``), so a
-claim can race one algorithm in two settings (Adaptive SGD with its planner and with static equal shares; SMA at
-small batches against DDP at large ones). A claim whose ``requires`` names an algorithm config that does not
-exist is reported as not run, and an optional entrant whose config is missing is left out, so that a claim lights
-up as soon as its algorithm is merged, without a change here.
+claim can race one algorithm in two settings (Adaptive SGD with its planner and with static equal shares; DDP at
+SMA's small batch and at the race's large one). A claim whose ``requires`` names an algorithm config that does
+not exist is reported as *not implemented* (with the ``capability`` it stands for), and an optional entrant whose
+config is missing is left out with a note, so that a claim lights up as soon as its algorithm is merged, without a
+change here.
+
+Every claim is judged on the training clock against its fair rivals, and DDP at the candidate's own per-replica
+batch is always one of them (:func:`same_batch_ddp`): a rival at another batch alone would measure the batch,
+not the method.
 """
 
 from __future__ import annotations
@@ -14,10 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_aesgd.bench.seeds.verdicts import Pace
 from lightning_aesgd.train import config_dir
 
-__all__ = ["CLAIMS", "Claim", "Entrant", "algorithm_exists", "get_claims"]
+__all__ = ["CLAIMS", "Claim", "Entrant", "algorithm_exists", "get_claims", "same_batch_ddp"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,17 @@ class Entrant:
         chosen = [o.split("=", 1)[1] for o in self.selection() if o.startswith("algorithm=")]
         return chosen[-1] if chosen else self.name
 
+    def batch_size(self, tiny: bool = False) -> str | None:
+        """The per-replica batch its overrides set (the last ``data.batch_size``); ``None``: the workload's.
+
+        Example:
+            >>> small = Entrant("sma_b64", ("algorithm=sma", "data.batch_size=64"), tiny=("data.batch_size=8",))
+            >>> small.batch_size(), small.batch_size(tiny=True), Entrant("ddp").batch_size()
+            ('64', '8', None)
+        """
+        sizes = [o.split("=", 1)[1] for o in self.selection(tiny) if o.startswith("data.batch_size=")]
+        return sizes[-1] if sizes else None
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -60,18 +75,22 @@ class Claim:
         key: short name (``--claims``, the output folder).
         title: one line for the table.
         source: the paper.
-        statement: what the paper says, paraphrased.
+        statement: the paper's headline, quoted from its abstract, then what the race makes of it.
         workload: a race workload (:data:`lightning_aesgd.bench.race.suites.WORKLOADS`).
         profile: a ``configs/devices`` profile.
         candidate: the entrant the paper advocates.
-        rivals: the entrants it is judged against; any other entrant is a control, shown but not judged.
+        rivals: the fair rivals it is judged against (on the training clock), DDP at the candidate's batch among
+            them; any other entrant is a control, shown but not judged.
         entrants: every contestant, candidate and rivals included.
-        pace: compare ``"time"`` (training clock) or ``"epochs"`` (statistical efficiency) to the target.
-        repeats: repeats of the race (medians); ``--quick`` runs one.
+        repeats: repeats of the race; fewer than
+            :data:`~lightning_aesgd.bench.seeds.verdicts.MIN_REPEATS` can only give a tie (``--quick`` runs one).
         epochs: epochs of every run (the workload's when ``None``).
         target: the target ``"<metric>=<value>"`` (the workload's when ``None``).
         tolerance: how far below the best rival the candidate's final metric may end.
-        requires: algorithm configs without which the claim is not run.
+        requires: algorithm configs without which the claim is not implemented (and not run).
+        capability: what ``requires`` stands for, in words, for the *not implemented* verdict.
+        show_epochs: add each judged entrant's median epochs to the target to the text (statistical efficiency,
+            shown beside the verdict, never judged alone).
         overrides: further Hydra overrides for every run.
     """
 
@@ -84,12 +103,13 @@ class Claim:
     candidate: str
     rivals: tuple[str, ...]
     entrants: tuple[Entrant, ...]
-    pace: Pace = "time"
-    repeats: int = 1
+    repeats: int = 5
     epochs: int | None = None
     target: str | None = None
     tolerance: float = 0.01
     requires: tuple[str, ...] = ()
+    capability: str = ""
+    show_epochs: bool = False
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
     def missing(self, configs: str | Path | None = None) -> list[str]:
@@ -107,11 +127,29 @@ def algorithm_exists(name: str, configs: str | Path | None = None) -> bool:
     return (Path(configs or config_dir()) / "algorithm" / f"{name}.yaml").is_file()
 
 
+def same_batch_ddp(claim: Claim, tiny: bool = False) -> list[str]:
+    """The claim's rivals that run DDP at the candidate's per-replica batch (the fair control of every claim).
+
+    Example:
+        >>> [same_batch_ddp(claim) != [] for claim in CLAIMS]
+        [True, True, True, True, True]
+    """
+    entrants = {entrant.name: entrant for entrant in claim.entrants}
+    batch = entrants[claim.candidate].batch_size(tiny)
+    return [
+        name for name in claim.rivals if entrants[name].algorithm == "ddp" and entrants[name].batch_size(tiny) == batch
+    ]
+
+
 _EQUAL = Entrant("adaptive_sgd_equal", ("algorithm=adaptive_sgd", "algorithm.planner=static"))
 # Crossbow's regime: 64 rows per replica (256 per step on 4 replicas) against the race's 512 (2,048 per step);
-# 8 against 64 in the tiny data set (400 rows, 2 replicas).
+# 8 against 64 in the tiny data set (400 rows, 2 replicas). DDP runs at both: at 64 it is the fair rival (the
+# same per-replica batch, so the same updates per epoch), at 512 it is TensorFlow's regime in the paper.
 _SMALL, _LARGE = 64, 512
 _TINY_SMALL, _TINY_LARGE = (f"data.batch_size={size}" for size in (8, 64))
+_SMALL_DDP = Entrant(f"ddp_b{_SMALL}", ("algorithm=ddp", f"data.batch_size={_SMALL}"), tiny=(_TINY_SMALL,))
+_LARGE_DDP = Entrant(f"ddp_b{_LARGE}", ("algorithm=ddp", f"data.batch_size={_LARGE}"), tiny=(_TINY_LARGE,))
+_SMALL_SMA = Entrant(f"sma_b{_SMALL}", ("algorithm=sma", f"data.batch_size={_SMALL}"), tiny=(_TINY_SMALL,))
 # ABS-SGD overlaps each step's sum with the next step. The race validates XMC mini after every step (its epochs
 # are 7 steps), and a validation flushes the sum in flight: every step would run synchronously. Once per epoch,
 # for every entrant alike, as the papers evaluate.
@@ -122,43 +160,60 @@ CLAIMS: tuple[Claim, ...] = (
         key="adaptive_sgd",
         title="Adaptive SGD against equal batches, SMA and DDP (the headline)",
         source="Ma, Rusu, Wu, Sim, arXiv 2110.07029, 2021",
-        statement='"Adaptive SGD outperforms four state-of-the-art solutions in time-to-accuracy" (abstract), on '
-        "sparse extreme classification over heterogeneous GPUs; here against equal-batch elastic averaging, "
-        "Crossbow's SMA and DDP, at no loss of final accuracy.",
+        statement='"We show experimentally that Adaptive SGD outperforms four state-of-the-art solutions in '
+        'time-to-accuracy and is scalable with the number of GPUs" (abstract; sparse extreme classification on '
+        "heterogeneous GPUs); here against equal-batch elastic averaging, Crossbow's SMA and DDP, at no loss of "
+        "final accuracy.",
         workload="xmc_mini",
         profile="strong",
         candidate="adaptive_sgd",
         rivals=("adaptive_sgd_equal", "sma", "ddp"),
         entrants=(Entrant("adaptive_sgd"), _EQUAL, Entrant("sma"), Entrant("ddp")),
-        repeats=3,
     ),
     Claim(
         key="crossbow",
-        title="Crossbow: SMA at small batches keeps statistical efficiency",
+        title="Crossbow: SMA at small batches against DDP at small and large batches",
         source="Koliousis et al., PVLDB 12(11), 2019",
-        statement="(paraphrased) Synchronous model averaging lets many learners train with small batches and "
-        "keep the statistical efficiency of small-batch training, which synchronous SGD loses at the large "
-        "global batch it needs to scale: fewer epochs to a target accuracy.",
+        statement='"Our experiments show that Crossbow improves the training time of deep learning models on an '
+        '8-GPU server by 1.3-4x compared to TensorFlow" (abstract); here SMA with one learner per replica at 64 '
+        "rows against DDP (synchronous SGD, as TensorFlow) at 64 and at 512 rows per replica, on the training "
+        "clock; epochs to the target are shown for the statistical efficiency SMA is meant to keep.",
         workload="xmc_mini",
         profile="homogeneous",
-        candidate=f"sma_b{_SMALL}",
-        rivals=(f"ddp_b{_LARGE}",),
+        candidate=_SMALL_SMA.name,
+        rivals=(_SMALL_DDP.name, _LARGE_DDP.name),
+        entrants=(_SMALL_SMA, _SMALL_DDP, _LARGE_DDP),
+        show_epochs=True,
+    ),
+    Claim(
+        key="crossbow_learners",
+        title="Crossbow: several learners per device, their number tuned to throughput",
+        source="Koliousis et al., PVLDB 12(11), 2019",
+        statement='"Crossbow achieves high hardware efficiency with small batch sizes by potentially training '
+        'multiple model replicas per GPU, automatically tuning the number of replicas to maximise throughput" '
+        "(abstract); here SMA with tuned learners per replica at 64 rows against DDP at 64 and 512, one learner "
+        "per replica shown as a control.",
+        workload="xmc_mini",
+        profile="homogeneous",
+        candidate=f"crossbow_b{_SMALL}",
+        rivals=(_SMALL_DDP.name, _LARGE_DDP.name),
         entrants=(
-            Entrant(f"sma_b{_SMALL}", ("algorithm=sma", f"data.batch_size={_SMALL}"), tiny=(_TINY_SMALL,)),
-            Entrant(f"ddp_b{_LARGE}", ("algorithm=ddp", f"data.batch_size={_LARGE}"), tiny=(_TINY_LARGE,)),
-            # The control: synchronous SGD at the same small batch separates the batch's effect from SMA's.
-            Entrant(f"ddp_b{_SMALL}", ("algorithm=ddp", f"data.batch_size={_SMALL}"), tiny=(_TINY_SMALL,)),
+            Entrant(f"crossbow_b{_SMALL}", ("algorithm=crossbow", f"data.batch_size={_SMALL}"), tiny=(_TINY_SMALL,)),
+            _SMALL_DDP,
+            _LARGE_DDP,
+            _SMALL_SMA,
         ),
-        pace="epochs",
-        repeats=2,
+        requires=("crossbow",),
+        capability="several SMA learners per device, their number tuned to throughput",
+        show_epochs=True,
     ),
     Claim(
         key="abs_sgd",
         title="ABS-SGD against the best synchronous baseline",
         source="Zhou, Chen, Wu, ABS-SGD, arXiv 2308.15164, 2023",
-        statement='On heterogeneous GPU clusters, ABS-SGD "increases the convergence speed by 1.30x on average '
-        'compared with the best baseline algorithm" (abstract; ResNet18, 4 workers); here against DDP and '
-        "synchronous adaptive batches.",
+        statement='"When training ResNet18 network with 4 workers, ABS-SGD increases the convergence speed by '
+        '1.30x on average compared with the best baseline algorithm" (abstract; heterogeneous GPU clusters); '
+        "here against DDP and synchronous adaptive batches.",
         workload="xmc_mini",
         profile="strong",
         candidate="abs_sgd",
@@ -168,8 +223,24 @@ CLAIMS: tuple[Claim, ...] = (
             Entrant("ddp", ("algorithm=ddp", *_EPOCH_VALIDATION)),
             Entrant("sync_adaptive", ("algorithm=sync_adaptive", *_EPOCH_VALIDATION), optional=True),
         ),
-        repeats=3,
         requires=("abs_sgd",),
+        capability="ABS-SGD",
+    ),
+    Claim(
+        key="adaptive_hogbatch",
+        title="Adaptive Hogbatch: asynchronous CPU+GPU training with batches sized to each device's speed",
+        source="Ma, Rusu, Heterogeneous CPU+GPU Stochastic Gradient Descent Algorithms, arXiv 2004.08771, 2020",
+        statement='"We show that the implementation of these algorithms in the proposed CPU+GPU framework achieves '
+        "both faster convergence and higher resource utilization than TensorFlow on several real datasets and on "
+        'two computing architectures" (abstract); here against DDP on heterogeneous replicas.',
+        workload="xmc_mini",
+        profile="strong",
+        candidate="adaptive_hogbatch",
+        rivals=("ddp",),
+        entrants=(Entrant("adaptive_hogbatch"), Entrant("ddp")),
+        requires=("adaptive_hogbatch",),
+        capability="asynchronous (Hogwild) updates of one shared model by CPU and GPU workers, each batch sized "
+        "to its device's speed",
     ),
 )
 """The claims ``python -m lightning_aesgd.bench seeds`` measures, in table order."""

@@ -1,17 +1,19 @@
 """``python -m lightning_aesgd.bench seeds [options]``: the seed papers' claims, each measured and judged.
 
 Every claim of :data:`~lightning_aesgd.bench.seeds.claims.CLAIMS` runs as a small race
-(:func:`~lightning_aesgd.bench.race.benchmark.run_benchmark`, in ``<out>/<claim>/``), its entrants' medians
-become :class:`~lightning_aesgd.bench.seeds.verdicts.Measured` figures, and the claim's rule gives a verdict.
-The program writes ``seeds.md`` (the table "claim | paper says | we measured | verdict", then each claim's race
-table) and ``seeds.json`` (every figure) in ``--out``.
+(:func:`~lightning_aesgd.bench.race.benchmark.run_benchmark`, in ``<out>/<claim>/``), every repeat of its
+entrants becomes :class:`~lightning_aesgd.bench.seeds.verdicts.Measured` figures, and
+:func:`~lightning_aesgd.bench.seeds.verdicts.judge` gives the verdict. The program writes ``seeds.md`` (the table
+"claim | paper says | rival | spread | we measured | verdict", then each claim's race table) and ``seeds.json``
+(every figure) in ``--out``. It exits with status 1 when a claim failed (its race raised, or every repeat of a
+judged entrant crashed), after writing the others.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
+import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -27,7 +29,16 @@ from lightning_aesgd.bench.race.recorder import RunRecord
 from lightning_aesgd.bench.race.report import MACHINE_NOTE
 from lightning_aesgd.bench.race.suites import Target, get_workload
 from lightning_aesgd.bench.seeds.claims import CLAIMS, Claim, Entrant, get_claims
-from lightning_aesgd.bench.seeds.verdicts import Measured, Verdict, faster_verdict, not_run
+from lightning_aesgd.bench.seeds.verdicts import (
+    MIN_REPEATS,
+    AllRepeatsCrashedError,
+    Measured,
+    Verdict,
+    failed,
+    not_implemented,
+    range_text,
+)
+from lightning_aesgd.bench.seeds.verdicts import judge as judge_entrants
 
 TABLE_FILE = "seeds.md"
 RESULTS_FILE = "seeds.json"
@@ -67,34 +78,37 @@ def epochs_to_target(record: RunRecord, target: Target, epochs: int) -> float | 
     return None
 
 
-def median_or_none(values: Sequence[float | None]) -> float | None:
-    """The median, a missing value counting as infinitely late; ``None`` when most are missing.
-
-    Example:
-        >>> median_or_none([1.0, None, 2.0]), median_or_none([1.0, None, None]), median_or_none([])
-        (2.0, None, None)
-    """
-    if not values:
-        return None
-    middle = statistics.median(math.inf if v is None else v for v in values)
-    return middle if math.isfinite(middle) else None
-
-
 def judge(claim: Claim, measured: Sequence[Measured], metric: str) -> Verdict:
-    """The claim's verdict from its entrants' figures (controls are not judged)."""
+    """The claim's verdict from its entrants' figures; controls are shown, not judged.
+
+    The judged rivals are the claim's rivals that raced (an optional rival whose config is missing is left out,
+    with a note in the report). Every raced entrant has a :class:`Measured`, crashed repeats counted in it.
+
+    Raises:
+        AllRepeatsCrashedError: every repeat of the candidate or of a judged rival crashed.
+    """
     by_name = {m.name: m for m in measured}
     if claim.candidate not in by_name:
-        return not_run(f"{claim.candidate} failed")
+        raise AllRepeatsCrashedError([claim.candidate])
     rivals = [by_name[name] for name in claim.rivals if name in by_name]
     if not rivals:
-        return not_run("no rival ran")
-    verdict = faster_verdict(by_name[claim.candidate], rivals, claim.pace, claim.tolerance, metric=metric)
+        return failed("no rival raced")
+    candidate = by_name[claim.candidate]
+    verdict = judge_entrants(candidate, rivals, claim.tolerance, metric=metric)
+    notes = []
+    if claim.show_epochs:
+        epochs = [f"{m.name} {_figure(m.epochs_to_target, ' epochs')}" for m in (candidate, *rivals)]
+        notes.append(f"median epochs to target (not judged): {', '.join(epochs)}")
     controls = [m for m in measured if m.name != claim.candidate and m.name not in claim.rivals]
-    if not controls:
+    if controls:
+        shown = [
+            f"{range_text(m)}, median {_figure(m.time_to_target, ' s')}, final {_figure(m.final_metric, '')}"
+            for m in controls
+        ]
+        notes.append(f"control (not judged): {'; '.join(shown)}")
+    if not notes:
         return verdict
-    unit = " s" if claim.pace == "time" else " epochs"
-    shown = [f"{m.name} {_figure(m.pace(claim.pace), unit)}, final {_figure(m.final_metric, '')}" for m in controls]
-    return Verdict(verdict.status, f"{verdict.measured}; control (not judged): {'; '.join(shown)}")
+    return Verdict(verdict.status, "; ".join([verdict.measured, *notes]), verdict.rival, verdict.spread)
 
 
 def _figure(value: float | None, unit: str) -> str:
@@ -104,12 +118,19 @@ def _figure(value: float | None, unit: str) -> str:
 
 
 def seeds_table(results: Sequence[ClaimResult]) -> str:
-    """The summary: one row per claim, "claim | paper says | we measured | verdict"."""
+    """The summary: one row per claim, "claim | paper says | rival | spread | we measured | verdict"."""
     rows = [
-        [f"{r.claim.title} ({r.claim.source})", r.claim.statement, r.verdict.measured, f"**{r.verdict.status}**"]
+        [
+            f"{r.claim.title} ({r.claim.source})",
+            r.claim.statement,
+            r.verdict.rival or "–",
+            r.verdict.spread or "–",
+            r.verdict.measured,
+            f"**{r.verdict.status}**",
+        ]
         for r in results
     ]
-    return markdown_table(["claim", "paper says", "we measured", "verdict"], rows)
+    return markdown_table(["claim", "paper says", "rival", "spread", "we measured", "verdict"], rows)
 
 
 @dataclass(frozen=True)
@@ -124,11 +145,15 @@ class SeedsOptions:
 
 
 def measure_claim(claim: Claim, options: SeedsOptions) -> ClaimResult:
-    """Race the claim's entrants and judge; a claim that cannot run (or fails) gets a *not run* verdict."""
+    """Race the claim's entrants and judge.
+
+    A claim whose algorithm config is missing is *not implemented* (and not raced); one whose race raises, or
+    whose candidate or judged rival crashed in every repeat, has *failed*, naming why.
+    """
     missing = claim.missing()
     if missing:
         names = ", ".join(f"configs/algorithm/{name}.yaml" for name in missing)
-        return ClaimResult(claim, not_run(f"algorithm missing ({names})"))
+        return ClaimResult(claim, not_implemented(f"{claim.capability or 'algorithm'} ({names} missing)"))
     entrants, left_out = claim.present_entrants()
     workload = get_workload(claim.workload)
     target = Target.parse(options.target or claim.target or workload.target)
@@ -151,11 +176,15 @@ def measure_claim(claim: Claim, options: SeedsOptions) -> ClaimResult:
         bench = run_benchmark(settings)
     except Exception as error:  # one failed claim must not lose the others
         traceback.print_exc()
-        return ClaimResult(claim, not_run(f"failed ({type(error).__name__}: {error})"))
+        return ClaimResult(claim, failed(f"{type(error).__name__}: {error}"))
     measured = _measured(bench, entrants, settings)
+    try:
+        verdict = judge(claim, measured, target.metric)
+    except AllRepeatsCrashedError as error:  # judging without it would judge against weaker rivals
+        verdict = failed(str(error))
     result = ClaimResult(
         claim,
-        judge(claim, measured, target.metric),
+        verdict,
         measured,
         [f"{entrant.name} (configs/algorithm/{entrant.algorithm}.yaml missing)" for entrant in left_out],
         bench.table,
@@ -166,18 +195,26 @@ def measure_claim(claim: Claim, options: SeedsOptions) -> ClaimResult:
 
 
 def _measured(bench: BenchResult, entrants: Sequence[Entrant], settings: BenchSettings) -> list[Measured]:
-    rows = {row.algorithm: row for row in bench.rows}
+    """Every repeat's figures of every entrant, in repeat order; an entrant whose repeats all crashed has none."""
     measured = []
     for entrant in entrants:
-        row = rows.get(entrant.name)
-        if row is None:  # every repeat failed
-            continue
-        paces = [
-            epochs_to_target(RunRecord.load(settings.out / run.record), settings.target, settings.epochs)
-            for run in bench.runs
-            if run.algorithm == entrant.name and run.error is None and run.record is not None
-        ]
-        measured.append(Measured(entrant.name, row.time_to_target, median_or_none(paces), row.final_metric))
+        runs = sorted((run for run in bench.runs if run.algorithm == entrant.name), key=lambda run: run.repeat)
+        finished = [run for run in runs if run.error is None]
+        epochs = tuple(
+            None
+            if run.record is None
+            else epochs_to_target(RunRecord.load(settings.out / run.record), settings.target, settings.epochs)
+            for run in finished
+        )
+        measured.append(
+            Measured(
+                entrant.name,
+                times=tuple(run.time_to_target for run in finished),
+                epochs=epochs,
+                finals=tuple(run.final_metric for run in finished),
+                crashed=len(runs) - len(finished),
+            )
+        )
     return measured
 
 
@@ -190,7 +227,9 @@ def write_report(out: Path, results: Sequence[ClaimResult], settings: dict[str, 
         sections.append(
             f"Workload `{claim.workload}`, devices `{claim.profile}`; judged: `{claim.candidate}` against "
             + ", ".join(f"`{name}`" for name in claim.rivals)
-            + f" by {claim.pace} to target (final metric within {claim.tolerance:g} of the best rival)."
+            + f" by time to target on the training clock, repeat by repeat (reproduced only when, over at least "
+            f"{MIN_REPEATS} repeats each, its slowest repeat beats every rival's fastest, at a median final metric "
+            f"within {claim.tolerance:g} of the best rival's)."
         )
         if result.left_out:
             sections.append(f"Left out: {', '.join(result.left_out)}.")
@@ -209,9 +248,8 @@ def write_report(out: Path, results: Sequence[ClaimResult], settings: dict[str, 
                 "statement": r.claim.statement,
                 "candidate": r.claim.candidate,
                 "rivals": list(r.claim.rivals),
-                "pace": r.claim.pace,
                 "verdict": asdict(r.verdict),
-                "measured": [_finite(asdict(m)) for m in r.measured],
+                "measured": [_figures(m) for m in r.measured],
                 "left_out": r.left_out,
                 "seconds": r.seconds,
             }
@@ -221,25 +259,44 @@ def write_report(out: Path, results: Sequence[ClaimResult], settings: dict[str, 
     return [table_path, write_json(out / RESULTS_FILE, data)]
 
 
-def _finite(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+def _figures(measured: Measured) -> dict[str, Any]:
+    """Every repeat's figures and their medians, JSON-ready (a non-finite number as ``null``)."""
+    row = asdict(measured) | {
+        "repeats": measured.repeats,
+        "time_to_target": measured.time_to_target,
+        "epochs_to_target": measured.epochs_to_target,
+        "final_metric": measured.final_metric,
+    }
+    return {k: [_finite(x) for x in v] if isinstance(v, tuple | list) else _finite(v) for k, v in row.items()}
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The program's options."""
     parser = argparse.ArgumentParser(
         prog="aesgd-bench seeds",
-        description="Reproduce the seed papers' claims (Adaptive SGD's headline, Crossbow's statistical "
-        "efficiency of SMA at small batches, ABS-SGD's speed-up), each as a small race with the paper's statement "
+        description="Reproduce the seed papers' claims (Adaptive SGD's headline, Crossbow's SMA at small batches "
+        "and its learners per device, ABS-SGD's speed-up, Adaptive Hogbatch), each as a small race judged on the "
+        "training clock against every fair rival (the strongest shown), repeat by repeat, with the paper's headline "
         "and a verdict, written as seeds.md and seeds.json.",
     )
     parser.add_argument("--claims", default=",".join(c.key for c in CLAIMS), help="comma list of claims to run")
     parser.add_argument("--out", type=Path, default=Path("bench_results") / "seeds", help="output directory")
-    parser.add_argument("--repeats", type=int, help="repeats of every claim's race (default: each claim's own)")
-    parser.add_argument("--quick", action="store_true", help="one repeat per claim (about half the time)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        help=f"repeats of every claim's race (default: each claim's own, {Claim.repeats}); fewer than {MIN_REPEATS} "
+        "can only give ties",
+    )
+    parser.add_argument("--quick", action="store_true", help="one repeat per claim: a smoke test, every verdict a tie")
     parser.add_argument("--epochs", type=int, help="epochs of every run (default: each workload's)")
     parser.add_argument("--target", help="target '<metric>=<value>' of every claim (default: each claim's own)")
-    parser.add_argument("--tiny", action="store_true", help="a seconds-long configuration (tests)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a seconds-long configuration (tests; one repeat unless --repeats)"
+    )
     parser.add_argument("--verbose", action="store_true", help="keep Lightning's and the strategy's messages")
     return parser
 
@@ -254,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error.args[0]))
     shared = SeedsOptions(
         out=options.out,
-        repeats=1 if options.quick or options.tiny else options.repeats,
+        repeats=1 if options.quick else options.repeats or (1 if options.tiny else None),
         epochs=options.epochs,
         target=options.target,
         tiny=options.tiny,
@@ -267,4 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = write_report(options.out, results, settings | {"claims": [c.key for c in claims], "seconds": seconds})
     print(f"\n{seeds_table(results)}\n")
     print(f"{len(results)} claims in {seconds:.0f} s. Wrote {', '.join(str(p) for p in files)}")
-    return 0
+    broken = [r for r in results if r.verdict.status == "failed"]
+    for result in broken:
+        print(f"error: claim {result.claim.key} {result.verdict.measured}", file=sys.stderr)
+    return 1 if broken else 0
