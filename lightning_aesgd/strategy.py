@@ -44,7 +44,6 @@ from lightning_aesgd.core.merge import MergeRule, as_merge_rule
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.slowdown import as_profile
 from lightning_aesgd.core.weights import MergeWeights
-from lightning_aesgd.elastic import attempt_store, destroy_process_group, shared_store_warning
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.gradient_engine import GradientEngine
@@ -53,6 +52,7 @@ from lightning_aesgd.engine.replica import CHECKPOINT_KEY, ReplicaEngine
 from lightning_aesgd.engine.routing import PlanSettings, Router, SampleCosts
 from lightning_aesgd.placement import SharedDevices
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
+from lightning_aesgd.torchrun_store import attempt_store, destroy_process_group, shared_store_warning
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ class AdaptiveElasticMixin(SharedDevices):
         """Lightning's process group, with a store of its own per attempt under a single-node torchrun.
 
         torchrun's agent keeps one store across restarts, and a restarted group could read the dead attempt's
-        keys (see :mod:`lightning_aesgd.elastic`). Where that applies the group is created here on a store whose
+        keys (see :mod:`lightning_aesgd.torchrun_store`). Where that applies the group is created here on a store whose
         keys belong to this attempt; Lightning's own set-up then finds it initialised and keeps it.
         """
         warning = shared_store_warning()

@@ -394,7 +394,7 @@ def _build_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _expected_steps(trainer: pl.Trainer, case: Case) -> int:
-    """Optimizer steps the fit makes, from the loop's settings and the elastic sampler's epoch length."""
+    """Optimizer steps the fit makes, from the loop's settings and the planned sampler's epoch length."""
     spec, options, limit = case.loader, case.options, trainer.limit_train_batches
     if limit == 0:
         return 0  # Lightning skips training without looking at the loader

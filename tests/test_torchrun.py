@@ -5,7 +5,7 @@ processes (gloo) with ``--max-restarts=1``. Rank 1 exits abruptly at global step
 (a marker file keeps it alive in the second); rank 0 must fail at the next merge instead of hanging, torchrun
 starts both again, and ``fit(ckpt_path="last")`` continues from the last checkpoint. Every rank writes the indices
 its ``training_step`` sees, per attempt. The other tests check the per-attempt store of
-:mod:`lightning_aesgd.elastic` without a launch.
+:mod:`lightning_aesgd.torchrun_store` without a launch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_aesgd.elastic import attempt_prefix, attempt_store, shared_store_warning
+from lightning_aesgd.torchrun_store import attempt_prefix, attempt_store, shared_store_warning
 
 SAMPLES = 64
 STEPS_PER_EPOCH = SAMPLES // 8  # 2 ranks × batch 4
@@ -181,7 +181,7 @@ def _agents(form: str) -> list[tuple[list[str], dict[str, str]]]:
         return [(["--nproc-per-node=2", f"--master-port={_free_port()}"], {})]
     assert form == "two-nodes"
     # Two agents on this machine, one process each. Each agent counts its own restarts, so only a fresh store
-    # per rendezvous round keeps attempts apart (see lightning_aesgd.elastic).
+    # per rendezvous round keeps attempts apart (see lightning_aesgd.torchrun_store).
     endpoint = f"--rdzv-endpoint=localhost:{_free_port()}"
     arguments = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", endpoint, "--rdzv-id=two-nodes"]
     return [(arguments, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})] * 2

@@ -1,7 +1,7 @@
-"""Rebuild the user's training DataLoader around an :class:`~lightning_aesgd.engine.sampler.ElasticBatchSampler`.
+"""Rebuild the user's training DataLoader around an :class:`~lightning_aesgd.engine.sampler.PlannedBatchSampler`.
 
 Users keep writing ``DataLoader(dataset, batch_size=..., shuffle=True, num_workers=...)``; the strategy turns it
-into an :class:`ElasticDataLoader` that keeps every option of the original loader and only replaces how indices
+into an :class:`PlannedDataLoader` that keeps every option of the original loader and only replaces how indices
 are batched.
 """
 
@@ -25,7 +25,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from lightning_aesgd.engine.sampler import ElasticBatchSampler, PlanBook, StepIndices
+from lightning_aesgd.engine.sampler import PlanBook, PlannedBatchSampler, StepIndices
 
 LOADER_CLOCK_SLOTS = 1024  # steps remembered; far more than any loader prefetches
 
@@ -74,7 +74,7 @@ class LoaderClock:
 class TimedLoading(Dataset[Any]):
     """The user's dataset and collate function as one timed step: fetch every sample of a batch, then collate.
 
-    The elastic loader asks for whole batches (``__getitems__``) and its own collate function only unwraps what
+    The planned loader asks for whole batches (``__getitems__``) and its own collate function only unwraps what
     this returns, so the time of the user's fetching and collating is measured in the process that does it.
     Attributes of the user's dataset are reachable through this wrapper.
 
@@ -129,17 +129,17 @@ class TimedLoading(Dataset[Any]):
 
 
 def unwrap_batch(data: list[Any]) -> Any:
-    """The elastic loader's collate function: :class:`TimedLoading` already collated the batch."""
+    """The planned loader's collate function: :class:`TimedLoading` already collated the batch."""
     return data[0]
 
 
-class ElasticDataLoader(DataLoader[Any]):
+class PlannedDataLoader(DataLoader[Any]):
     """A DataLoader whose position in the data is saved in checkpoints, so a resumed run continues mid-epoch.
 
     Lightning saves and restores any training loader that has ``state_dict``/``load_state_dict``.
     """
 
-    batch_sampler: ElasticBatchSampler
+    batch_sampler: PlannedBatchSampler
     loader_clock: LoaderClock
 
     def state_dict(self) -> dict[str, int]:  # noqa: D102
@@ -151,7 +151,7 @@ class ElasticDataLoader(DataLoader[Any]):
 
 @dataclass(frozen=True)
 class TrainLoaderFacts:
-    """What the elastic loader keeps of the user's training DataLoader, read (and checked) once."""
+    """What the planned loader keeps of the user's training DataLoader, read (and checked) once."""
 
     dataset_size: int
     batch_size: int
@@ -160,7 +160,7 @@ class TrainLoaderFacts:
 
 
 def inspect_train_loader(loader: DataLoader[Any]) -> TrainLoaderFacts:
-    """Read what the elastic loader needs from ``loader``.
+    """Read what the planned loader needs from ``loader``.
 
     Raises:
         TypeError: for loaders the strategy cannot partition (iterable datasets, datasets without length,
@@ -199,7 +199,7 @@ def check_step_fits(dataset_size: int, step_batch_size: int, drop_last: bool) ->
         )
 
 
-def build_elastic_loader(
+def build_planned_loader(
     loader: DataLoader[Any],
     facts: TrainLoaderFacts,
     *,
@@ -208,7 +208,7 @@ def build_elastic_loader(
     plan_book: PlanBook,
     step_batch_size: int,
     costs: Tensor | None = None,
-) -> ElasticDataLoader:
+) -> PlannedDataLoader:
     """Return a copy of ``loader`` whose batches follow the plans in ``plan_book``.
 
     Args:
@@ -221,7 +221,7 @@ def build_elastic_loader(
         costs: optional per-sample costs for cost-aware splitting.
     """
     check_step_fits(facts.dataset_size, step_batch_size, loader.drop_last)
-    batch_sampler = ElasticBatchSampler(
+    batch_sampler = PlannedBatchSampler(
         facts.dataset_size,
         step_batch_size,
         num_replicas,
@@ -238,7 +238,7 @@ def build_elastic_loader(
     clock = LoaderClock()
     options["collate_fn"] = unwrap_batch
     timed = TimedLoading(loader.dataset, loader.collate_fn, clock, loader.num_workers)
-    elastic = ElasticDataLoader(timed, batch_sampler=batch_sampler, **options)
+    elastic = PlannedDataLoader(timed, batch_sampler=batch_sampler, **options)
     elastic.loader_clock = clock
     return elastic
 

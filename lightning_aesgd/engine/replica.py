@@ -1,7 +1,7 @@
 """One replica's training machinery, composed: what the strategy's Lightning hooks delegate to.
 
 :class:`ReplicaEngine` owns, for one replica: the merges (:class:`~lightning_aesgd.engine.averager.ElasticAverager`),
-the routing of work (:class:`~lightning_aesgd.engine.routing.Router` and the elastic loader), the algorithm rules
+the routing of work (:class:`~lightning_aesgd.engine.routing.Router` and the planned loader), the algorithm rules
 that act between steps (adaptive normalization, Crossbow's reset on a learning-rate drop, per-replica learning-rate
 scaling), the ``step`` slowdown emulation, and its part of checkpoints. It imports no Lightning: the strategy
 passes it the module, the optimizer and a function that runs Lightning's own optimizer step.
@@ -28,15 +28,15 @@ from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
 from lightning_aesgd.engine.loading import (
-    ElasticDataLoader,
     LoaderClock,
-    build_elastic_loader,
+    PlannedDataLoader,
+    build_planned_loader,
     check_step_options,
     inspect_train_loader,
     prefetch_depth,
 )
 from lightning_aesgd.engine.routing import Router, SampleCosts, check_sample_costs, resolve_sample_costs
-from lightning_aesgd.engine.sampler import ElasticBatchSampler
+from lightning_aesgd.engine.sampler import PlannedBatchSampler
 from lightning_aesgd.engine.telemetry import replica_metrics, summary_record, summary_table
 from lightning_aesgd.engine.timing import ComputeClock, emulated_slowdown
 
@@ -104,7 +104,7 @@ class ReplicaEngine:
         self.sample_costs = sample_costs
         self.checkpoint_replicas = checkpoint_replicas
         self.averager: ElasticAverager | None = None
-        self.sampler: ElasticBatchSampler | None = None
+        self.sampler: PlannedBatchSampler | None = None
         self.loader_clock: LoaderClock | None = None
         self.merged_last_step = False
         self.exclusions: list[tuple[int, int]] = []  # (global step, rank) of every replica left out of a merge
@@ -171,7 +171,7 @@ class ReplicaEngine:
 
     def training_loader(
         self, dataloader: DataLoader[Any], position: tuple[int, int] | None = None
-    ) -> ElasticDataLoader:
+    ) -> PlannedDataLoader:
         """The training loader rebuilt so that every replica's batches follow the plans.
 
         Args:
@@ -193,7 +193,7 @@ class ReplicaEngine:
         costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
         total = self._step_total(facts.batch_size * comm.world_size, position)
         plan_book = self.router.plan_book_for(total, comm.world_size, lag, cost_aware=costs is not None)
-        loader = build_elastic_loader(
+        loader = build_planned_loader(
             dataloader,
             facts,
             num_replicas=comm.world_size,

@@ -30,7 +30,7 @@ class StepIndices(list[int]):
 
     Args:
         indices: the dataset indices.
-        step: the step's key (:meth:`ElasticBatchSampler.step_key`).
+        step: the step's key (:meth:`PlannedBatchSampler.step_key`).
     """
 
     def __init__(self, indices: Sequence[int], step: int) -> None:
@@ -150,7 +150,7 @@ class StepRecord:
     step_samples: int = 0
 
 
-class ElasticBatchSampler(Sampler[list[int]]):
+class PlannedBatchSampler(Sampler[list[int]]):
     """Yields this replica's slice of every step's M indices, sized by the plan in force for that step.
 
     Args:
@@ -238,7 +238,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         """
         if key not in self._records:
             raise RuntimeError(
-                f"Training reached step {key}, which the elastic sampler did not produce (it produced "
+                f"Training reached step {key}, which the planned sampler did not produce (it produced "
                 f"{sorted(self._records)}): the loader's position and the training loop's disagree. HINT: resume "
                 "with fit(ckpt_path=...) from a checkpoint of this run, and do not iterate the training loader "
                 "outside the Trainer."

@@ -36,7 +36,7 @@ def test_overhead_table_flags_merges_above_the_target():
     text = overhead_table({"merges": [merge], "planner": planner, "sampler": sampler})
     assert "| 1e6 | 1,002,000 | 2.00 | 4.00 | 2.00 (above 1.5) | 2.50 | 1.25 |" in text
     assert "\n\n| per-step machinery (no communication) | µs |\n|---|---|\n" in text
-    assert "| ElasticBatchSampler by cost, per batch | 70.5 |" in text
+    assert "| PlannedBatchSampler by cost, per batch | 70.5 |" in text
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@ from helpers import RegressionData
 from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 
 from lightning_aesgd.engine.loading import (
-    ElasticDataLoader,
     LoaderClock,
+    PlannedDataLoader,
     TimedLoading,
-    build_elastic_loader,
+    build_planned_loader,
     check_step_fits,
     check_step_options,
     inspect_train_loader,
@@ -28,10 +28,10 @@ def _init_worker(worker_id: int) -> None:
     return None
 
 
-def _build(loader: DataLoader, **kwargs) -> ElasticDataLoader:
+def _build(loader: DataLoader, **kwargs) -> PlannedDataLoader:
     facts = inspect_train_loader(loader)
     options = {"step_batch_size": facts.batch_size * 2, **kwargs}
-    return build_elastic_loader(loader, facts, num_replicas=2, rank=1, plan_book=PlanBook([5, 3]), **options)
+    return build_planned_loader(loader, facts, num_replicas=2, rank=1, plan_book=PlanBook([5, 3]), **options)
 
 
 def test_options_of_the_original_loader_are_kept():

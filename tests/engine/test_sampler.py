@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from lightning_aesgd.engine.sampler import ElasticBatchSampler, PlanBook, PlanLagError
+from lightning_aesgd.engine.sampler import PlanBook, PlanLagError, PlannedBatchSampler
 
 
 def _samplers(size, step_batch, sizes, *, costs=None, drop_last=False, shuffle=True):
     n = len(sizes)
     return [
-        ElasticBatchSampler(
+        PlannedBatchSampler(
             size, step_batch, n, rank, PlanBook(sizes), shuffle=shuffle, seed=3, drop_last=drop_last, costs=costs
         )
         for rank in range(n)
@@ -106,7 +106,7 @@ def test_records_report_each_step_samples_and_cost():
 
 def test_a_plan_applies_from_its_step_and_a_late_plan_is_refused():
     book = PlanBook([4, 4])
-    sampler = ElasticBatchSampler(64, 8, 2, 0, book, shuffle=False)
+    sampler = PlannedBatchSampler(64, 8, 2, 0, book, shuffle=False)
     iterator = iter(sampler)
     assert [len(next(iterator)) for _ in range(2)] == [4, 4]
     book.schedule(3, [6, 2])
@@ -149,6 +149,6 @@ def test_a_step_the_sampler_never_produced_fails_with_a_hint():
 
 def test_invalid_configurations_fail_with_a_hint():
     with pytest.raises(ValueError, match="batch_size"):
-        ElasticBatchSampler(10, 2, 4, 0, PlanBook([1, 1, 0, 0]))
+        PlannedBatchSampler(10, 2, 4, 0, PlanBook([1, 1, 0, 0]))
     with pytest.raises(ValueError, match="costs"):
-        ElasticBatchSampler(10, 4, 2, 0, PlanBook([2, 2]), costs=torch.ones(3))
+        PlannedBatchSampler(10, 4, 2, 0, PlanBook([2, 2]), costs=torch.ones(3))

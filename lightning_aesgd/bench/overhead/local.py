@@ -4,7 +4,7 @@
   :meth:`~lightning_aesgd.engine.routing.Router.receive` with scripted reports (updating the arrival models, the
   planner's plan, damping, scheduling it in the plan book), and the planner's ``plan`` alone. It runs once per
   merge, i.e. every ``period`` steps.
-* Sampler: iterating one epoch of :class:`~lightning_aesgd.engine.sampler.ElasticBatchSampler` (by count, and by
+* Sampler: iterating one epoch of :class:`~lightning_aesgd.engine.sampler.PlannedBatchSampler` (by count, and by
   cost as the XMC workloads use it) against torch's ``BatchSampler`` over a ``DistributedSampler``, which is
   what DDP iterates, for the same dataset size, step batch and number of replicas.
 """
@@ -22,7 +22,7 @@ from lightning_aesgd.core.apportion import apportion
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.engine.routing import PlanSettings, Router
-from lightning_aesgd.engine.sampler import ElasticBatchSampler, PlanBook
+from lightning_aesgd.engine.sampler import PlanBook, PlannedBatchSampler
 
 REPLICAS = 4
 STEP_BATCH = 256
@@ -67,13 +67,13 @@ def planner_costs(iterations: int) -> dict[str, float]:
 
 
 def sampler_costs(dataset_size: int) -> dict[str, float]:
-    """Microseconds per batch of one epoch, for the elastic sampler (count, cost-aware) and torch's."""
+    """Microseconds per batch of one epoch, for the planned sampler (count, cost-aware) and torch's."""
     costs = torch.randint(1, 200, (dataset_size,), generator=torch.Generator().manual_seed(0)).double()
     equal = apportion(STEP_BATCH, [1.0] * REPLICAS)
 
-    def elastic(sample_costs: torch.Tensor | None) -> ElasticBatchSampler:
+    def elastic(sample_costs: torch.Tensor | None) -> PlannedBatchSampler:
         book = PlanBook(equal)
-        return ElasticBatchSampler(dataset_size, STEP_BATCH, REPLICAS, 0, book, costs=sample_costs)
+        return PlannedBatchSampler(dataset_size, STEP_BATCH, REPLICAS, 0, book, costs=sample_costs)
 
     # DistributedSampler reads only the dataset's length.
     dataset = cast(Dataset[int], range(dataset_size))

@@ -44,8 +44,8 @@ def _machinery_table(planner: dict[str, float], sampler: dict[str, float]) -> st
         (exchange, planner["exchange_us_per_merge"]),
         ("Planner.plan alone, per merge", planner["plan_us_per_merge"]),
         ("torch BatchSampler(DistributedSampler), per batch", sampler["torch_us_per_batch"]),
-        ("ElasticBatchSampler by count, per batch", sampler["elastic_us_per_batch"]),
-        ("ElasticBatchSampler by cost, per batch", sampler["elastic_cost_aware_us_per_batch"]),
+        ("PlannedBatchSampler by count, per batch", sampler["elastic_us_per_batch"]),
+        ("PlannedBatchSampler by cost, per batch", sampler["elastic_cost_aware_us_per_batch"]),
     ]
     header = ("per-step machinery (no communication)", "µs")
     return markdown_table(header, [(label, f"{value:.1f}") for label, value in rows])

@@ -23,7 +23,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_aesgd.engine.sampler import ElasticBatchSampler
+from lightning_aesgd.engine.sampler import PlannedBatchSampler
 
 RunKey = tuple[str, str, int]
 """(profile, algorithm, repeat)."""
@@ -154,7 +154,7 @@ def samples_in_step(trainer: pl.Trainer, batch: Any, batch_idx: int) -> int:
     equal batch (``DistributedSampler`` pads the epoch's tail), so the step holds the local batch × replicas.
     """
     sampler = getattr(trainer.train_dataloader, "batch_sampler", None)
-    if isinstance(sampler, ElasticBatchSampler):
+    if isinstance(sampler, PlannedBatchSampler):
         step_size = sampler.step_batch_size
         left = sampler.dataset_size - batch_idx * step_size
         return max(min(step_size, left), sampler.num_replicas)
