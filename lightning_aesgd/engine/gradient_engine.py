@@ -97,6 +97,7 @@ class GradientEngine(ReplicaEngine):
             on_last_bucket=self._arrive,
             waiting=self._waiting_for_peers,
             compensate_momentum=compensate_momentum,
+            sparse_reduction="auto",
         )
         self._delay = delay
         self.delay_warmup = delay_warmup
@@ -185,6 +186,7 @@ class GradientEngine(ReplicaEngine):
             output = closure()
             self._take_reports()
             if not self.reduce.delay:
+                # DDP's reducer has made the compute stream wait for the sums: on CUDA the stamp lands after them.
                 self.router.end_wait()  # released from the step's sums
             if self._compute_clock is not None and self.slowdown is not None:
                 self._update_started = self._compute_clock.now()  # the update's compute is emulated from here
@@ -259,14 +261,13 @@ class GradientEngine(ReplicaEngine):
     def _arrive(self) -> None:
         """The last bucket is ready: report this replica's period in a small all-reduce launched before it.
 
-        An emulated slower device (``step`` mode) finishes its forward and backward later: it sleeps here, before
-        its arrival, for ``(f − 1) ×`` the compute time so far (its update is stretched after the step). The sums'
-        own work is not stretched.
+        The router stamps the arrival before any collective is launched; on CUDA the stamp lies on the compute
+        stream, after the backward, so the host does not wait for the device here. An emulated slower device
+        (``step`` mode) finishes its forward and backward later: it sleeps here, before its arrival, for
+        ``(f − 1) ×`` the compute time so far (its update is stretched after the step). The sums' own work is not
+        stretched.
         """
         self._arrived = time.monotonic()
-        if self._device.type == "cuda":
-            # The host queues the backward ahead of the device: the replica arrives when the device is done.
-            torch.cuda.current_stream(self._device).synchronize()
         if self._emulation_started is not None and self.slowdown is not None and self._compute_clock is not None:
             factor = self.slowdown.factor(self._comm().rank, self._global_step)
             stretch(self._compute_clock, self._emulation_started, factor)

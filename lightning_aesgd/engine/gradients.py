@@ -33,13 +33,20 @@ The momentum buffer then holds ``μ·v_t + Ĝ_{t−1}`` where ``v_t`` is the pla
 Nesterov's update, in which each gradient's contribution from its arrival on is what undelayed momentum gives
 it, the step it missed added at once. The stable range grows to ``η·λ < 0.25`` at ``μ = 0.9``. Adam's ``betas``
 are left alone.
+
+A sparse gradient (an ``EmbeddingBag(sparse=True)``'s) travels in a bucket of its own. Gloo all-reduces sparse
+tensors; NCCL cannot, so there (``sparse_reduction="auto"``) it is summed by the cheaper of two dense collectives,
+judged by the bytes each replica receives (:func:`sparse_sum_method`): *gather* every replica's stored rows
+(indices and values, padded to the longest) and hand back all of them, an uncoalesced tensor whose sum is the sum
+of the contributions; or *densify* it, all-reducing the gradient as a dense tensor of its full size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -48,6 +55,13 @@ from torch import Tensor, nn
 Pending = dict[int, Tensor]
 """Reduced gradients awaiting their update, keyed by ``id`` of the parameter: flat chunks in DDP's bucket layout
 (a sparse gradient as it is)."""
+
+SparseReduction = Literal["auto", "all_reduce", "gather", "densify"]
+"""How :class:`GradientSum` sums a sparse gradient: ``"auto"`` is ``"all_reduce"`` where the backend takes sparse
+tensors, else the cheaper of ``"gather"`` and ``"densify"`` (see :func:`sparse_sum_method`)."""
+
+SPARSE_BACKENDS = frozenset({"gloo"})
+"""The backends whose all-reduce takes sparse tensors."""
 
 
 class GradientSum:
@@ -65,6 +79,8 @@ class GradientSum:
         group: the process group (the default one when ``None``).
         compensate_momentum: with ``delay``, give momentum parameters ``(1 + μ)·Ĝ_{t−1} − μ·Ĝ_{t−2}`` (see the
             module's docstring); the momenta are read from the optimizer by :meth:`read_momentum`.
+        sparse_reduction: how a sparse gradient is summed (see :data:`SparseReduction`): ``"all_reduce"`` needs a
+            backend that takes sparse tensors (gloo); ``"gather"`` and ``"densify"`` run on any.
     """
 
     def __init__(
@@ -74,9 +90,13 @@ class GradientSum:
         waiting: Callable[[], AbstractContextManager[Any]] | None = None,
         group: Any = None,
         compensate_momentum: bool = True,
+        sparse_reduction: SparseReduction = "auto",
     ) -> None:
         if delay not in (0, 1):
             raise ValueError(f"gradient_delay must be 0 or 1 (ABS-SGD's one step), got {delay!r}.")
+        if sparse_reduction not in get_args(SparseReduction):
+            raise ValueError(f"sparse_reduction must be one of {get_args(SparseReduction)}, got {sparse_reduction!r}.")
+        self.sparse_reduction = sparse_reduction
         self.delay = delay
         self.on_last_bucket = on_last_bucket
         self.waiting = waiting if waiting is not None else nullcontext
@@ -138,19 +158,54 @@ class GradientSum:
         if bucket.is_last() and self.on_last_bucket is not None:
             self.on_last_bucket()
         buffer = bucket.buffer()
-        # A delayed sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
-        # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
-        contribution = _held_contribution(buffer) if self.delay else buffer
-        summed: torch.futures.Future[list[Tensor]] = dist.all_reduce(
-            contribution, group=self.group, async_op=True
-        ).get_future()
-        result: torch.futures.Future[Tensor] = summed.then(lambda future: future.value()[0])
+        if buffer.is_sparse and not self._all_reduces_sparse(buffer.device):
+            result = self._sum_sparse(buffer)
+        else:
+            # A delayed sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
+            # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
+            contribution = _held_contribution(buffer) if self.delay else buffer
+            summed: torch.futures.Future[list[Tensor]] = dist.all_reduce(
+                contribution, group=self.group, async_op=True
+            ).get_future()
+            result = summed.then(lambda future: future.value()[0])
         if not self.delay:
             return result
         params = list(bucket.parameters())
         self._launched.append((params, result))
         ready = self._previous_sums()
         return _completed(_assemble(ready, params) if ready is not None else _nothing_to_apply(buffer))
+
+    def _all_reduces_sparse(self, device: torch.device) -> bool:
+        if self.sparse_reduction == "auto":
+            return _backend_on(device, self.group) in SPARSE_BACKENDS
+        return self.sparse_reduction == "all_reduce"
+
+    def _sum_sparse(self, buffer: Tensor) -> torch.futures.Future[Tensor]:
+        """Sum a sparse gradient with dense collectives, by gathering its rows or densifying it.
+
+        Both copy the contribution into tensors of their own at launch, so a delayed sum needs no held copy.
+        """
+        method = self.sparse_reduction
+        if method == "densify":
+            return _densified_sum(buffer, self.group)
+        local = buffer.coalesce()  # an embedding's gradient repeats a row per occurrence: each travels once
+        # Replicas hold different numbers of rows, which every replica must know before the gather (and for the
+        # choice, which all must agree on): the hook blocks on this small exchange, until every replica has
+        # reached this bucket.
+        with self.waiting():
+            counts = _row_counts(local, self.group)
+        if method == "auto":
+            method = sparse_sum_method(
+                max(counts),
+                row_width=math.prod(local.shape[local.sparse_dim() :]),
+                sparse_dim=local.sparse_dim(),
+                numel=math.prod(local.shape),
+                element_size=local.element_size(),
+                world_size=len(counts),
+            )
+        if method == "densify":
+            return _densified_sum(local, self.group)
+        return _gathered_sum(local, counts, self.group)
 
     def _previous_sums(self) -> Pending | None:
         if not self._took_previous:
@@ -214,13 +269,136 @@ def _nothing_to_apply(buffer: Tensor) -> Tensor:
     The bucket's own buffer where dense (DDP's, already copied), zeros where sparse (the gradient tensor's values
     are shared with the sum in flight).
     """
-    if buffer.is_sparse:
+    return _no_rows(buffer) if buffer.is_sparse else buffer
+
+
+def _no_rows(sparse: Tensor) -> Tensor:
+    """A sparse tensor of ``sparse``'s size, dtype and device with no stored rows: zeros."""
+    dims = sparse.sparse_dim()
+    return torch.sparse_coo_tensor(
+        torch.empty((dims, 0), dtype=torch.long, device=sparse.device),
+        torch.empty((0, *sparse.shape[dims:]), dtype=sparse.dtype, device=sparse.device),
+        sparse.size(),
+        is_coalesced=True,
+        check_invariants=False,
+    )
+
+
+def sparse_sum_method(
+    rows: int, row_width: int, sparse_dim: int, numel: int, element_size: int, world_size: int
+) -> Literal["gather", "densify"]:
+    """The cheaper way to sum a sparse gradient over replicas without a sparse all-reduce, in bytes received.
+
+    Gathering the replicas' rows (each padded to the longest, an int64 index per sparse dimension) and densifying
+    (an all-reduce of the full tensor) receive about::
+
+        gather  = world_size · rows · (row_width · element_size + 8 · sparse_dim)
+        densify = numel · element_size
+
+    per replica; gather where it is not dearer. Gather grows with the replicas and their rows, densify does not:
+    a gradient densifies once a replica stores more than about ``1/world_size`` of its rows (fewer where rows are
+    narrow, their indices then weighing more).
+
+    Args:
+        rows: the most stored rows (coalesced) of a replica's gradient.
+        row_width: elements per row, the product of the dense dimensions' sizes.
+        sparse_dim: the sparse dimensions, each stored row's number of indices.
+        numel: elements of the whole (dense) gradient.
+        element_size: bytes per element.
+        world_size: the replicas summed over.
+
+    Returns:
+        ``"gather"`` or ``"densify"``, whichever receives fewer bytes.
+    """
+    gather = world_size * rows * (row_width * element_size + 8 * sparse_dim)
+    densify = numel * element_size
+    return "gather" if gather <= densify else "densify"
+
+
+def _backend_on(device: torch.device, group: Any) -> str:
+    """The backend that runs ``group``'s collectives on ``device``.
+
+    A group may name one per device type (``"cpu:gloo,cuda:nccl"``).
+    """
+    backend = str(dist.get_backend(group))
+    for entry in backend.split(","):
+        device_type, _, name = entry.rpartition(":")
+        if device_type in ("", device.type):
+            return name
+    return backend
+
+
+def _row_counts(sparse: Tensor, group: Any) -> list[int]:
+    """Every replica's number of stored rows of ``sparse``, in rank order (a blocking all-gather)."""
+    count = torch.tensor([sparse._nnz()], dtype=torch.long, device=sparse.device)
+    counts = [torch.empty_like(count) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, count, group=group)
+    return [int(n) for n in torch.cat(counts).tolist()]
+
+
+def _gathered_sum(local: Tensor, counts: list[int], group: Any) -> torch.futures.Future[Tensor]:
+    """All replicas' rows of a sparse gradient, an uncoalesced tensor whose sum is the sum of the gradients.
+
+    ``counts`` are the replicas' numbers of rows (:func:`_row_counts`): each pads its indices and values to the
+    most, as an all-gather takes tensors of one size, and the padding is dropped from what arrives.
+    """
+    longest = max(counts)
+    if not longest:  # every replica knows: none launches the gather
+        return _completed(_no_rows(local))
+    indices, values = _padded(local._indices(), longest, dim=1), _padded(local._values(), longest, dim=0)
+    all_indices = [torch.empty_like(indices) for _ in counts]
+    all_values = [torch.empty_like(values) for _ in counts]
+    indices_gathered = dist.all_gather(all_indices, indices, group=group, async_op=True)
+    values_gathered = dist.all_gather(all_values, values, group=group, async_op=True)
+
+    def unpadded(_: torch.futures.Future[Any]) -> Tensor:
+        indices_gathered.wait()
         return torch.sparse_coo_tensor(
-            torch.empty((buffer.sparse_dim(), 0), dtype=torch.long, device=buffer.device),
-            torch.empty((0, *buffer.shape[buffer.sparse_dim() :]), dtype=buffer.dtype, device=buffer.device),
-            buffer.size(),
+            torch.cat([rows[:, :n] for rows, n in zip(all_indices, counts, strict=True)], dim=1),
+            torch.cat([rows[:n] for rows, n in zip(all_values, counts, strict=True)]),
+            local.size(),
+            check_invariants=False,
         )
-    return buffer
+
+    gathered: torch.futures.Future[list[Tensor]] = values_gathered.get_future()
+    return gathered.then(unpadded)
+
+
+def _padded(tensor: Tensor, length: int, dim: int) -> Tensor:
+    """A copy of ``tensor`` lengthened with zeros to ``length`` along ``dim``."""
+    shape = list(tensor.shape)
+    shape[dim] = length
+    padded = tensor.new_zeros(shape)
+    padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+    return padded
+
+
+def _densified_sum(sparse: Tensor, group: Any) -> torch.futures.Future[Tensor]:
+    """The sum of a sparse gradient all-reduced as a dense tensor, handed back with every row stored.
+
+    Keeping every row (zero where no replica touched it) needs nothing of the sum's values, so the conversion
+    queues behind the all-reduce without waiting for it; dropping the zero rows would wait in the hook, as their
+    count decides the result's size. The optimizers that take sparse gradients (SGD, Adagrad) leave a zero row
+    as it was.
+    """
+    dims = sparse.sparse_dim()
+    dense = sparse.to_dense()  # a tensor of its own: the gradient tensor is free for DDP at once
+    indices = torch.stack(
+        torch.unravel_index(torch.arange(math.prod(sparse.shape[:dims]), device=dense.device), sparse.shape[:dims])
+    )
+    summed: torch.futures.Future[list[Tensor]] = dist.all_reduce(dense, group=group, async_op=True).get_future()
+
+    def every_row(future: torch.futures.Future[list[Tensor]]) -> Tensor:
+        total = future.value()[0]
+        return torch.sparse_coo_tensor(
+            indices,
+            total.reshape(-1, *sparse.shape[dims:]),
+            sparse.size(),
+            is_coalesced=True,
+            check_invariants=False,
+        )
+
+    return summed.then(every_row)
 
 
 def gradient_sum_hook(state: GradientSum, bucket: Any) -> torch.futures.Future[Tensor]:
