@@ -346,6 +346,10 @@ class AdaptiveElasticMixin(SharedDevices):
         if store is not None and not torch.distributed.is_initialized():
             self._init_process_group_on(store)
         super().setup_distributed()
+        # A group left to the interpreter's exit may abort the process after a successful fit ("terminate called
+        # without an active exception": gloo's threads outlive the group's destruction order at shutdown), which a
+        # launcher counts as a failure. Destroyed first at exit instead; forked replicas leave by os._exit.
+        _destroy_group_at_exit()
 
     def _init_process_group_on(self, store: Any) -> None:
         """What Lightning's ``_init_dist_connection`` does, on the given store instead of ``env://``."""
@@ -359,9 +363,6 @@ class AdaptiveElasticMixin(SharedDevices):
             timeout=self._timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
-        # A group left to the interpreter's exit may abort the process after a successful fit ("terminate called
-        # without an active exception"), which torchrun would count as a failure and restart.
-        atexit.register(destroy_process_group)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -564,6 +565,13 @@ def raise_nccl_timeouts() -> None:
     turns into that error (roll call included). Read when the group is created; a user's own setting is kept.
     """
     os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+
+
+def _destroy_group_at_exit() -> None:
+    """Register :func:`destroy_process_group` to run at interpreter exit, once per process."""
+    if not getattr(_destroy_group_at_exit, "registered", False):
+        atexit.register(destroy_process_group)
+        _destroy_group_at_exit.registered = True  # type: ignore[attr-defined]
 
 
 def _resumed_position(trainer: Any) -> tuple[int, int] | None:
