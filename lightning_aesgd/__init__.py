@@ -13,7 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.core.lr import InverseTimeDecay
 from lightning_aesgd.core.merge import EASGD, SMA, CentralElastic, ElasticAverage, MergeRule
-from lightning_aesgd.core.slowdown import SlowdownChange, SlowdownProfile
+from lightning_aesgd.emulation.profiles import SlowdownChange, SlowdownProfile
 from lightning_aesgd.engine.comm import ReplicaStalledError
 from lightning_aesgd.registration import register_all
 from lightning_aesgd.strategy import AdaptiveElasticStrategy

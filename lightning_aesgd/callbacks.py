@@ -14,29 +14,30 @@ from pytorch_lightning.utilities.data import extract_batch_size
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_aesgd.core.slowdown import SlowdownProfile, as_profile
-from lightning_aesgd.engine.cpu_quota import CpuQuota
-from lightning_aesgd.engine.timing import ComputeClock, stretch
+from lightning_aesgd.emulation.clock import ComputeClock, stretch
+from lightning_aesgd.emulation.cpu_quota import CpuQuota
+from lightning_aesgd.emulation.profiles import SlowdownProfile, as_profile
 
 
 class SlowdownCallback(pl.Callback):
     """Emulate slower devices under any strategy, with the slowness where the profile's ``mode`` puts it.
 
     * ``step``: replica ``r`` sleeps ``(f_r − 1) × c`` per step, ``c`` the step's compute time as
-      :class:`~lightning_aesgd.engine.timing.ComputeClock` measures it (CPU time on CPU, which excludes time DDP's
+      :class:`~lightning_aesgd.emulation.clock.ComputeClock` measures it (CPU time on CPU, which excludes time DDP's
       gradient all-reduce spends waiting for slower peers). Under DistributedDataParallel the compute is the
       forward and backward, stretched when the last gradient bucket is ready and before its all-reduce (a slower
       device finishes its backward later), and the optimizer's update, stretched at the end of the step: the
       all-reduce's own work is not the device's compute. The hook doing this is otherwise DDP's default; where the
       strategy has a hook of its own, the whole step is stretched at its end. ``adaptive_elastic`` applies this
-      mode itself, through its ``slowdown`` argument, to the same compute.
+      mode itself, through its ``slowdown`` argument (the engine tells a
+      :class:`~lightning_aesgd.emulation.clock.StepStretcher` of the same compute spans).
     * ``user``: the LightningModule's ``training_step`` takes ``f_r × s`` more seconds per sample.
     * ``data``: the training DataLoader's collate function takes ``f_r × s`` seconds per sample.
     * ``hook``: ``on_train_batch_end`` takes ``f_r × s`` seconds per sample.
     * ``quota``: each replica process runs under a CPU quota of ``1/f_r`` of its fair share of the cores.
 
     Args:
-        profile: a :class:`~lightning_aesgd.core.slowdown.SlowdownProfile`, a list of factors, or a mapping with
+        profile: a :class:`~lightning_aesgd.emulation.profiles.SlowdownProfile`, a list of factors, or a mapping with
             ``factors`` (and optional ``changes``, ``base``, ``mode``, ``seconds_per_sample``).
         replicas_sharing: in the ``quota`` mode, how many replicas share the machine's cores equally at factor 1;
             by default the replicas of this run on one node (a lone replica measuring one device of a larger

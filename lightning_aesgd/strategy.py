@@ -42,8 +42,8 @@ from lightning_aesgd.checks import (
 )
 from lightning_aesgd.core.merge import MergeRule, as_merge_rule
 from lightning_aesgd.core.planners import Planner
-from lightning_aesgd.core.slowdown import as_profile
 from lightning_aesgd.core.weights import MergeWeights
+from lightning_aesgd.emulation import StepStretcher, as_profile
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.gradient_engine import GradientEngine
@@ -127,7 +127,9 @@ class AdaptiveElasticMixin(SharedDevices):
             paper's rule; ½ (``algorithm=abs_sgd``) keeps the stability margin of the synchronous step size, which
             a stale update halves (:func:`~lightning_aesgd.core.lr.stale_update_scale`).
         find_unused_parameters: with ``sync="gradients"``, DistributedDataParallel's option of that name.
-        slowdown: emulate slower devices by a factor per replica (see :mod:`lightning_aesgd.core.slowdown`).
+        slowdown: emulate slower devices by a factor per replica, in the ``step`` mode: the spans where each
+            replica's device computes take ``fᵣ`` times as long (see :mod:`lightning_aesgd.emulation`; the other
+            modes come from :class:`~lightning_aesgd.callbacks.SlowdownCallback`).
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
             exactly; otherwise every replica resumes from the merged model.
         telemetry: log ``aesgd/...`` metrics at every merge and print a per-replica summary when fit ends.
@@ -256,6 +258,8 @@ class AdaptiveElasticMixin(SharedDevices):
             **ddp_options,
         )
         self.sync = sync
+        profile = as_profile(slowdown)
+        self.slowdown = profile if profile is not None and profile.mode == "step" else None
         hold_steps = warmup_steps if plan_after_warmup else 0
         planning = PlanSettings(
             planner, shares, min_batch, max_batch, min_share, speed_smoothing, plan_gain, hold_steps=hold_steps
@@ -268,7 +272,6 @@ class AdaptiveElasticMixin(SharedDevices):
                 delay_warmup=gradient_delay_warmup,
                 delay_lr_scale=float(gradient_delay_lr_scale),
                 lr_schedule=lr_schedule,
-                slowdown=as_profile(slowdown),
                 step_batch_size=step_batch_size,
                 plan_lag=plan_lag,
                 sample_costs=sample_costs,
@@ -280,7 +283,6 @@ class AdaptiveElasticMixin(SharedDevices):
                 l2_nudge=l2_nudge,
                 lr_scaling=lr_scaling,
                 lr_schedule=lr_schedule,
-                slowdown=as_profile(slowdown),
                 step_batch_size=step_batch_size,
                 plan_lag=plan_lag,
                 sample_costs=sample_costs,
@@ -372,6 +374,9 @@ class AdaptiveElasticMixin(SharedDevices):
         super().setup(trainer)
         if trainer.state.fn != "fit":
             return
+        if self.slowdown is not None:  # emulated slower devices, told of each compute span by the engine
+            self.slowdown.check_replicas(self.world_size)
+            self.engine.compute_spans = StepStretcher(self.slowdown, self.root_device)
         self.engine.start(self._module, default_communicator(self.root_device), self.root_device)
         if isinstance(self.engine, GradientEngine):
             self.engine.on_flush(self._clip_gradients)

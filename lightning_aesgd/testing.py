@@ -27,7 +27,7 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_aesgd.callbacks import SlowdownCallback
-from lightning_aesgd.core.slowdown import SlowdownProfile, as_profile
+from lightning_aesgd.emulation.profiles import SlowdownProfile, as_profile
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
 
 Slowdown = Sequence[float] | Mapping[str, Any] | None
@@ -67,7 +67,7 @@ def make_trainer(
     Args:
         devices: Replica processes.
         slowdown: One factor per replica, a mapping with ``factors`` (and ``mode``, ``changes``, ...), a
-            :class:`~lightning_aesgd.core.slowdown.SlowdownProfile`, or ``None`` for equal replicas.
+            :class:`~lightning_aesgd.emulation.profiles.SlowdownProfile`, or ``None`` for equal replicas.
         strategy_options: Further arguments of :class:`~lightning_aesgd.AdaptiveElasticStrategy`, e.g.
             ``{"sync": "models", "period": 2, "merge_rule": "sma"}``.
         timeout_s: Timeout of the replicas' collectives, in seconds.

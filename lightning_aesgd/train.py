@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.console import quiet_known_noise
-from lightning_aesgd.core.slowdown import as_profile
+from lightning_aesgd.emulation.profiles import as_profile
 from lightning_aesgd.strategy import AdaptiveElasticMixin
 
 log = logging.getLogger(__name__)

@@ -16,6 +16,9 @@ LIGHTNING = ("pytorch_lightning", "lightning", "lightning_fabric")
 ALLOWED = {
     "core": ("lightning_aesgd.core",),
     "engine": ("lightning_aesgd.core", "lightning_aesgd.engine"),
+    # Emulation wraps the engine from outside (its step stretcher is a ComputeSpans listener); the engine and
+    # the core never import it.
+    "emulation": ("lightning_aesgd.emulation",),
 }
 
 
@@ -56,3 +59,12 @@ print(loaded)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_the_engine_and_the_core_hold_no_emulation_code():
+    emulation_names = ("SlowdownProfile", "ComputeClock", "StepStretcher", "stretch(", "CpuQuota", "slowdown")
+    for layer in ("core", "engine"):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            text = path.read_text()
+            found = [name for name in emulation_names if name in text]
+            assert not found, f"{layer}/{path.name} mentions {found}: emulation belongs in lightning_aesgd/emulation"

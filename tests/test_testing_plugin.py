@@ -68,14 +68,14 @@ def test_the_step_mode_runs_inside_the_strategy_and_other_modes_through_the_call
     trainer = make_trainer(devices=2, slowdown=[1, 3], max_steps=1)
     assert isinstance(trainer.strategy, AdaptiveElasticStrategy)
     assert trainer.num_devices == 2
-    assert trainer.strategy.engine.slowdown is not None
-    assert trainer.strategy.engine.slowdown.factor(1, 0) == 3.0
+    assert trainer.strategy.slowdown is not None
+    assert trainer.strategy.slowdown.factor(1, 0) == 3.0
     assert not any(isinstance(callback, SlowdownCallback) for callback in trainer.callbacks)
     hooked = make_trainer(devices=2, slowdown={"factors": [1, 2], "mode": "hook", "seconds_per_sample": 1e-4})
-    assert hooked.strategy.engine.slowdown is None
+    assert hooked.strategy.slowdown is None
     assert [c.mode for c in hooked.callbacks if isinstance(c, SlowdownCallback)] == ["hook"]
     equal = make_trainer(devices=3, slowdown=None, strategy_options={"sync": "models", "period": 2})
-    assert equal.strategy.engine.slowdown is None
+    assert equal.strategy.slowdown is None
     assert equal.num_devices == 3
 
 

@@ -1,7 +1,7 @@
 """One replica's machinery under ``sync="gradients"``: routing and planning as ever, DDP's reducer for the update.
 
 :class:`GradientEngine` is the :class:`~lightning_aesgd.engine.replica.ReplicaEngine` for gradient
-synchronisation. The loader, the sampler, the router, telemetry, slowdown emulation and checkpoints of plans are
+synchronisation. The loader, the sampler, the router, telemetry, compute spans and checkpoints of plans are
 the same; instead of merging models it gives each step's gradient the weight ``bᵢ/M`` (``gradient_weight``, by
 which the strategy scales the loss) for DDP's communication hook to sum
 (:class:`~lightning_aesgd.engine.gradients.GradientSum`), and the replicas' reports travel in a small all-reduce
@@ -24,7 +24,6 @@ from torch import nn
 from lightning_aesgd.core.merge import as_merge_rule
 from lightning_aesgd.core.schedule import report_interval
 from lightning_aesgd.core.sensing import PeriodReport
-from lightning_aesgd.core.slowdown import SlowdownProfile
 from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import Communicator, ReplicaStalledError, is_peer_failure, stalled_error
 from lightning_aesgd.engine.gradients import (
@@ -36,7 +35,6 @@ from lightning_aesgd.engine.gradients import (
 )
 from lightning_aesgd.engine.replica import ReplicaEngine, scaled_learning_rate
 from lightning_aesgd.engine.routing import Router, SampleCosts
-from lightning_aesgd.engine.timing import ComputeClock, stretch
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +58,6 @@ class GradientEngine(ReplicaEngine):
             before the latest update (see :func:`~lightning_aesgd.core.lr.stale_update_scale`); 1 is the paper's
             rule. The sum of a step that applied nothing (the first after a start or a flush) is fresh when applied.
         lr_schedule: a factor on the learning rate during each step, a function of the global step.
-        slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step.
         step_batch_size: indices consumed per step by all replicas.
         plan_lag: steps between deciding a plan and applying it.
         sample_costs: per-sample costs for cost-aware splitting.
@@ -75,7 +72,6 @@ class GradientEngine(ReplicaEngine):
         delay_warmup: int = 0,
         delay_lr_scale: float = 1.0,
         lr_schedule: Callable[[int], float] | None,
-        slowdown: SlowdownProfile | None,
         step_batch_size: int | None,
         plan_lag: int | None,
         sample_costs: SampleCosts,
@@ -86,7 +82,6 @@ class GradientEngine(ReplicaEngine):
             l2_nudge=False,
             lr_scaling=False,
             lr_schedule=lr_schedule,
-            slowdown=slowdown,
             step_batch_size=step_batch_size,
             plan_lag=plan_lag,
             sample_costs=sample_costs,
@@ -113,8 +108,6 @@ class GradientEngine(ReplicaEngine):
         self._rows_in_flight: list[torch.futures.Future[Any]] = []
         self._device = torch.device("cpu")
         self._module: nn.Module | None = None
-        self._emulation_started: float | None = None
-        self._update_started: float | None = None
         self._arrived = 0.0
         self._next_report = 0  # the global step of the next report (the first step of a fit reports)
         self._report_every = 0  # steps between reports, from the latest reports (0: none received yet)
@@ -148,8 +141,6 @@ class GradientEngine(ReplicaEngine):
 
     def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
         """Begin a fit: DistributedDataParallel has already made every replica start from rank zero's model."""
-        if self.slowdown is not None:
-            self.slowdown.check_replicas(comm.world_size)
         self._comm_in_use = comm
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
@@ -159,7 +150,6 @@ class GradientEngine(ReplicaEngine):
         self._rows_in_flight = []
         self._next_report, self._report_every = 0, 0
         self.router.attach(comm.world_size, device)
-        self._compute_clock = ComputeClock(device)
         self._device = device
         self._first_step = True
         self._saved_step_batch_size = None
@@ -188,8 +178,7 @@ class GradientEngine(ReplicaEngine):
             if not self.reduce.delay:
                 # DDP's reducer has made the compute stream wait for the sums: on CUDA the stamp lands after them.
                 self.router.end_wait()  # released from the step's sums
-            if self._compute_clock is not None and self.slowdown is not None:
-                self._update_started = self._compute_clock.now()  # the update's compute is emulated from here
+            self.compute_spans.begin()  # the update's compute, after the release
             return output
 
         return closure_then_reports
@@ -225,9 +214,7 @@ class GradientEngine(ReplicaEngine):
         self._pending_is_stale = bool(self.reduce.delay) and applies
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
         timing = self.router.timing(record, loader_seconds)
-        clock = self._compute_clock if self.slowdown is not None else None
-        self._emulation_started = clock.now() if clock is not None else None
-        self._update_started = None
+        self.compute_spans.begin()  # the forward and backward, up to the arrival
         self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
         try:
             with scaled_learning_rate(optimizer, factor), timing, skip:
@@ -236,10 +223,7 @@ class GradientEngine(ReplicaEngine):
             if isinstance(error, ReplicaStalledError) or not is_peer_failure(error):
                 raise
             raise self._stalled(error) from error
-        if self._update_started is not None and self.slowdown is not None and self._compute_clock is not None:
-            stretch(
-                self._compute_clock, self._update_started, self.slowdown.factor(self._comm().rank, self._global_step)
-            )
+        self.compute_spans.end(self._comm().rank, self._global_step)
         self.reduce.end_step()
         self.syncs += 1
         self.merged_last_step = True
@@ -262,16 +246,11 @@ class GradientEngine(ReplicaEngine):
         """The last bucket is ready: report this replica's period in a small all-reduce launched before it.
 
         The router stamps the arrival before any collective is launched; on CUDA the stamp lies on the compute
-        stream, after the backward, so the host does not wait for the device here. An emulated slower device
-        (``step`` mode) finishes its forward and backward later: it sleeps here, before its arrival, for
-        ``(f − 1) ×`` the compute time so far (its update is stretched after the step). The sums' own work is not
-        stretched.
+        stream, after the backward, so the host does not wait for the device here. The forward and backward's
+        compute span ends here, before the arrival; the sums' own work is outside every span.
         """
+        self.compute_spans.end(self._comm().rank, self._global_step)
         self._arrived = time.monotonic()
-        if self._emulation_started is not None and self.slowdown is not None and self._compute_clock is not None:
-            factor = self.slowdown.factor(self._comm().rank, self._global_step)
-            stretch(self._compute_clock, self._emulation_started, factor)
-            self._emulation_started = None
         if self._reports_due():
             # The period's report travels beside the sums; the replica works on from its arrival (the time it then
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).
@@ -340,13 +319,10 @@ class GradientEngine(ReplicaEngine):
             self._before_flush_update(optimizer)
         factor = self._lr_factor(stale=self._pending_is_stale)
         self._pending_is_stale = False  # nothing is in flight now
-        clock = self._compute_clock if self.slowdown is not None else None
-        started = clock.now() if clock is not None else None
+        self.compute_spans.begin()  # the flushed update is the update a step skipped: compute like any
         with scaled_learning_rate(optimizer, factor):
             optimizer.step()
-        if clock is not None and started is not None and self.slowdown is not None:
-            # The flushed update is the update a step skipped: an emulated slower device makes it as slow.
-            stretch(clock, started, self.slowdown.factor(self._comm().rank, self._global_step))
+        self.compute_spans.end(self._comm().rank, self._global_step)
         optimizer.zero_grad(set_to_none=True)
 
     # --- evaluation and the end of fit ----------------------------------------------------------------------

@@ -3,8 +3,9 @@
 :class:`ReplicaEngine` owns, for one replica: the merges (:class:`~lightning_aesgd.engine.averager.ElasticAverager`),
 the routing of work (:class:`~lightning_aesgd.engine.routing.Router` and the planned loader), the algorithm rules
 that act between steps (adaptive normalization, Crossbow's reset on a learning-rate drop, per-replica learning-rate
-scaling), the ``step`` slowdown emulation, and its part of checkpoints. It imports no Lightning: the strategy
-passes it the module, the optimizer and a function that runs Lightning's own optimizer step.
+scaling), the spans where the device computes (:class:`~lightning_aesgd.engine.timing.ComputeSpans`), and its
+part of checkpoints. It imports no Lightning: the strategy passes it the module, the optimizer and a function
+that runs Lightning's own optimizer step.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -22,7 +23,6 @@ from torch.utils.data import DataLoader
 
 from lightning_aesgd.core.schedule import LearningRateDrop
 from lightning_aesgd.core.sensing import PeriodReport
-from lightning_aesgd.core.slowdown import SlowdownProfile
 from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
@@ -38,7 +38,7 @@ from lightning_aesgd.engine.loading import (
 from lightning_aesgd.engine.routing import Router, SampleCosts, check_sample_costs, resolve_sample_costs
 from lightning_aesgd.engine.sampler import PlannedBatchSampler
 from lightning_aesgd.engine.telemetry import replica_metrics, summary_record, summary_table
-from lightning_aesgd.engine.timing import ComputeClock, emulated_slowdown
+from lightning_aesgd.engine.timing import ComputeSpans, NoComputeSpans
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ class ReplicaEngine:
         l2_nudge: Adaptive SGD's adaptive normalization of merge weights.
         lr_scaling: scale the replica's learning rate by its batch over the nominal one during its step.
         lr_schedule: a further factor on the rate during each step, a function of the global step (``None``: 1).
-        slowdown: an emulated slowdown whose ``step`` mode runs inside the optimizer step (other modes are applied
-            outside the strategy, by :class:`~lightning_aesgd.callbacks.SlowdownCallback`).
         step_batch_size: indices consumed per step by all replicas; by default the loader's batch size times
             the number of replicas, so that an equal plan means what DDP means.
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
@@ -80,7 +78,6 @@ class ReplicaEngine:
         l2_nudge: bool,
         lr_scaling: bool,
         lr_schedule: Callable[[int], float] | None,
-        slowdown: SlowdownProfile | None,
         step_batch_size: int | None,
         plan_lag: int | None,
         sample_costs: SampleCosts,
@@ -98,7 +95,6 @@ class ReplicaEngine:
                 "lightning_aesgd.InverseTimeDecay(decay=0.05, warmup_steps=10), or None."
             )
         self.lr_schedule = lr_schedule
-        self.slowdown = slowdown if slowdown is not None and slowdown.mode == "step" else None
         self.step_batch_size = step_batch_size
         self.plan_lag = plan_lag
         self.sample_costs = sample_costs
@@ -113,7 +109,8 @@ class ReplicaEngine:
         self._lr_drop = LearningRateDrop()
         self._step_key = 0
         self._global_step = 0
-        self._compute_clock: ComputeClock | None = None
+        # Told where the device computes in each step (an emulation of slower devices listens; by default nobody).
+        self.compute_spans: ComputeSpans = NoComputeSpans()
         self._first_step = True
         self._saved_step_batch_size: int | None = None  # the checkpoint's, when resuming
         # The merged model's norm after the latest merge, for adaptive normalization: left on the device until the
@@ -152,12 +149,9 @@ class ReplicaEngine:
 
     def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
         """Begin a fit: replicas start from rank zero's model, as DDP's do."""
-        if self.slowdown is not None:
-            self.slowdown.check_replicas(comm.world_size)
         _broadcast_module(module, comm, self.merging.merge_buffers)
         self.averager = ElasticAverager(module, comm, self.merging)
         self.router.attach(comm.world_size, device)
-        self._compute_clock = ComputeClock(device)
         self._first_step = True
         self._saved_step_batch_size = None
         self._center_norm = -1.0
@@ -166,7 +160,6 @@ class ReplicaEngine:
     def stop(self) -> None:
         """End a fit; plans and measurements stay for a later fit of the same strategy."""
         self.averager = self.sampler = self.loader_clock = None
-        self._compute_clock = None
         self.router.detach()
 
     def training_loader(
@@ -272,20 +265,16 @@ class ReplicaEngine:
             factor *= float(self.lr_schedule(self._global_step))
         loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
         scale_before = _loss_scale(grad_scaler)
-        with scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds), self._emulated():
+        with scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds):
+            self.compute_spans.begin()  # the whole local step is the device's compute, up to the merge
             output = run_step()
+            self.compute_spans.end(averager.comm.rank, self._global_step)
         self.merged_last_step = averager.after_local_step(record.num_samples)
         if scale_before is not None:
             self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
         if self.merged_last_step:
             self._merge(averager, optimizer, stop_requested())
         return output
-
-    def _emulated(self) -> AbstractContextManager[None]:
-        if self.slowdown is None or self._compute_clock is None:
-            return nullcontext()
-        rank = self._comm().rank
-        return emulated_slowdown(self._compute_clock, self.slowdown.factor(rank, self._global_step))
 
     def _read_before_merge(self, averager: ElasticAverager) -> tuple[float, list[float], float]:
         """What the merge's report needs from the device, read back in one host synchronisation.

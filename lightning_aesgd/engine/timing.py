@@ -1,11 +1,10 @@
-"""Clocks of one replica: the timeline its arrivals are stamped on, and the compute time the emulation scales.
+"""Clocks of one replica: the timeline its arrivals are stamped on, and the spans where its device computes.
 
 A :class:`Timeline` stamps moments of this replica's work: :class:`HostTimeline` reads the host's clock, whose
 readings are known at once; :class:`CudaTimeline` records an event on the device's current stream, whose
 reading is known only once the device has run everything queued before it. A :class:`SpanLedger` sums the
-seconds between pairs of stamps as they become readable, without waiting for the device. :class:`BusyTimer`
-times a code region on either. :class:`ComputeClock` and :func:`emulated_slowdown` make a step take ``f`` times
-its compute time (the ``step`` emulation mode of :class:`~lightning_aesgd.core.slowdown.SlowdownProfile`).
+seconds between pairs of stamps as they become readable, without waiting for the device. :class:`ComputeSpans`
+is told where a step's compute begins and ends, for whoever measures it (an emulation of slower devices).
 """
 
 from __future__ import annotations
@@ -13,9 +12,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -174,107 +172,28 @@ class SpanLedger:
         return self._totals.get(account, 0.0)
 
 
-class BusyTimer:
-    """Busy seconds of a code region, one measurement per ``start()``/``stop()`` pair, never synchronising.
+class ComputeSpans(Protocol):
+    """Told where, within a step, the replica's device computes.
 
-    On CPU a region completes at ``stop()``. On CUDA it is a pair of stamps of a :class:`CudaTimeline` and
-    :meth:`pop_completed` returns it only once the device has run it: the measurement lags a step or two
-    instead of forcing a device synchronisation every step.
-
-    Args:
-        device: The device doing the work; CUDA devices are timed on their own timeline.
-
-    Raises:
-        ValueError: If ``device`` is a CUDA device and CUDA is not available.
-
-    Example:
-        >>> timer = BusyTimer(torch.device("cpu"))
-        >>> timer.start()
-        >>> timer.stop()
-        >>> len(timer.pop_completed())
-        1
+    The spans: the forward and backward up to the arrival, the update after the release, a flushed update. The
+    engine calls :meth:`begin` and :meth:`end` around each; a listener may measure them (an emulation of slower
+    devices stretches them).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._timeline = timeline_for(device)
-        self._started: Any = None
-        self._pending: deque[tuple[Any, Any]] = deque()
+    def begin(self) -> None:
+        """A compute span starts."""
+        ...
 
-    @property
-    def is_running(self) -> bool:
-        """Whether a region has started and not yet stopped."""
-        return self._started is not None
-
-    def start(self) -> None:
-        """Mark the beginning of a busy region.
-
-        Raises:
-            RuntimeError: If a region is already running.
-        """
-        if self.is_running:
-            raise RuntimeError("BusyTimer.start() called twice: call stop() to end the running region first")
-        self._started = self._timeline.stamp()
-
-    def stop(self) -> None:
-        """Mark the end of the running busy region.
-
-        Raises:
-            RuntimeError: If no region is running.
-        """
-        if not self.is_running:
-            raise RuntimeError("BusyTimer.stop() called without start(): call start() before the region")
-        self._pending.append((self._started, self._timeline.stamp()))
-        self._started = None
-
-    def pop_completed(self) -> list[float]:
-        """Return the seconds of regions finished since the last call, oldest first; never synchronises.
-
-        A region can measure ``0.0`` at the clock's resolution (a CUDA region that launched no kernel), which
-        :meth:`SpeedEstimator.update` rejects: callers drop such a measurement together with its work.
-        """
-        timeline, completed = self._timeline, []
-        while self._pending and all(timeline.ready(stamp) for stamp in self._pending[0]):
-            start, end = self._pending.popleft()
-            completed.append(timeline.seconds(start, end))
-        return completed
+    def end(self, rank: int, global_step: int) -> None:
+        """The compute span begun last ends (``rank``'s span of step ``global_step``)."""
+        ...
 
 
-class ComputeClock:
-    """Measures a step's compute time as the slowdown emulation defines it (see the module docstring)."""
+class NoComputeSpans:
+    """The default listener: spans are not observed."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def begin(self) -> None:  # noqa: D102
+        return None
 
-    def now(self) -> float:
-        """A reading; differences of two readings are compute seconds.
-
-        On CPU with one intra-op thread (each emulated replica's case), the calling thread's CPU time: forward,
-        backward (CPU autograd runs on the calling thread) and the update, but not the work of gloo's own threads
-        on a collective in flight meanwhile (DDP's earlier buckets, ABS-SGD's delayed sum), which a slower device
-        would not slow down. With several intra-op threads, the process's CPU time.
-
-        On CUDA, the host's clock once the current stream has run what was queued on it: a synchronisation of
-        the whole device would also wait for the collectives' streams, so compute would include the wait for peers.
-        """
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-            return time.perf_counter()
-        return time.thread_time() if torch.get_num_threads() == 1 else time.process_time()
-
-
-def stretch(clock: ComputeClock, started: float, factor: float) -> None:
-    """Sleep ``(factor − 1) ×`` the compute time since the reading ``started``: the region takes ``factor`` times it."""
-    if factor > 1:
-        time.sleep((factor - 1) * (clock.now() - started))
-
-
-@contextmanager
-def emulated_slowdown(clock: ComputeClock, factor: float) -> Iterator[None]:
-    """Run the body, then sleep ``(factor − 1) ×`` its compute time."""
-    if factor <= 1:
-        yield
-        return
-    started = clock.now()
-    yield
-    stretch(clock, started, factor)
+    def end(self, rank: int, global_step: int) -> None:  # noqa: D102
+        return None

@@ -21,7 +21,7 @@ from lightning_aesgd.bench.race.plots import (
 )
 from lightning_aesgd.bench.race.recorder import RunRecord, Validation
 from lightning_aesgd.bench.race.suites import Target
-from lightning_aesgd.core.slowdown import SlowdownChange, SlowdownProfile
+from lightning_aesgd.emulation.profiles import SlowdownChange, SlowdownProfile
 
 TARGET = Target("val/p@1", 0.6)
 STRAGGLER = SlowdownProfile((1, 1, 1, 1), (SlowdownChange(step=14, replica=3, factor=4),), base=6)

@@ -16,7 +16,7 @@ from lightning_aesgd.bench.race.recorder import RunRecord, Validation, batch_len
 from lightning_aesgd.bench.race.report import race_table
 from lightning_aesgd.bench.race.runner import shrink_replicas
 from lightning_aesgd.bench.race.suites import Target, Workload
-from lightning_aesgd.core.slowdown import SlowdownChange, SlowdownProfile
+from lightning_aesgd.emulation.profiles import SlowdownChange, SlowdownProfile
 
 # --- pure figures ---------------------------------------------------------------------------------------------
 

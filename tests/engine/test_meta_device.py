@@ -202,7 +202,7 @@ def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
     # (the summed weight and the rows): whatever the period and the options.
     module = nn.Linear(2, 1)
     settings = MergeSettings(get_merge_rule("elastic_average"), period=3)
-    options = {"lr_scaling": False, "lr_schedule": None, "slowdown": None, "step_batch_size": None}
+    options = {"lr_scaling": False, "lr_schedule": None, "step_batch_size": None}
     options |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
     engine = ReplicaEngine(settings, Router(), l2_nudge=True, **options)
     engine.start(module, FakeCommunicator(world_size=1), torch.device("cpu"))

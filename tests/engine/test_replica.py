@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from lightning_aesgd.core.lr import InverseTimeDecay
 from lightning_aesgd.core.merge import SMA, ElasticAverage
 from lightning_aesgd.core.sensing import PeriodReport
-from lightning_aesgd.core.slowdown import as_profile
+from lightning_aesgd.emulation import StepStretcher
+from lightning_aesgd.emulation.profiles import as_profile
 from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import LocalCommunicator
 from lightning_aesgd.engine.replica import NonFiniteReplicasError, ReplicaEngine
@@ -21,7 +22,7 @@ from lightning_aesgd.engine.routing import Router
 
 
 def _engine(merging: MergeSettings | None = None, **options) -> ReplicaEngine:
-    defaults = {"l2_nudge": False, "lr_scaling": False, "lr_schedule": None, "slowdown": None, "step_batch_size": None}
+    defaults = {"l2_nudge": False, "lr_scaling": False, "lr_schedule": None, "step_batch_size": None}
     defaults |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
     return ReplicaEngine(merging or MergeSettings(ElasticAverage()), Router(), **(defaults | options))
 
@@ -41,7 +42,8 @@ def _steps(engine: ReplicaEngine, loader: DataLoader, optimizer: torch.optim.Opt
 
 def test_the_step_emulation_counts_as_busy_time():
     module = torch.nn.Linear(2, 1)
-    engine, loader = _started(module, slowdown=as_profile([3.0]))
+    engine, loader = _started(module)
+    engine.compute_spans = StepStretcher(as_profile([3.0]), torch.device("cpu"))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     computes = []
 
@@ -56,10 +58,12 @@ def test_the_step_emulation_counts_as_busy_time():
     assert engine.router.stats()[0].busy_seconds >= 2.5 * compute
 
 
-def test_only_the_step_mode_is_emulated_by_the_engine():
+def test_only_the_step_mode_is_emulated_inside_the_strategy():
+    from lightning_aesgd import AdaptiveElasticStrategy
+
     hook = as_profile({"factors": [2.0], "mode": "hook", "seconds_per_sample": 0.001})
-    assert _engine(slowdown=hook).slowdown is None
-    assert _engine(slowdown=as_profile([2.0])).slowdown is not None
+    assert AdaptiveElasticStrategy(slowdown=hook).slowdown is None
+    assert AdaptiveElasticStrategy(slowdown=[2.0]).slowdown is not None
 
 
 def test_lr_scaling_scales_only_inside_the_step():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from lightning_aesgd.bench.race.recorder import RunRecord, Validation
 from lightning_aesgd.bench.race.suites import Target
-from lightning_aesgd.core.slowdown import SlowdownProfile
+from lightning_aesgd.emulation.profiles import SlowdownProfile
 
 BASELINE = "ddp"
 """The algorithm every other one is compared with under the same profile."""

@@ -20,7 +20,7 @@ from lightning_aesgd.bench.race.recorder import RunKey, RunRecord
 from lightning_aesgd.bench.race.report import race_table, write_results
 from lightning_aesgd.bench.race.runner import compose_config, run_once, shrink_replicas, threads_per_replica
 from lightning_aesgd.bench.race.suites import Target, get_workload
-from lightning_aesgd.core.slowdown import as_profile
+from lightning_aesgd.emulation.profiles import as_profile
 
 ADAPTIVE = "adaptive_sgd"
 """The algorithm whose per-replica batch sizes are plotted."""

@@ -23,7 +23,7 @@ from matplotlib.lines import Line2D
 
 from lightning_aesgd.bench.race.recorder import RunKey, RunRecord
 from lightning_aesgd.bench.race.suites import Target
-from lightning_aesgd.core.slowdown import SlowdownProfile
+from lightning_aesgd.emulation.profiles import SlowdownProfile
 
 METRIC_MIN_SPAN = 0.25
 """The metric axis spans at least this fraction of the largest magnitude plotted (e.g. 0.15 around a P@1 of 0.6)."""
@@ -66,7 +66,7 @@ def plot_batch_sizes(
 ) -> Path | None:
     """Each replica's batch size against the step, from the run's plan book; ``None`` without plans.
 
-    With the profile (a :class:`~lightning_aesgd.core.slowdown.SlowdownProfile`, or its factors fᵢ), dotted lines
+    With the profile (a :class:`~lightning_aesgd.emulation.profiles.SlowdownProfile`, or its factors fᵢ), dotted lines
     mark the speed-proportional sizes M·fᵢ(t)⁻¹ / Σⱼ fⱼ(t)⁻¹ at each step t (by count; a cost-aware split can differ
     from them by the rows' costs), following the profile's changes of factors.
     """
@@ -129,7 +129,7 @@ def speed_proportional_sizes(
     and the size from each of them on (the last repeated, for :meth:`matplotlib.axes.Axes.step`).
 
     Example:
-        >>> from lightning_aesgd.core.slowdown import SlowdownChange
+        >>> from lightning_aesgd.emulation.profiles import SlowdownChange
         >>> profile = SlowdownProfile((1, 1), (SlowdownChange(step=10, replica=1, factor=3),))
         >>> speed_proportional_sizes(profile, replica=1, step_batch=64, last_step=20)
         ([0, 10, 20], [32.0, 16.0, 16.0])

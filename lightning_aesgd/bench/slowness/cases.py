@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_aesgd.core.slowdown import SlowdownMode, SlowdownProfile
+from lightning_aesgd.emulation.profiles import SlowdownMode, SlowdownProfile
 
 BATCH = 64  # per replica and step; the step batch is 256
 SMALL_BATCH = 16  # the solo runs' second batch size: tells a fixed cost per step from a per-sample cost
@@ -19,7 +19,7 @@ class Case:
 
     Attributes:
         name: the case's name in tables.
-        mode: the slowdown mode (see :mod:`lightning_aesgd.core.slowdown`), or ``"none"`` for no slowdown.
+        mode: the slowdown mode (see :mod:`lightning_aesgd.emulation.profiles`), or ``"none"`` for no slowdown.
         factors: each replica's cost factor.
         step_ms: milliseconds of a cost-1 replica's step that the emulation adds (64-sample batches).
         workers: DataLoader worker processes per replica.

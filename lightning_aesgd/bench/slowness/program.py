@@ -35,7 +35,7 @@ from lightning_aesgd.bench.slowness.comparison import run_case
 from lightning_aesgd.bench.slowness.machinery import measure_machinery
 from lightning_aesgd.bench.slowness.model import load_data
 from lightning_aesgd.bench.slowness.report import machinery_table, table, write_report
-from lightning_aesgd.engine.cpu_quota import quota_unavailable
+from lightning_aesgd.emulation.cpu_quota import quota_unavailable
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 from lightning_aesgd.bench.slowness.cases import BATCH, Case
 from lightning_aesgd.bench.slowness.model import Classifier
 from lightning_aesgd.callbacks import SlowdownCallback
-from lightning_aesgd.core.slowdown import SlowdownProfile
+from lightning_aesgd.emulation.profiles import SlowdownProfile
 from lightning_aesgd.engine.telemetry import step_time_balance
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
 

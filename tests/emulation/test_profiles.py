@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_aesgd.core.slowdown import SlowdownChange, SlowdownProfile, as_profile
+from lightning_aesgd.emulation.profiles import SlowdownChange, SlowdownProfile, as_profile
 
 
 def test_factors_combine_the_base_and_later_changes():

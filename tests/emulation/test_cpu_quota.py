@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from lightning_aesgd.engine.cpu_quota import CpuQuota, quota_unavailable
+from lightning_aesgd.emulation.cpu_quota import CpuQuota, quota_unavailable
 
 
 def test_a_cpu_quota_without_cgroups_fails_with_the_fix(tmp_path):

@@ -16,7 +16,7 @@ Machines without mixed GPUs can still show what a strategy does for mixed hardwa
 * ``hook``: ``on_train_batch_end`` takes ``fᵢ × s`` seconds per sample, as a slow callback or logging does.
 * ``quota``: no sleeping: each replica process gets a real CPU quota (a cgroup), ``1/fᵢ`` of its fair share of
   the machine's cores, as a container's CPU limit or a noisy neighbour does. Needs a writable cgroup
-  hierarchy (see :mod:`lightning_aesgd.engine.cpu_quota`).
+  hierarchy (see :mod:`lightning_aesgd.emulation.cpu_quota`).
 
 Only ``step`` lands inside the region a strategy could time; the other modes are applied by
 :class:`~lightning_aesgd.callbacks.SlowdownCallback` to every strategy alike, so comparisons are fair and the
