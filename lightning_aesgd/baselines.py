@@ -101,5 +101,6 @@ def single_device_strategy(accelerator: str = "auto") -> SingleDeviceStrategy:
     Args:
         accelerator: the Trainer's accelerator (``"gpu"``/``"cuda"``: ``cuda:0``; ``"auto"``: CUDA where present).
     """
-    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    # The device count comes from NVML, which leaves CUDA uninitialised (replicas may still be forked).
+    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.device_count() > 0)
     return SingleDeviceStrategy(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))

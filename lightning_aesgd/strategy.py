@@ -18,7 +18,6 @@ import atexit
 import inspect
 import json
 import logging
-import os
 import signal
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -342,8 +341,6 @@ class AdaptiveElasticMixin(SharedDevices):
         warning = shared_store_warning()
         if warning is not None and self.global_rank == 0:
             log.warning(warning)
-        if self._get_process_group_backend() == "nccl":
-            raise_nccl_timeouts()
         store = attempt_store(self._timeout)
         if store is not None and not torch.distributed.is_initialized():
             self._init_process_group_on(store)
@@ -555,21 +552,6 @@ class AdaptiveElasticMixin(SharedDevices):
 
 class AdaptiveElasticStrategy(AdaptiveElasticMixin, DDPStrategy):
     """Adaptive elastic training as a ``pytorch_lightning`` strategy. See :class:`AdaptiveElasticMixin`."""
-
-
-NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-"""torch's switch for what NCCL's watchdog does with a collective that timed out or failed."""
-
-
-def raise_nccl_timeouts() -> None:
-    """Make a timed-out NCCL collective raise in the training thread instead of ending the process.
-
-    By default NCCL's watchdog tears the process down when a collective exceeds the group's timeout, so a stalled
-    peer would never become a :class:`ReplicaStalledError` naming the late ranks, as it does on gloo. Mode 2
-    ("clean up only") aborts the communicators and lets the next wait on them raise the timeout, which the engine
-    turns into that error (roll call included). Read when the group is created; a user's own setting is kept.
-    """
-    os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
 
 
 def _destroy_group_at_exit() -> None:

@@ -78,14 +78,14 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
 
 
 def _model_options(cfg: DictConfig, strategy: Any) -> dict[str, Any]:
-    """Dense embedding gradients for a baseline (Lightning's DDP reducer) on CUDA, where NCCL has no sparse sum.
+    """Dense embedding gradients for a baseline (Lightning's DDP reducer) over NCCL, which has no sparse sum.
 
     This project's strategy sums sparse gradients itself on any backend; Lightning's reducer hands them to the
-    backend's all-reduce, which NCCL (and gloo for CUDA tensors) cannot do for sparse tensors.
+    backend's all-reduce, which NCCL cannot do for sparse tensors (gloo can, replicas sharing a GPU included).
     """
     if isinstance(strategy, AdaptiveElasticMixin) or not cfg.model.get("sparse_gradients", False):
         return {}
-    if not _trains_on_cuda(cfg):
+    if not _trains_on_cuda(cfg) or getattr(strategy, "replicas_per_device", 1) > 1:  # gloo sums sparse ones
         return {}
     log.info("Lightning's DDP on CUDA: the model uses dense embedding gradients (NCCL cannot sum sparse ones).")
     return {"sparse_gradients": False}
@@ -93,8 +93,8 @@ def _model_options(cfg: DictConfig, strategy: Any) -> dict[str, Any]:
 
 def _trains_on_cuda(cfg: DictConfig) -> bool:
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    # is_available asks the driver without initialising CUDA in this process (replicas may still be forked).
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    # The device count comes from NVML, which leaves CUDA uninitialised here (replicas may still be forked).
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.device_count() > 0)
 
 
 def _instantiate_group(group: DictConfig | None) -> list[Any]:

@@ -1,12 +1,13 @@
 """Steps 1-3 of scripts/gpu_check.sh: the main job on the GPUs, one run per configuration, judged as a table.
 
 Each run is ``python -m lightning_aesgd.train`` in a process of its own (what a user runs); its test metrics come
-from the job's ``results:`` line. Exits 1 if a run fails or an XMC config's test P@1 is more than ``P_AT_1_SLACK``
-from Lightning DDP's.
+from the job's ``results:`` line. Exits 1 if a package is missing, a run fails or an XMC config's test P@1 is more
+than ``P_AT_1_SLACK`` from Lightning DDP's; a data set whose files are absent is skipped, with why.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -38,8 +39,21 @@ def run(name: str, overrides: list[str]) -> dict[str, float] | None:
     return metrics
 
 
+NEEDED = ("hydra", "omegaconf", "scipy", "torchmetrics", "pytorch_lightning")
+"""What the main job imports beyond torch (digits also needs scikit-learn, checked where it runs)."""
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """The modules of ``names`` that cannot be imported here."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def main(extra: list[str]) -> int:
     """Run every configuration; return the exit status."""
+    missing = missing_modules(NEEDED)
+    if missing:
+        print(f"FAIL missing Python packages: {missing}. HINT: install them (or carry their wheels) first.")
+        return 1
     failures = 0
     p_at_1: dict[str, float] = {}
     for algorithm in ALGORITHMS:
@@ -51,6 +65,10 @@ def main(extra: list[str]) -> int:
         elif "test/p@1" in metrics:
             p_at_1[algorithm] = metrics["test/p@1"]
     for experiment in ("digits", "fashion_mnist"):
+        absent = _absent_data(experiment)
+        if absent:
+            print(f"skip {experiment}: {absent}")
+            continue
         overrides = [f"experiment={experiment}", "trainer=gpu", "devices=real", "launch.start_method=spawn", *extra]
         failures += run(experiment, overrides) is None
     for algorithm in ("adaptive_elastic", "adaptive_sgd", "ddp"):
@@ -68,6 +86,19 @@ def main(extra: list[str]) -> int:
             print(f"{'FAIL' if off else 'ok  '} {algorithm}: test P@1 {value:.4f} against DDP's {reference:.4f}")
     print(f"gpu_check: {failures} failure(s)")
     return 1 if failures else 0
+
+
+def _absent_data(experiment: str) -> str | None:
+    """Why ``experiment``'s data cannot be read offline here, or None where it can."""
+    if experiment == "digits" and missing_modules(("sklearn",)):
+        return "scikit-learn (which ships the digits) is not installed"
+    if experiment == "fashion_mnist":
+        from lightning_aesgd.workloads.images.fashion_mnist import ENV_VAR, is_available, resolve_data_dir
+
+        if not is_available():
+            folder = resolve_data_dir()
+            return f"no Fashion-MNIST files in {folder} (apt-get install dataset-fashion-mnist, or set {ENV_VAR})"
+    return None
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -69,14 +67,3 @@ def test_two_replicas_train_on_one_device(sync):
     trainer.fit(model)
     assert trainer.world_size == 2
     assert trainer.state.finished
-
-
-def test_nccl_timeouts_raise_instead_of_ending_the_process(monkeypatch):
-    from lightning_aesgd.strategy import NCCL_ERROR_HANDLING, raise_nccl_timeouts
-
-    monkeypatch.delenv(NCCL_ERROR_HANDLING, raising=False)
-    raise_nccl_timeouts()
-    assert os.environ[NCCL_ERROR_HANDLING] == "2"
-    monkeypatch.setenv(NCCL_ERROR_HANDLING, "1")  # the user's own choice stands
-    raise_nccl_timeouts()
-    assert os.environ[NCCL_ERROR_HANDLING] == "1"

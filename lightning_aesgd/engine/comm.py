@@ -403,7 +403,7 @@ class WeightedAllReduce:
                 summed_tail = bucket[body:]
         if row and carrier is None:  # no float32/float64 bucket to carry the row: send it on its own
             summed_tail = torch.empty(len(tail), dtype=torch.float64, device=flats[0].device if flats else self.device)
-            _copy_from_host(summed_tail, tail)
+            copy_from_host(summed_tail, tail)
             self.comm.all_reduce_sum_(summed_tail)
         if summed_tail is None:
             return means, []
@@ -428,7 +428,7 @@ class WeightedAllReduce:
             else:
                 torch.mul(flat.reshape(-1), weight, out=chunk)
         if tail is not None:
-            _copy_from_host(bucket[body:], tail)
+            copy_from_host(bucket[body:], tail)
         else:
             bucket[body] = weight
         self.comm.all_reduce_sum_(bucket)
@@ -470,7 +470,7 @@ def _split_tail(values: list[float], width: int) -> tuple[float, list[list[float
     return values[0], [rows[start : start + width] for start in range(0, len(rows), width)] if width else []
 
 
-def _copy_from_host(target: Tensor, values: Sequence[float]) -> None:
+def copy_from_host(target: Tensor, values: Sequence[float]) -> None:
     """Fill ``target`` with host ``values`` through a staging tensor moved to ``target``'s device.
 
     On CUDA the staging tensor is pinned and the copy does not block: a plain copy from pageable memory would make

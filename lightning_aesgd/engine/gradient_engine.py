@@ -25,7 +25,13 @@ from lightning_aesgd.core.merge import as_merge_rule
 from lightning_aesgd.core.schedule import report_interval
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.averager import MergeSettings
-from lightning_aesgd.engine.comm import Communicator, ReplicaStalledError, is_peer_failure, stalled_error
+from lightning_aesgd.engine.comm import (
+    Communicator,
+    ReplicaStalledError,
+    copy_from_host,
+    is_peer_failure,
+    stalled_error,
+)
 from lightning_aesgd.engine.gradients import (
     GradientSum,
     apply_gradients,
@@ -256,9 +262,9 @@ class GradientEngine(ReplicaEngine):
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).
             comm = self._comm()
             report = self.router.report(self._share, stop=self._stop_requested())
-            row = torch.tensor(report.as_row(), dtype=torch.float64, device=self._device)
-            rows = torch.zeros(comm.world_size, row.numel(), dtype=torch.float64, device=self._device)
-            rows[comm.rank] = row
+            row = report.as_row()
+            rows = torch.zeros(comm.world_size, len(row), dtype=torch.float64, device=self._device)
+            copy_from_host(rows[comm.rank], row)  # pinned and non-blocking: no wait for the backward here
             self._rows_in_flight.append(dist.all_reduce(rows, async_op=True).get_future())
             self.router.continue_after_arrival()
         if not self.reduce.delay:

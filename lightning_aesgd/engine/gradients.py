@@ -348,20 +348,19 @@ def _gathered_sum(local: Tensor, counts: list[int], group: Any) -> torch.futures
     indices, values = _padded(local._indices(), longest, dim=1), _padded(local._values(), longest, dim=0)
     all_indices = [torch.empty_like(indices) for _ in counts]
     all_values = [torch.empty_like(values) for _ in counts]
-    indices_gathered = dist.all_gather(all_indices, indices, group=group, async_op=True)
-    values_gathered = dist.all_gather(all_values, values, group=group, async_op=True)
-
-    def unpadded(_: torch.futures.Future[Any]) -> Tensor:
-        indices_gathered.wait()
-        return torch.sparse_coo_tensor(
+    # Waiting on the works makes the current stream wait for them on NCCL (the host goes on); the tensor is then
+    # built on this stream and handed back in a completed CPU future. A CUDA future's callback result would have
+    # its storages collected through ``indices()``, which an uncoalesced sparse tensor refuses.
+    dist.all_gather(all_indices, indices, group=group, async_op=True).wait()
+    dist.all_gather(all_values, values, group=group, async_op=True).wait()
+    return _completed(
+        torch.sparse_coo_tensor(
             torch.cat([rows[:, :n] for rows, n in zip(all_indices, counts, strict=True)], dim=1),
             torch.cat([rows[:n] for rows, n in zip(all_values, counts, strict=True)]),
             local.size(),
             check_invariants=False,
         )
-
-    gathered: torch.futures.Future[list[Tensor]] = values_gathered.get_future()
-    return gathered.then(unpadded)
+    )
 
 
 def _padded(tensor: Tensor, length: int, dim: int) -> Tensor:
