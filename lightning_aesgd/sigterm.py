@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 class _MergeOutcome(Protocol):
     @property
-    def merged_last_step(self) -> bool: ...
+    def synced_last_step(self) -> bool: ...
 
     @property
     def stop_requested(self) -> bool: ...
@@ -33,7 +33,7 @@ class StopCheck:
         loop._broadcast_sigterm_tensor = self
 
     def __call__(self) -> None:  # noqa: D102
-        if not self.outcome.merged_last_step:
+        if not self.outcome.synced_last_step:
             self.broadcast()
         elif self.outcome.stop_requested:
             raise self.exception()

@@ -3,10 +3,10 @@
 Processes are launched exactly as Lightning's DDP launches them (popen script launcher, spawn, torchrun,
 SLURM). By default (``sync="gradients"``) the model is wrapped in ``DistributedDataParallel`` and every step
 applies the sum of the replicas' gradients, each weighted by its share of the step's samples: DDP's update at
-speed-proportional batches (:class:`~lightning_aesgd.engine.gradient_engine.GradientEngine`). With
+speed-proportional batches (:class:`~lightning_aesgd.engine.gradient_sync.GradientSync`). With
 ``sync="models"`` (Adaptive SGD and its relatives) the model is never wrapped: every Lightning step is one local
 update of every replica, and replicas are merged by a :class:`~lightning_aesgd.core.merge.MergeRule` every
-``period`` steps (:class:`~lightning_aesgd.engine.replica.ReplicaEngine`). The strategy is only Lightning's
+``period`` steps (:class:`~lightning_aesgd.engine.model_merge.ModelMerge`). The strategy is only Lightning's
 hooks: each delegates to the Lightning-free engine. The hooks live in :class:`AdaptiveElasticMixin`, which is
 free of namespace imports, so the same code serves ``pytorch_lightning`` (this module) and the unified
 ``lightning`` package (:mod:`lightning_aesgd.unified`).
@@ -45,9 +45,9 @@ from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.emulation import StepStretcher, as_profile
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
-from lightning_aesgd.engine.gradient_engine import GradientEngine
-from lightning_aesgd.engine.gradients import gradient_sum_hook
-from lightning_aesgd.engine.replica import CHECKPOINT_KEY, ReplicaEngine
+from lightning_aesgd.engine.gradient_sync import GradientSync
+from lightning_aesgd.engine.model_merge import ModelMerge
+from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline
 from lightning_aesgd.engine.routing import PlanSettings, Router, SampleCosts
 from lightning_aesgd.placement import SharedDevices
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
@@ -238,7 +238,7 @@ class AdaptiveElasticMixin(SharedDevices):
         )
         # Buffers (BatchNorm statistics) go from rank zero at evaluation, checkpoints and the end of fit instead of
         # at every forward: DDP's per-forward broadcast would be a second synchronisation point per step, which
-        # arrival sensing would count as work and which the delayed sum could not overlap (see GradientEngine).
+        # arrival sensing would count as work and which the delayed sum could not overlap (see GradientSync).
         ddp_options: dict[str, Any] = (
             {"find_unused_parameters": find_unused_parameters, **_NO_BUFFER_SYNC_AT_FORWARD}
             if sync == "gradients"
@@ -257,6 +257,7 @@ class AdaptiveElasticMixin(SharedDevices):
             **ddp_options,
         )
         self.sync = sync
+        self.merging = merging  # checked in either mode; used by model merging only
         profile = as_profile(slowdown)
         self.slowdown = profile if profile is not None and profile.mode == "step" else None
         hold_steps = warmup_steps if plan_after_warmup else 0
@@ -264,7 +265,7 @@ class AdaptiveElasticMixin(SharedDevices):
             planner, shares, min_batch, max_batch, min_share, speed_smoothing, plan_gain, hold_steps=hold_steps
         )
         if sync == "gradients":
-            self.engine: ReplicaEngine = GradientEngine(
+            self.engine: StepPipeline = GradientSync(
                 Router(planning),
                 delay=gradient_delay,
                 compensate_momentum=compensate_momentum,
@@ -276,7 +277,7 @@ class AdaptiveElasticMixin(SharedDevices):
                 sample_costs=sample_costs,
             )
         else:
-            self.engine = ReplicaEngine(
+            self.engine = ModelMerge(
                 merging,
                 Router(planning),
                 l2_nudge=l2_nudge,
@@ -299,17 +300,17 @@ class AdaptiveElasticMixin(SharedDevices):
     @property
     def period(self) -> int:
         """Local steps between merges after warm-up."""
-        return self.engine.merging.period
+        return self.merging.period
 
     @property
     def warmup_steps(self) -> int:
         """Steps at the start that each end with a merge."""
-        return self.engine.merging.warmup_steps
+        return self.merging.warmup_steps
 
     @property
     def merge_rule(self) -> MergeRule:
         """The merge rule in use."""
-        return self.engine.merging.rule
+        return self.merging.rule
 
     @property
     def _module(self) -> Any:
@@ -326,9 +327,10 @@ class AdaptiveElasticMixin(SharedDevices):
         Under gradient synchronisation the wrapper's communication hook sums the replicas' gradients, each weighted
         by its share of the step's samples (see :meth:`backward`).
         """
-        if isinstance(self.engine, GradientEngine):
+        if self.engine.wraps_model:
             super().configure_ddp()
-            self.model.register_comm_hook(self.engine.reduce, gradient_sum_hook)  # type: ignore[union-attr,operator]
+            assert self.model is not None
+            self.engine.configure_model(self.model)
 
     @override
     def setup_distributed(self) -> None:
@@ -375,8 +377,7 @@ class AdaptiveElasticMixin(SharedDevices):
             self.slowdown.check_replicas(self.world_size)
             self.engine.compute_spans = StepStretcher(self.slowdown, self.root_device)
         self.engine.start(self._module, default_communicator(self.root_device), self.root_device)
-        if isinstance(self.engine, GradientEngine):
-            self.engine.on_flush(self._clip_gradients)
+        self.engine.before_own_update = self._clip_gradients
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
 
     @override
@@ -426,8 +427,8 @@ class AdaptiveElasticMixin(SharedDevices):
         The gradient then enters DDP's sum already weighted: one multiplication, where weighting the buckets
         would cost a pass over every gradient (and a sparse embedding gradient holds a row per occurrence).
         """
-        if isinstance(self.engine, GradientEngine) and self.engine.ready:
-            closure_loss = closure_loss * self.engine.gradient_weight
+        if self.engine.ready and self.engine.loss_weight != 1.0:
+            closure_loss = closure_loss * self.engine.loss_weight
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _clip_gradients(self, optimizer: torch.optim.Optimizer) -> None:

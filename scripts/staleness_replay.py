@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_aesgd.engine.gradients import GradientSum
-from lightning_aesgd.engine.replica import scaled_learning_rate
+from lightning_aesgd.engine.pipeline import scaled_learning_rate
 
 
 def replay(

@@ -122,6 +122,13 @@ class FakeCommunicator:
         _check_backend_device(tensor, self.device)
         tensor.add_(self.peers_sum(tensor.clone()))
 
+    def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future:
+        self.all_reduce_sum_(tensor)
+        self.calls[-1] = "all_reduce_sum_async"
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result([tensor])
+        return future
+
     def host_all_reduce_sum_(self, tensor: Tensor) -> None:
         self.calls.append("host_all_reduce_sum_")
         _check_backend_device(tensor, torch.device("cpu"))

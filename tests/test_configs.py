@@ -76,7 +76,7 @@ def test_the_paper_preset_is_the_papers_algorithm(tmp_path):
     assert (planner.step, planner.min_batch, planner.max_batch) == (32, 32, 1024)
     assert (strategy.router.settings.plan_gain, strategy.router.settings.min_share) == (1.0, 0.0)
     assert strategy.router.settings.hold_steps == strategy.warmup_steps == 10
-    assert strategy.engine.merging.weights == "updates"
+    assert strategy.merging.weights == "updates"
     assert strategy.engine.lr_scaling
     assert strategy.engine.normalization.enabled
     assert strategy.merge_rule.alpha == 1.0

@@ -39,6 +39,10 @@ class Communicator(Protocol):
         """Replace ``tensor`` in place by its elementwise sum over all replicas."""
         ...
 
+    def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future[Any]:
+        """Launch the in-place SUM of ``tensor`` over all replicas; the future's value is ``[tensor]`` once done."""
+        ...
+
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:
         """Replace ``tensor`` in place by replica ``src``'s tensor."""
         ...
@@ -72,6 +76,9 @@ class LocalCommunicator:
 
     def all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
         return None
+
+    def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future[Any]:  # noqa: D102
+        return _completed([tensor])
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
         return None
@@ -130,6 +137,13 @@ class TorchCommunicator:
 
     def all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
         self._collective("all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group))
+
+    def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future[Any]:  # noqa: D102
+        # Launching cannot fail for a late peer (waiting on the future can; the caller names where it waited).
+        future: torch.futures.Future[Any] = dist.all_reduce(
+            tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        ).get_future()
+        return future
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
         self._collective("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group))
@@ -481,3 +495,9 @@ def copy_from_host(target: Tensor, values: Sequence[float]) -> None:
         target.copy_(staging.pin_memory(), non_blocking=True)
     else:
         target.copy_(staging.to(target.device))
+
+
+def _completed(value: Any) -> torch.futures.Future[Any]:
+    future: torch.futures.Future[Any] = torch.futures.Future()
+    future.set_result(value)
+    return future

@@ -22,11 +22,11 @@ from torch.utils.data import DataLoader
 from lightning_aesgd.core.merge import get_merge_rule
 from lightning_aesgd.engine import averager as averager_module
 from lightning_aesgd.engine import comm as comm_module
-from lightning_aesgd.engine import replica as replica_module
+from lightning_aesgd.engine import model_merge as replica_module
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import WeightedAllReduce
 from lightning_aesgd.engine.flat import FlatView, to_host
-from lightning_aesgd.engine.replica import ReplicaEngine
+from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.routing import Router
 
 DEVICES = ["cpu", "meta"]
@@ -204,7 +204,7 @@ def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
     settings = MergeSettings(get_merge_rule("elastic_average"), period=3)
     options = {"lr_scaling": False, "lr_schedule": None, "step_batch_size": None}
     options |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
-    engine = ReplicaEngine(settings, Router(), l2_nudge=True, **options)
+    engine = ModelMerge(settings, Router(), l2_nudge=True, **options)
     engine.start(module, FakeCommunicator(world_size=1), torch.device("cpu"))
     loader = engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
@@ -213,7 +213,7 @@ def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
         before = len(host_reads.tensors)
         engine.begin_step(0, index, index)
         engine.optimizer_step(optimizer, lambda: None, lambda: False, grad_scaler=_Scaler())
-        if engine.merged_last_step:
+        if engine.synced_last_step:
             reads_per_merge.append(len(host_reads.tensors) - before)
     assert reads_per_merge == [2] * engine.averager.merges
     assert engine.averager.merges == 3

@@ -1,9 +1,8 @@
-"""One replica's machinery under ``sync="gradients"``: routing and planning as ever, DDP's reducer for the update.
+"""Gradient synchronisation (``sync="gradients"``, the default): DDP's reducer sums share-weighted gradients.
 
-:class:`GradientEngine` is the :class:`~lightning_aesgd.engine.replica.ReplicaEngine` for gradient
-synchronisation. The loader, the sampler, the router, telemetry, compute spans and checkpoints of plans are
-the same; instead of merging models it gives each step's gradient the weight ``bᵢ/M`` (``gradient_weight``, by
-which the strategy scales the loss) for DDP's communication hook to sum
+:class:`GradientSync` is the :class:`~lightning_aesgd.engine.pipeline.StepPipeline` whose sync point is every
+step's gradient sum: it gives each step's gradient the weight ``bᵢ/M`` (``loss_weight``, by which the strategy
+scales the loss) for DDP's communication hook to sum
 (:class:`~lightning_aesgd.engine.gradients.GradientSum`), and the replicas' reports travel in a small all-reduce
 launched with the last gradient bucket. Every replica holds the same model and optimizer state, as
 under DDP, so evaluation and checkpoints need no merged model.
@@ -18,13 +17,10 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_aesgd.core.merge import as_merge_rule
 from lightning_aesgd.core.schedule import report_interval
 from lightning_aesgd.core.sensing import PeriodReport
-from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import (
     Communicator,
     ReplicaStalledError,
@@ -35,11 +31,12 @@ from lightning_aesgd.engine.comm import (
 from lightning_aesgd.engine.gradients import (
     GradientSum,
     apply_gradients,
+    gradient_sum_hook,
     pending_from_list,
     pending_to_list,
     update_skipped,
 )
-from lightning_aesgd.engine.replica import ReplicaEngine, scaled_learning_rate
+from lightning_aesgd.engine.pipeline import StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.routing import Router, SampleCosts
 
 log = logging.getLogger(__name__)
@@ -48,10 +45,10 @@ T = TypeVar("T")
 
 SETTLED_SPREAD = 0.1
 """A plan whose predicted step times agree within this fraction counts as settled: reports may then space out (see
-:meth:`GradientEngine._next_interval`)."""
+:meth:`GradientSync._next_interval`)."""
 
 
-class GradientEngine(ReplicaEngine):
+class GradientSync(StepPipeline):
     """Uneven batches with DDP's exact update (``delay=0``) or ABS-SGD's one-step-stale one (``delay=1``).
 
     Args:
@@ -69,6 +66,8 @@ class GradientEngine(ReplicaEngine):
         sample_costs: per-sample costs for cost-aware splitting.
     """
 
+    wraps_model = True  # DistributedDataParallel's reducer runs the sums, through GradientSum's hook
+
     def __init__(
         self,
         router: Router,
@@ -83,15 +82,11 @@ class GradientEngine(ReplicaEngine):
         sample_costs: SampleCosts,
     ) -> None:
         super().__init__(
-            MergeSettings(as_merge_rule("elastic_average")),  # unused: nothing is merged
             router,
-            l2_nudge=False,
-            lr_scaling=False,
             lr_schedule=lr_schedule,
             step_batch_size=step_batch_size,
             plan_lag=plan_lag,
             sample_costs=sample_costs,
-            checkpoint_replicas=False,
         )
         self.reduce = GradientSum(
             delay,
@@ -105,10 +100,8 @@ class GradientEngine(ReplicaEngine):
         self.delay_lr_scale = delay_lr_scale
         self._pending_is_stale = False  # whether the weights moved after the sum in flight was computed
         self.syncs = 0
-        self._comm_in_use: Communicator | None = None
         self._params: list[nn.Parameter] = []
         self._optimizer: torch.optim.Optimizer | None = None
-        self._before_flush_update: Callable[[torch.optim.Optimizer], None] | None = None
         self._share = 1.0
         self._stop_requested: Callable[[], bool] = _never
         self._rows_in_flight: list[torch.futures.Future[Any]] = []
@@ -124,30 +117,19 @@ class GradientEngine(ReplicaEngine):
         return self._delay
 
     @property
-    def gradient_weight(self) -> float:
+    def loss_weight(self) -> float:
         """This replica's weight ``bᵢ/M`` in the step's gradient sum: the strategy scales the loss by it."""
         return self._share
 
     @property
-    def running(self) -> bool:  # noqa: D102
-        return self._comm_in_use is not None
-
-    @property
-    def ready(self) -> bool:  # noqa: D102
-        return self._comm_in_use is not None and self.sampler is not None
-
-    def _comm(self) -> Communicator:
-        assert self._comm_in_use is not None, "the engine is not running: call start() first"
-        return self._comm_in_use
-
-    def _merge_count(self) -> int:
+    def sync_count(self) -> int:
+        """Gradient sums in this fit."""
         return self.syncs
 
     # --- a fit's lifecycle --------------------------------------------------------------------------------
 
-    def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
-        """Begin a fit: DistributedDataParallel has already made every replica start from rank zero's model."""
-        self._comm_in_use = comm
+    def _start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
+        """DistributedDataParallel has already made every replica start from rank zero's model."""
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
@@ -155,23 +137,17 @@ class GradientEngine(ReplicaEngine):
         self.reduce.applied = {}
         self._rows_in_flight = []
         self._next_report, self._report_every = 0, 0
-        self.router.attach(comm.world_size, device)
         self._device = device
-        self._first_step = True
-        self._saved_step_batch_size = None
         self.syncs = 0
 
-    def stop(self) -> None:
-        """End a fit."""
-        super().stop()
-        self._comm_in_use = None
+    def _stop(self) -> None:
         self._optimizer = None
         self._stop_requested = _never  # the Trainer's check holds the Trainer: not kept past the fit
         self._rows_in_flight = []
 
-    def on_flush(self, before_update: Callable[[torch.optim.Optimizer], None] | None) -> None:
-        """What runs between writing a flushed gradient and the update (the Trainer's gradient clipping)."""
-        self._before_flush_update = before_update
+    def configure_model(self, model: nn.Module) -> None:
+        """Register the gradient sum as DistributedDataParallel's communication hook on the wrapped ``model``."""
+        model.register_comm_hook(self.reduce, gradient_sum_hook)  # type: ignore[operator]
 
     # --- training steps -----------------------------------------------------------------------------------
 
@@ -196,7 +172,7 @@ class GradientEngine(ReplicaEngine):
         stop_requested: Callable[[], bool],
         grad_scaler: Any = None,
     ) -> T:
-        """Run one step whose gradient counts with this replica's share of the step's samples (``gradient_weight``).
+        """Run one step whose gradient counts with this replica's share of the step's samples (``loss_weight``).
 
         A step the ``grad_scaler`` skips is skipped on every replica alike (they all see the same summed gradient).
         """
@@ -218,7 +194,7 @@ class GradientEngine(ReplicaEngine):
         factor = self._lr_factor(stale=bool(self.reduce.delay) and self._pending_is_stale)
         # This step's sum, applied at the next step or flushed, is stale if this step moves the weights.
         self._pending_is_stale = bool(self.reduce.delay) and applies
-        loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
+        loader_seconds = self._loader_seconds()
         timing = self.router.timing(record, loader_seconds)
         self.compute_spans.begin()  # the forward and backward, up to the arrival
         self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
@@ -232,12 +208,12 @@ class GradientEngine(ReplicaEngine):
         self.compute_spans.end(self._comm().rank, self._global_step)
         self.reduce.end_step()
         self.syncs += 1
-        self.merged_last_step = True
+        self.synced_last_step = True
         return output
 
     def _lr_factor(self, stale: bool) -> float:
         """The factor on the learning rate of this step's update: the schedule's, and ``delay_lr_scale`` if stale."""
-        factor = float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
+        factor = self._scheduled_lr_factor()
         return factor * self.delay_lr_scale if stale else factor
 
     def _stalled(self, error: RuntimeError) -> ReplicaStalledError:
@@ -265,7 +241,7 @@ class GradientEngine(ReplicaEngine):
             row = report.as_row()
             rows = torch.zeros(comm.world_size, len(row), dtype=torch.float64, device=self._device)
             copy_from_host(rows[comm.rank], row)  # pinned and non-blocking: no wait for the backward here
-            self._rows_in_flight.append(dist.all_reduce(rows, async_op=True).get_future())
+            self._rows_in_flight.append(comm.all_reduce_sum_async(rows))
             self.router.continue_after_arrival()
         if not self.reduce.delay:
             self.router.begin_wait()  # DDP's reducer now waits for the slowest replica's buckets
@@ -321,8 +297,8 @@ class GradientEngine(ReplicaEngine):
             return
         self.reduce.read_momentum(optimizer)
         apply_gradients(self._params, self.reduce.compensated(pending))
-        if self._before_flush_update is not None:
-            self._before_flush_update(optimizer)
+        if self.before_own_update is not None:
+            self.before_own_update(optimizer)
         factor = self._lr_factor(stale=self._pending_is_stale)
         self._pending_is_stale = False  # nothing is in flight now
         self.compute_spans.begin()  # the flushed update is the update a step skipped: compute like any
@@ -372,9 +348,7 @@ class GradientEngine(ReplicaEngine):
 
         Momentum compensation subtracts the latest applied sum from the next: resuming needs both.
         """
-        shared: dict[str, Any] = {"router": self.router.shared_state()}
-        if self.sampler is not None:
-            shared["step_batch_size"] = self.sampler.step_batch_size
+        shared = self._plan_state()
         shared["delayed_gradients"] = pending_to_list(self._params, self.reduce.peek_pending())
         shared["delayed_gradients_stale"] = self._pending_is_stale
         shared["applied_gradients"] = pending_to_list(self._params, self.reduce.applied)
@@ -389,8 +363,7 @@ class GradientEngine(ReplicaEngine):
         at ``delay_lr_scale`` (the rule for every delayed update but the first after a start or a flush).
         """
         shared = state["shared"]
-        self.router.load_shared_state(shared["router"])
-        self._saved_step_batch_size = shared.get("step_batch_size")
+        self._load_plan_state(shared)
         delayed = shared.get("delayed_gradients")
         if delayed is not None and self.delay:
             self.reduce.hold(pending_from_list(self._params, delayed))

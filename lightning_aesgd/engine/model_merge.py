@@ -1,25 +1,23 @@
-"""One replica's training machinery, composed: what the strategy's Lightning hooks delegate to.
+"""Model merging (``sync="models"``): local steps, and replicas merged every ``period`` steps by a merge rule.
 
-:class:`ReplicaEngine` owns, for one replica: the merges (:class:`~lightning_aesgd.engine.averager.ElasticAverager`),
-the routing of work (:class:`~lightning_aesgd.engine.routing.Router` and the planned loader), the algorithm rules
-that act between steps (adaptive normalization, Crossbow's reset on a learning-rate drop, per-replica learning-rate
-scaling), the spans where the device computes (:class:`~lightning_aesgd.engine.timing.ComputeSpans`), and its
-part of checkpoints. It imports no Lightning: the strategy passes it the module, the optimizer and a function
-that runs Lightning's own optimizer step.
+:class:`ModelMerge` is the :class:`~lightning_aesgd.engine.pipeline.StepPipeline` of Adaptive SGD and its
+relatives (SMA, EASGD, local SGD): the model is not wrapped, every Lightning step is one local update of every
+replica, and at a merge the replicas' models are averaged with weights and written back elastically
+(:class:`~lightning_aesgd.engine.averager.ElasticAverager`, the rules of :mod:`lightning_aesgd.core.merge`). The
+algorithm rules that act between steps live here too: adaptive normalization, Crossbow's reset on a learning-rate
+drop, per-replica learning-rate scaling, and the exclusion of a replica whose model is not finite.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_aesgd.core.schedule import LearningRateDrop
 from lightning_aesgd.core.sensing import PeriodReport
@@ -27,23 +25,10 @@ from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
-from lightning_aesgd.engine.loading import (
-    LoaderClock,
-    PlannedDataLoader,
-    build_planned_loader,
-    check_step_options,
-    inspect_train_loader,
-    prefetch_depth,
-)
-from lightning_aesgd.engine.routing import Router, SampleCosts, check_sample_costs, resolve_sample_costs
-from lightning_aesgd.engine.sampler import PlannedBatchSampler
-from lightning_aesgd.engine.telemetry import replica_metrics, summary_record, summary_table
-from lightning_aesgd.engine.timing import ComputeSpans, NoComputeSpans
+from lightning_aesgd.engine.pipeline import StepPipeline, scaled_learning_rate
+from lightning_aesgd.engine.routing import Router, SampleCosts
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_KEY = "adaptive_elastic"
-"""Where a checkpoint holds the engine's state (see :meth:`ReplicaEngine.training_state`)."""
 
 T = TypeVar("T")
 
@@ -52,10 +37,10 @@ class NonFiniteReplicasError(FloatingPointError):
     """Every replica's model became non-finite: training cannot continue from any of them."""
 
 
-class ReplicaEngine:
-    """Everything one replica does around its training loop, Lightning-free.
+class ModelMerge(StepPipeline):
+    """Local steps and weighted elastic merges: the step pipeline of ``sync="models"``.
 
-    The strategy owns the options' defaults (its signature); the engine takes every option explicitly.
+    The strategy owns the options' defaults (its signature); the pipeline takes every option explicitly.
 
     Args:
         merging: the merge rule, schedule and weights.
@@ -63,8 +48,7 @@ class ReplicaEngine:
         l2_nudge: Adaptive SGD's adaptive normalization of merge weights.
         lr_scaling: scale the replica's learning rate by its batch over the nominal one during its step.
         lr_schedule: a further factor on the rate during each step, a function of the global step (``None``: 1).
-        step_batch_size: indices consumed per step by all replicas; by default the loader's batch size times
-            the number of replicas, so that an equal plan means what DDP means.
+        step_batch_size: indices consumed per step by all replicas (see :class:`StepPipeline`).
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
         sample_costs: per-sample costs for cost-aware splitting (see :func:`~.routing.resolve_sample_costs`).
         checkpoint_replicas: save every replica's own model and optimizer state in checkpoints.
@@ -83,36 +67,22 @@ class ReplicaEngine:
         sample_costs: SampleCosts,
         checkpoint_replicas: bool,
     ) -> None:
-        check_step_options(step_batch_size, plan_lag)
-        check_sample_costs(sample_costs)
+        super().__init__(
+            router,
+            lr_schedule=lr_schedule,
+            step_batch_size=step_batch_size,
+            plan_lag=plan_lag,
+            sample_costs=sample_costs,
+        )
         self.merging = merging
-        self.router = router
         self.normalization = AdaptiveNormalization(l2_nudge, merging.warmup_steps)
         self.lr_scaling = lr_scaling
-        if lr_schedule is not None and not callable(lr_schedule):
-            raise TypeError(
-                f"`lr_schedule` is a function of the global step, got {lr_schedule!r}. HINT: pass e.g. "
-                "lightning_aesgd.InverseTimeDecay(decay=0.05, warmup_steps=10), or None."
-            )
-        self.lr_schedule = lr_schedule
-        self.step_batch_size = step_batch_size
-        self.plan_lag = plan_lag
-        self.sample_costs = sample_costs
         self.checkpoint_replicas = checkpoint_replicas
         self.averager: ElasticAverager | None = None
-        self.sampler: PlannedBatchSampler | None = None
-        self.loader_clock: LoaderClock | None = None
-        self.merged_last_step = False
         self.exclusions: list[tuple[int, int]] = []  # (global step, rank) of every replica left out of a merge
         # Kept across fits of the same strategy: a fit that starts at a lower rate than the last one ended at is
         # a drop too.
         self._lr_drop = LearningRateDrop()
-        self._step_key = 0
-        self._global_step = 0
-        # Told where the device computes in each step (an emulation of slower devices listens; by default nobody).
-        self.compute_spans: ComputeSpans = NoComputeSpans()
-        self._first_step = True
-        self._saved_step_batch_size: int | None = None  # the checkpoint's, when resuming
         # The merged model's norm after the latest merge, for adaptive normalization: left on the device until the
         # next merge reads it back with its other numbers.
         self._center_norm: torch.Tensor | float = -1.0
@@ -126,119 +96,26 @@ class ReplicaEngine:
             )
 
     @property
-    def running(self) -> bool:
-        """Whether a fit is in progress (between :meth:`start` and :meth:`stop`)."""
-        return self.averager is not None
-
-    @property
-    def ready(self) -> bool:
-        """Whether training steps go through the engine: a fit is running and its loader was built here."""
-        return self.averager is not None and self.sampler is not None
-
-    def _running_averager(self) -> ElasticAverager:
-        assert self.averager is not None, "the engine is not running: call start() first"
-        return self.averager
-
-    def _comm(self) -> Communicator:
-        return self._running_averager().comm
-
-    def _merge_count(self) -> int:
+    def sync_count(self) -> int:
+        """Merges in this fit."""
         return self._running_averager().merges
 
-    # --- a fit's lifecycle --------------------------------------------------------------------------------
+    def _running_averager(self) -> ElasticAverager:
+        assert self.averager is not None, "the pipeline is not running: call start() first"
+        return self.averager
 
-    def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
-        """Begin a fit: replicas start from rank zero's model, as DDP's do."""
+    def _start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
+        """Replicas start from rank zero's model, as DDP's do."""
         _broadcast_module(module, comm, self.merging.merge_buffers)
         self.averager = ElasticAverager(module, comm, self.merging)
-        self.router.attach(comm.world_size, device)
-        self._first_step = True
-        self._saved_step_batch_size = None
         self._center_norm = -1.0
         self._maybe_skipped.clear()
 
-    def stop(self) -> None:
-        """End a fit; plans and measurements stay for a later fit of the same strategy."""
-        self.averager = self.sampler = self.loader_clock = None
-        self.router.detach()
+    def _stop(self) -> None:
+        self.averager = None
 
-    def training_loader(
-        self, dataloader: DataLoader[Any], position: tuple[int, int] | None = None
-    ) -> PlannedDataLoader:
-        """The training loader rebuilt so that every replica's batches follow the plans.
-
-        Args:
-            dataloader: the user's training loader.
-            position: where the training loop resumes, as (epoch, steps of it done); the loader continues there
-                (any checkpoint, DDP's included, records the loop's position; none records the loader's).
-        """
-        comm = self._comm()
-        facts = inspect_train_loader(dataloader)
-        depth = prefetch_depth(dataloader)
-        if self.plan_lag is not None and self.plan_lag <= depth:
-            # A plan must reach every replica before any of them draws the step it applies to.
-            raise ValueError(
-                f"plan_lag={self.plan_lag} is not above the training DataLoader's prefetch depth {depth} "
-                "(num_workers × prefetch_factor + 1): replicas could split a step differently. HINT: set "
-                f"plan_lag >= {depth + 1}, or leave it unset."
-            )
-        lag = self.plan_lag if self.plan_lag is not None else depth + 1
-        costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
-        total = self._step_total(facts.batch_size * comm.world_size, position)
-        plan_book = self.router.plan_book_for(total, comm.world_size, lag, cost_aware=costs is not None)
-        loader = build_planned_loader(
-            dataloader,
-            facts,
-            num_replicas=comm.world_size,
-            rank=comm.rank,
-            plan_book=plan_book,
-            step_batch_size=total,
-            costs=costs,
-        )
-        self.sampler, self.loader_clock = loader.batch_sampler, loader.loader_clock
-        if position is not None:
-            epoch, steps_done = position
-            saved = self._saved_step_batch_size or total  # DDP checkpoints: steps of the same size
-            self.sampler.load_state_dict({"epoch": epoch, "steps_done": steps_done, "step_batch_size": saved})
-        return loader
-
-    def _step_total(self, default: int, position: tuple[int, int] | None) -> int:
-        """Samples per step: the option, else the checkpoint's while its epoch is under way, else ``default``."""
-        if self.step_batch_size is not None:
-            return self.step_batch_size
-        saved = self._saved_step_batch_size
-        if saved is None or saved == default or position is None or position[1] == 0:
-            return default
-        # Another number of replicas or another loader batch size: steps of the checkpoint's size finish the
-        # epoch exactly (every sample once), as elastic training keeps the global batch.
-        log.info(
-            "Resuming %d steps into epoch %d whose steps had %d samples: this fit keeps %d per step (the loader's "
-            "batch size × replicas would give %d). Set the strategy's step_batch_size to choose.",
-            position[1],
-            position[0],
-            saved,
-            saved,
-            default,
-        )
-        return saved
-
-    # --- training steps -----------------------------------------------------------------------------------
-
-    def begin_step(self, epoch: int, batch_idx: int, global_step: int) -> None:
-        """A training step is about to run its batch (``batch_idx`` within the epoch, ``global_step`` overall)."""
-        if self.sampler is not None:
-            self._step_key = self.sampler.step_key(epoch, batch_idx)
-        self._global_step = global_step
-        if batch_idx == 0 or self._first_step:
-            # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch
-            # included (checkpoint restore, first fetch): not a training period.
-            self.router.interrupt()
-            self._first_step = False
-        self.router.resume()  # after whatever paused the clock (validation, a checkpoint)
-
-    def after_backward_of(self, closure: Callable[[], T]) -> Callable[[], T]:
-        """Lightning's closure (forward and backward) as the optimizer step should run it: unchanged here."""
-        return closure
+    def configure_model(self, model: nn.Module) -> None:
+        """The model stays unwrapped: replicas synchronise by merges, not through DistributedDataParallel."""
 
     def optimizer_step(
         self,
@@ -261,18 +138,17 @@ class ReplicaEngine:
         averager.before_local_step()
         nominal = sampler.step_batch_size / averager.comm.world_size
         factor = linear_lr_scale(record.num_samples, nominal) if self.lr_scaling else 1.0
-        if self.lr_schedule is not None:
-            factor *= float(self.lr_schedule(self._global_step))
-        loader_seconds = self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
+        factor *= self._scheduled_lr_factor()
+        loader_seconds = self._loader_seconds()
         scale_before = _loss_scale(grad_scaler)
         with scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds):
             self.compute_spans.begin()  # the whole local step is the device's compute, up to the merge
             output = run_step()
             self.compute_spans.end(averager.comm.rank, self._global_step)
-        self.merged_last_step = averager.after_local_step(record.num_samples)
+        self.synced_last_step = averager.after_local_step(record.num_samples)
         if scale_before is not None:
             self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
-        if self.merged_last_step:
+        if self.synced_last_step:
             self._merge(averager, optimizer, stop_requested())
         return output
 
@@ -344,17 +220,6 @@ class ReplicaEngine:
                     self._global_step,
                 )
 
-    @property
-    def stop_requested(self) -> bool:
-        """Whether a replica asked to stop in the latest merge."""
-        return self.router.stop_requested
-
-    def telemetry(self) -> dict[str, float] | None:
-        """``aesgd/...`` metrics of the latest merge (identical on every replica); ``None`` before the first."""
-        if not self.router.latest_reports or self.router.plan_book is None:
-            return None
-        return replica_metrics(self.router.stats(), self.router.plan_book.latest)
-
     # --- evaluation and the end of fit ----------------------------------------------------------------------
 
     def begin_evaluation(self) -> None:
@@ -371,22 +236,6 @@ class ReplicaEngine:
     def finish(self) -> None:
         """Make the global model the replica's own (a collective): what the module holds after fit."""
         self._running_averager().adopt_global_model()
-
-    def summary(self) -> str | None:
-        """The end-of-fit table of every replica as the latest merge saw it; ``None`` before the first merge."""
-        if not self.router.latest_reports:
-            return None
-        unit = "units" if self.router.cost_aware else "samples"
-        sizes = self.router.history[-1][2]
-        return summary_table(self.router.stats(), sizes, self._merge_count(), unit, self.router.floor)
-
-    def summary_record(self) -> dict[str, Any] | None:
-        """:meth:`summary` as plain data (:func:`~lightning_aesgd.engine.telemetry.summary_record`)."""
-        if not self.router.latest_reports:
-            return None
-        unit = "units" if self.router.cost_aware else "samples"
-        sizes = self.router.history[-1][2]
-        return summary_record(self.router.stats(), sizes, self._merge_count(), unit, self.router.floor)
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
@@ -410,13 +259,8 @@ class ReplicaEngine:
         checkpoint, and gathering every replica's model onto every rank would hold ``n`` models on each.
         """
         averager = self._running_averager()
-        shared: dict[str, Any] = {
-            "averager": averager.shared_state(),
-            "router": self.router.shared_state(),
-            "l2_trend": self.normalization.state_dict(),
-        }
-        if self.sampler is not None:
-            shared["step_batch_size"] = self.sampler.step_batch_size
+        shared = self._plan_state()
+        shared.update({"averager": averager.shared_state(), "l2_trend": self.normalization.state_dict()})
         state: dict[str, Any] = {"world_size": averager.comm.world_size, "shared": shared, "replicas": None}
         if self.checkpoint_replicas:
             params, buffers = averager.local_model()
@@ -438,14 +282,11 @@ class ReplicaEngine:
         Every rank reads the checkpoint file that rank zero wrote, so every rank finds every replica's part there.
         """
         averager = self._running_averager()
-        if "averager" not in state["shared"]:  # a checkpoint of sync="gradients": its plans carry over
-            self.router.load_shared_state(state["shared"]["router"])
-            self._saved_step_batch_size = state["shared"].get("step_batch_size")
+        self._load_plan_state(state["shared"])
+        if "averager" not in state["shared"]:  # a checkpoint of sync="gradients": only its plans carry over
             return
         averager.load_shared_state(state["shared"]["averager"])
-        self.router.load_shared_state(state["shared"]["router"])
         self.normalization.load_state_dict(state["shared"]["l2_trend"])
-        self._saved_step_batch_size = state["shared"].get("step_batch_size")
         replicas, world_size = state["replicas"], averager.comm.world_size
         if replicas is None:
             return
@@ -474,25 +315,6 @@ def _broadcast_module(module: nn.Module, comm: Communicator, with_buffers: bool)
             flat = view.read()
             comm.broadcast_(flat, src=0)
             view.write_(flat)
-
-
-@contextmanager
-def scaled_learning_rate(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
-    """Scale every param group's learning rate for one optimizer step, then restore it.
-
-    Restoring keeps the user's schedulers in charge: they read and write the unscaled rate between steps.
-    """
-    if factor == 1.0:
-        yield
-        return
-    saved = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * factor
-    try:
-        yield
-    finally:
-        for group, lr in zip(optimizer.param_groups, saved, strict=True):
-            group["lr"] = lr
 
 
 def _loss_scale(grad_scaler: Any) -> Any:

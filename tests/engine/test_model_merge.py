@@ -17,24 +17,24 @@ from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.emulation.profiles import as_profile
 from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import LocalCommunicator
-from lightning_aesgd.engine.replica import NonFiniteReplicasError, ReplicaEngine
+from lightning_aesgd.engine.model_merge import ModelMerge, NonFiniteReplicasError
 from lightning_aesgd.engine.routing import Router
 
 
-def _engine(merging: MergeSettings | None = None, **options) -> ReplicaEngine:
+def _engine(merging: MergeSettings | None = None, **options) -> ModelMerge:
     defaults = {"l2_nudge": False, "lr_scaling": False, "lr_schedule": None, "step_batch_size": None}
     defaults |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
-    return ReplicaEngine(merging or MergeSettings(ElasticAverage()), Router(), **(defaults | options))
+    return ModelMerge(merging or MergeSettings(ElasticAverage()), Router(), **(defaults | options))
 
 
-def _started(module: torch.nn.Module, **engine_kwargs) -> tuple[ReplicaEngine, DataLoader]:
+def _started(module: torch.nn.Module, **engine_kwargs) -> tuple[ModelMerge, DataLoader]:
     engine = _engine(**engine_kwargs)
     engine.start(module, LocalCommunicator(), torch.device("cpu"))
     loader = engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
     return engine, loader
 
 
-def _steps(engine: ReplicaEngine, loader: DataLoader, optimizer: torch.optim.Optimizer, body=lambda: None):
+def _steps(engine: ModelMerge, loader: DataLoader, optimizer: torch.optim.Optimizer, body=lambda: None):
     for index, _ in enumerate(loader):
         engine.begin_step(0, index, index)
         engine.optimizer_step(optimizer, body, lambda: False)
@@ -206,7 +206,7 @@ def test_a_step_the_grad_scaler_skipped_carries_no_merge_weight():
     for index, _ in enumerate(loader):
         engine.begin_step(0, index, index)
         engine.optimizer_step(optimizer, scaler.step_body, lambda: False, grad_scaler=scaler)
-        if engine.merged_last_step and engine.router.latest_reports:
+        if engine.synced_last_step and engine.router.latest_reports:
             weights.append(engine.router.latest_reports[0].merge_weight)
     # Steps of 4 samples, merges after steps 0, 2, 4 and 6. Step 0 alone, skipped: nothing to merge (skipped, not
     # an error). Steps 1-2 with 2 skipped: 4 samples of weight. Steps 3-4: 8. Steps 5-6, both skipped: nothing.

@@ -1,0 +1,338 @@
+"""The step pipeline both sync modes share: the planned loader, the plans, the arrival clock and telemetry.
+
+:class:`StepPipeline` owns, for one replica, what does not depend on how replicas synchronise: the training
+loader rebuilt around the plan-driven sampler, the :class:`~lightning_aesgd.engine.routing.Router` (arrival
+stamps, reports, plans), the per-step learning-rate schedule, the compute-span listener, telemetry and the plan's
+part of checkpoints. Its two siblings say how replicas meet at a sync point:
+:class:`~lightning_aesgd.engine.gradient_sync.GradientSync` (``sync="gradients"``, the default: DDP's reducer sums
+share-weighted gradients every step) and :class:`~lightning_aesgd.engine.model_merge.ModelMerge`
+(``sync="models"``: local steps, merged every ``period`` steps). Each implements the template methods below; the
+strategy's Lightning hooks call the pipeline and never ask which sibling it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_aesgd.engine.comm import Communicator
+from lightning_aesgd.engine.loading import (
+    LoaderClock,
+    PlannedDataLoader,
+    build_planned_loader,
+    check_step_options,
+    inspect_train_loader,
+    prefetch_depth,
+)
+from lightning_aesgd.engine.routing import Router, SampleCosts, check_sample_costs, resolve_sample_costs
+from lightning_aesgd.engine.sampler import PlannedBatchSampler
+from lightning_aesgd.engine.telemetry import replica_metrics, summary_record, summary_table
+from lightning_aesgd.engine.timing import ComputeSpans, NoComputeSpans
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "adaptive_elastic"
+"""Where a checkpoint holds the pipeline's state (see :meth:`StepPipeline.training_state`)."""
+
+T = TypeVar("T")
+
+
+class StepPipeline(ABC):
+    """One replica's training machinery around Lightning's loop, Lightning-free; a sync mode completes it.
+
+    Args:
+        router: measures arrivals and plans batch sizes.
+        lr_schedule: a factor on the learning rate during each step, a function of the global step (``None``: 1).
+        step_batch_size: indices consumed per step by all replicas; by default the loader's batch size times
+            the number of replicas, so that an equal plan means what DDP means.
+        plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
+        sample_costs: per-sample costs for cost-aware splitting (see :func:`~.routing.resolve_sample_costs`).
+    """
+
+    wraps_model = False
+    """Whether the strategy wraps the model in DistributedDataParallel for this sync mode."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        lr_schedule: Callable[[int], float] | None,
+        step_batch_size: int | None,
+        plan_lag: int | None,
+        sample_costs: SampleCosts,
+    ) -> None:
+        check_step_options(step_batch_size, plan_lag)
+        check_sample_costs(sample_costs)
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise TypeError(
+                f"`lr_schedule` is a function of the global step, got {lr_schedule!r}. HINT: pass e.g. "
+                "lightning_aesgd.InverseTimeDecay(decay=0.05, warmup_steps=10), or None."
+            )
+        self.router = router
+        self.lr_schedule = lr_schedule
+        self.step_batch_size = step_batch_size
+        self.plan_lag = plan_lag
+        self.sample_costs = sample_costs
+        self.sampler: PlannedBatchSampler | None = None
+        self.loader_clock: LoaderClock | None = None
+        self.synced_last_step = False  # whether the latest step ended at a sync point (its reports were read)
+        # Told where the device computes in each step (an emulation of slower devices listens; by default nobody).
+        self.compute_spans: ComputeSpans = NoComputeSpans()
+        # What runs before an update the pipeline applies itself, outside Lightning's optimizer step (the
+        # Trainer's gradient clipping, for a flushed delayed sum).
+        self.before_own_update: Callable[[torch.optim.Optimizer], None] | None = None
+        self._comm_in_use: Communicator | None = None
+        self._step_key = 0
+        self._global_step = 0
+        self._first_step = True
+        self._saved_step_batch_size: int | None = None  # the checkpoint's, when resuming
+
+    # --- what each sync mode implements ---------------------------------------------------------------------
+
+    @property
+    def loss_weight(self) -> float:
+        """The factor on this replica's loss before its backward (1: the loss as it is)."""
+        return 1.0
+
+    @property
+    @abstractmethod
+    def sync_count(self) -> int:
+        """Sync points passed in this fit (gradient sums, or merges)."""
+
+    @abstractmethod
+    def _start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
+        """The sync mode's part of :meth:`start`."""
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """The sync mode's part of :meth:`stop`."""
+
+    @abstractmethod
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        run_step: Callable[[], T],
+        stop_requested: Callable[[], bool],
+        grad_scaler: Any = None,
+    ) -> T:
+        """Run one step (``run_step``: Lightning's optimizer step) and this sync mode's synchronisation.
+
+        ``stop_requested``: whether this replica received SIGTERM, carried to every replica in the reports.
+        ``grad_scaler``: the precision plugin's ``GradScaler`` (16-bit mixed precision), if any.
+        """
+
+    @abstractmethod
+    def configure_model(self, model: nn.Module) -> None:
+        """Take the model as the strategy prepared it (DistributedDataParallel where :attr:`wraps_model`)."""
+
+    def after_backward_of(self, closure: Callable[[], T]) -> Callable[[], T]:
+        """Lightning's closure (forward and backward) as the optimizer step should run it: unchanged by default."""
+        return closure
+
+    @abstractmethod
+    def begin_evaluation(self) -> None:
+        """Validation starts: the model every replica evaluates is put in place (a collective)."""
+
+    @abstractmethod
+    def end_evaluation(self) -> None:
+        """Validation ended: training resumes."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Fit ends: the module is left holding the model the run produced (a collective)."""
+
+    @abstractmethod
+    def global_model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The state dict a checkpoint saves as the model (a collective)."""
+
+    @abstractmethod
+    def training_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """What a checkpoint needs to resume exactly, under :data:`CHECKPOINT_KEY`."""
+
+    @abstractmethod
+    def load_training_state(
+        self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None, device: torch.device
+    ) -> None:
+        """Put back what :meth:`training_state` saved (or the plans of the other sync mode's checkpoint)."""
+
+    # --- a fit's lifecycle ----------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether a fit is in progress (between :meth:`start` and :meth:`stop`)."""
+        return self._comm_in_use is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether training steps go through the pipeline: a fit is running and its loader was built here."""
+        return self._comm_in_use is not None and self.sampler is not None
+
+    def _comm(self) -> Communicator:
+        assert self._comm_in_use is not None, "the pipeline is not running: call start() first"
+        return self._comm_in_use
+
+    def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
+        """Begin a fit of ``module`` on ``device``, with the other replicas behind ``comm``."""
+        self._comm_in_use = comm
+        self.router.attach(comm.world_size, device)
+        self._first_step = True
+        self._saved_step_batch_size = None
+        self._start(module, comm, device)
+
+    def stop(self) -> None:
+        """End a fit; plans and measurements stay for a later fit of the same strategy."""
+        self._stop()
+        self._comm_in_use = None
+        self.sampler = self.loader_clock = None
+        self.router.detach()
+
+    def training_loader(
+        self, dataloader: DataLoader[Any], position: tuple[int, int] | None = None
+    ) -> PlannedDataLoader:
+        """The training loader rebuilt so that every replica's batches follow the plans.
+
+        Args:
+            dataloader: the user's training loader.
+            position: where the training loop resumes, as (epoch, steps of it done); the loader continues there
+                (any checkpoint, DDP's included, records the loop's position; none records the loader's).
+        """
+        comm = self._comm()
+        facts = inspect_train_loader(dataloader)
+        depth = prefetch_depth(dataloader)
+        if self.plan_lag is not None and self.plan_lag <= depth:
+            # A plan must reach every replica before any of them draws the step it applies to.
+            raise ValueError(
+                f"plan_lag={self.plan_lag} is not above the training DataLoader's prefetch depth {depth} "
+                "(num_workers × prefetch_factor + 1): replicas could split a step differently. HINT: set "
+                f"plan_lag >= {depth + 1}, or leave it unset."
+            )
+        lag = self.plan_lag if self.plan_lag is not None else depth + 1
+        costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
+        total = self._step_total(facts.batch_size * comm.world_size, position)
+        plan_book = self.router.plan_book_for(total, comm.world_size, lag, cost_aware=costs is not None)
+        loader = build_planned_loader(
+            dataloader,
+            facts,
+            num_replicas=comm.world_size,
+            rank=comm.rank,
+            plan_book=plan_book,
+            step_batch_size=total,
+            costs=costs,
+        )
+        self.sampler, self.loader_clock = loader.batch_sampler, loader.loader_clock
+        if position is not None:
+            epoch, steps_done = position
+            saved = self._saved_step_batch_size or total  # DDP checkpoints: steps of the same size
+            self.sampler.load_state_dict({"epoch": epoch, "steps_done": steps_done, "step_batch_size": saved})
+        return loader
+
+    def _step_total(self, default: int, position: tuple[int, int] | None) -> int:
+        """Samples per step: the option, else the checkpoint's while its epoch is under way, else ``default``."""
+        if self.step_batch_size is not None:
+            return self.step_batch_size
+        saved = self._saved_step_batch_size
+        if saved is None or saved == default or position is None or position[1] == 0:
+            return default
+        # Another number of replicas or another loader batch size: steps of the checkpoint's size finish the
+        # epoch exactly (every sample once), as elastic training keeps the global batch.
+        log.info(
+            "Resuming %d steps into epoch %d whose steps had %d samples: this fit keeps %d per step (the loader's "
+            "batch size × replicas would give %d). Set the strategy's step_batch_size to choose.",
+            position[1],
+            position[0],
+            saved,
+            saved,
+            default,
+        )
+        return saved
+
+    # --- training steps -------------------------------------------------------------------------------------
+
+    def begin_step(self, epoch: int, batch_idx: int, global_step: int) -> None:
+        """A training step is about to run its batch (``batch_idx`` within the epoch, ``global_step`` overall)."""
+        if self.sampler is not None:
+            self._step_key = self.sampler.step_key(epoch, batch_idx)
+        self._global_step = global_step
+        if batch_idx == 0 or self._first_step:
+            # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch
+            # included (checkpoint restore, first fetch): not a training period.
+            self.router.interrupt()
+            self._first_step = False
+        self.router.resume()  # after whatever paused the clock (validation, a checkpoint)
+
+    def _scheduled_lr_factor(self) -> float:
+        """The learning-rate schedule's factor for this step (1 without a schedule)."""
+        return float(self.lr_schedule(self._global_step)) if self.lr_schedule is not None else 1.0
+
+    def _loader_seconds(self) -> float:
+        """Seconds the loader spent producing this step's batch (in its workers, where it has them)."""
+        return self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a replica asked to stop in the latest reports."""
+        return self.router.stop_requested
+
+    # --- telemetry ------------------------------------------------------------------------------------------
+
+    def telemetry(self) -> dict[str, float] | None:
+        """``aesgd/...`` metrics of the latest reports (identical on every replica); ``None`` before the first."""
+        if not self.router.latest_reports or self.router.plan_book is None:
+            return None
+        return replica_metrics(self.router.stats(), self.router.plan_book.latest)
+
+    def summary(self) -> str | None:
+        """The end-of-fit table of every replica as the latest reports saw it; ``None`` before the first."""
+        if not self.router.latest_reports:
+            return None
+        unit = "units" if self.router.cost_aware else "samples"
+        sizes = self.router.history[-1][2]
+        return summary_table(self.router.stats(), sizes, self.sync_count, unit, self.router.floor)
+
+    def summary_record(self) -> dict[str, Any] | None:
+        """:meth:`summary` as plain data (:func:`~lightning_aesgd.engine.telemetry.summary_record`)."""
+        if not self.router.latest_reports:
+            return None
+        unit = "units" if self.router.cost_aware else "samples"
+        sizes = self.router.history[-1][2]
+        return summary_record(self.router.stats(), sizes, self.sync_count, unit, self.router.floor)
+
+    # --- the plans' part of checkpoints -----------------------------------------------------------------------
+
+    def _plan_state(self) -> dict[str, Any]:
+        """The router's shared state and the step batch: what every sync mode's checkpoint holds."""
+        shared: dict[str, Any] = {"router": self.router.shared_state()}
+        if self.sampler is not None:
+            shared["step_batch_size"] = self.sampler.step_batch_size
+        return shared
+
+    def _load_plan_state(self, shared: dict[str, Any]) -> None:
+        """Put back :meth:`_plan_state`'s part of a checkpoint (of either sync mode)."""
+        self.router.load_shared_state(shared["router"])
+        self._saved_step_batch_size = shared.get("step_batch_size")
+
+
+@contextmanager
+def scaled_learning_rate(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Scale every param group's learning rate for one optimizer step, then restore it.
+
+    Restoring keeps the user's schedulers in charge: they read and write the unscaled rate between steps.
+    """
+    if factor == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
