@@ -18,6 +18,9 @@ WORLD_SIZE = 2
 
 
 def _run_collectives(rank: int, world_size: int, init_file: str) -> None:
+    # A forked worker can hang in its first OpenMP kernel if the test process ran one before it forked (as
+    # Lightning's forked replicas, one intra-op thread each).
+    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
