@@ -46,9 +46,11 @@ from lightning_aesgd.emulation import StepStretcher, as_profile
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.gradient_sync import GradientSync
+from lightning_aesgd.engine.loading import SampleCosts
 from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline
-from lightning_aesgd.engine.routing import PlanSettings, Router, SampleCosts
+from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.routing import Router
 from lightning_aesgd.placement import SharedDevices
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
 from lightning_aesgd.torchrun_store import attempt_store, destroy_process_group, shared_store_warning
@@ -266,7 +268,7 @@ class AdaptiveElasticMixin(SharedDevices):
         )
         if sync == "gradients":
             self.engine: StepPipeline = GradientSync(
-                Router(planning),
+                planning,
                 delay=gradient_delay,
                 compensate_momentum=compensate_momentum,
                 delay_warmup=gradient_delay_warmup,
@@ -279,7 +281,7 @@ class AdaptiveElasticMixin(SharedDevices):
         else:
             self.engine = ModelMerge(
                 merging,
-                Router(planning),
+                planning,
                 l2_nudge=l2_nudge,
                 lr_scaling=lr_scaling,
                 lr_schedule=lr_schedule,

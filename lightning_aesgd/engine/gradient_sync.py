@@ -36,8 +36,9 @@ from lightning_aesgd.engine.gradients import (
     pending_to_list,
     update_skipped,
 )
+from lightning_aesgd.engine.loading import SampleCosts
 from lightning_aesgd.engine.pipeline import StepPipeline, scaled_learning_rate
-from lightning_aesgd.engine.routing import Router, SampleCosts
+from lightning_aesgd.engine.plan_settings import PlanSettings
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class GradientSync(StepPipeline):
     """Uneven batches with DDP's exact update (``delay=0``) or ABS-SGD's one-step-stale one (``delay=1``).
 
     Args:
-        router: measures arrivals and plans batch sizes.
+        planning: how batch sizes follow the measured speeds.
         delay: 0, or 1 for ABS-SGD (see :mod:`lightning_aesgd.engine.gradients`).
         compensate_momentum: with ``delay``, spike compensation of SGD momentum for the stale gradient.
         delay_warmup: global steps before this one apply their own sum at once (synchronous); the delay starts
@@ -70,7 +71,7 @@ class GradientSync(StepPipeline):
 
     def __init__(
         self,
-        router: Router,
+        planning: PlanSettings,
         *,
         delay: int,
         compensate_momentum: bool = True,
@@ -82,7 +83,7 @@ class GradientSync(StepPipeline):
         sample_costs: SampleCosts,
     ) -> None:
         super().__init__(
-            router,
+            planning,
             lr_schedule=lr_schedule,
             step_batch_size=step_batch_size,
             plan_lag=plan_lag,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor
@@ -26,6 +26,53 @@ from torch.utils.data import (
 )
 
 from lightning_aesgd.engine.sampler import PlanBook, PlannedBatchSampler, StepIndices
+
+SampleCosts = Union[None, Literal["dataset", "auto"], Callable[[Any], "Sequence[float] | Tensor"]]  # noqa: UP007
+
+
+def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
+    """Per-sample costs for cost-aware splitting, from the dataset's ``sample_costs`` or a function of it.
+
+    ``"auto"`` uses the dataset's ``sample_costs`` where it has them and counts samples otherwise.
+    """
+    if spec is None or (spec == "auto" and not hasattr(dataset, "sample_costs")):
+        return None
+    if spec == "auto":
+        spec = "dataset"
+    if spec == "dataset":
+        if not hasattr(dataset, "sample_costs"):
+            raise TypeError(
+                f"sample_costs='dataset' needs a `sample_costs` attribute on {type(dataset).__name__} (one cost "
+                "per sample, e.g. its number of non-zeros). HINT: add it, or pass a function of the dataset."
+            )
+        costs = dataset.sample_costs
+    else:
+        check_sample_costs(spec)
+        costs = spec(dataset)
+    costs = torch.as_tensor(costs, dtype=torch.float64)
+    size = len(dataset) if isinstance(dataset, Sized) else None
+    if costs.ndim != 1 or (size is not None and len(costs) != size):
+        raise ValueError(
+            f"Got sample costs of shape {tuple(costs.shape)} for a dataset of {size} samples. HINT: sample_costs "
+            "must give one number per sample of the training dataset."
+        )
+    if not bool(torch.isfinite(costs).all()) or bool((costs < 0).any()):
+        raise ValueError(
+            "Sample costs must be finite and non-negative. HINT: fix the dataset's `sample_costs` (or the function "
+            "passed as sample_costs), e.g. the number of non-zeros of each sample."
+        )
+    return costs
+
+
+def check_sample_costs(spec: SampleCosts) -> None:
+    """Raise, with the choices, unless ``spec`` is a valid ``sample_costs`` option (checked at construction)."""
+    if spec is None or callable(spec) or (isinstance(spec, str) and spec in ("dataset", "auto")):
+        return
+    raise ValueError(
+        f"Unknown sample_costs {spec!r}. HINT: pass None (count samples), 'auto', 'dataset' or a function of the "
+        "dataset that returns one cost per sample."
+    )
+
 
 LOADER_CLOCK_SLOTS = 1024  # steps remembered; far more than any loader prefetches
 

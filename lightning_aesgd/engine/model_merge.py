@@ -25,8 +25,9 @@ from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
+from lightning_aesgd.engine.loading import SampleCosts
 from lightning_aesgd.engine.pipeline import StepPipeline, scaled_learning_rate
-from lightning_aesgd.engine.routing import Router, SampleCosts
+from lightning_aesgd.engine.plan_settings import PlanSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class ModelMerge(StepPipeline):
 
     Args:
         merging: the merge rule, schedule and weights.
-        router: measures arrivals and plans batch sizes.
+        planning: how batch sizes follow the measured speeds.
         l2_nudge: Adaptive SGD's adaptive normalization of merge weights.
         lr_scaling: scale the replica's learning rate by its batch over the nominal one during its step.
         lr_schedule: a further factor on the rate during each step, a function of the global step (``None``: 1).
@@ -57,7 +58,7 @@ class ModelMerge(StepPipeline):
     def __init__(
         self,
         merging: MergeSettings,
-        router: Router,
+        planning: PlanSettings,
         *,
         l2_nudge: bool,
         lr_scaling: bool,
@@ -68,7 +69,7 @@ class ModelMerge(StepPipeline):
         checkpoint_replicas: bool,
     ) -> None:
         super().__init__(
-            router,
+            planning,
             lr_schedule=lr_schedule,
             step_batch_size=step_batch_size,
             plan_lag=plan_lag,

@@ -26,12 +26,16 @@ from lightning_aesgd.engine.comm import Communicator
 from lightning_aesgd.engine.loading import (
     LoaderClock,
     PlannedDataLoader,
+    SampleCosts,
     build_planned_loader,
+    check_sample_costs,
     check_step_options,
     inspect_train_loader,
     prefetch_depth,
+    resolve_sample_costs,
 )
-from lightning_aesgd.engine.routing import Router, SampleCosts, check_sample_costs, resolve_sample_costs
+from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.routing import Router
 from lightning_aesgd.engine.sampler import PlannedBatchSampler
 from lightning_aesgd.engine.telemetry import replica_metrics, summary_record, summary_table
 from lightning_aesgd.engine.timing import ComputeSpans, NoComputeSpans
@@ -48,7 +52,7 @@ class StepPipeline(ABC):
     """One replica's training machinery around Lightning's loop, Lightning-free; a sync mode completes it.
 
     Args:
-        router: measures arrivals and plans batch sizes.
+        planning: how batch sizes follow the measured speeds.
         lr_schedule: a factor on the learning rate during each step, a function of the global step (``None``: 1).
         step_batch_size: indices consumed per step by all replicas; by default the loader's batch size times
             the number of replicas, so that an equal plan means what DDP means.
@@ -61,7 +65,7 @@ class StepPipeline(ABC):
 
     def __init__(
         self,
-        router: Router,
+        planning: PlanSettings,
         *,
         lr_schedule: Callable[[int], float] | None,
         step_batch_size: int | None,
@@ -75,7 +79,7 @@ class StepPipeline(ABC):
                 f"`lr_schedule` is a function of the global step, got {lr_schedule!r}. HINT: pass e.g. "
                 "lightning_aesgd.InverseTimeDecay(decay=0.05, warmup_steps=10), or None."
             )
-        self.router = router
+        self.router = Router(planning)
         self.lr_schedule = lr_schedule
         self.step_batch_size = step_batch_size
         self.plan_lag = plan_lag

@@ -17,22 +17,20 @@ without waiting unless the device is still a whole period behind the host.
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from lightning_aesgd.core.apportion import apportion
-from lightning_aesgd.core.planners import Planner, StaticPlanner, get_planner
-from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, check_plan_damping, damped_plan
+from lightning_aesgd.core.planners import Planner
+from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
 from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.sampler import PlanBook, StepRecord
 from lightning_aesgd.engine.timing import HostTimeline, SpanLedger, Timeline, timeline_for
 
@@ -40,8 +38,6 @@ log = logging.getLogger(__name__)
 
 HISTORY_LENGTH = 4096
 """Merges the router remembers (step, speeds, plan) for plots: a ring, so memory stays flat over long runs."""
-
-SampleCosts = Union[None, Literal["dataset", "auto"], Callable[[Any], "Sequence[float] | Tensor"]]  # noqa: UP007
 
 
 @dataclass(frozen=True)
@@ -65,167 +61,6 @@ class ReplicaStats:
     step_seconds: float
     busy_seconds: float = 0.0
     finite: bool = True
-
-
-def resolve_sample_costs(spec: SampleCosts, dataset: Any) -> Tensor | None:
-    """Per-sample costs for cost-aware splitting, from the dataset's ``sample_costs`` or a function of it.
-
-    ``"auto"`` uses the dataset's ``sample_costs`` where it has them and counts samples otherwise.
-    """
-    if spec is None or (spec == "auto" and not hasattr(dataset, "sample_costs")):
-        return None
-    if spec == "auto":
-        spec = "dataset"
-    if spec == "dataset":
-        if not hasattr(dataset, "sample_costs"):
-            raise TypeError(
-                f"sample_costs='dataset' needs a `sample_costs` attribute on {type(dataset).__name__} (one cost "
-                "per sample, e.g. its number of non-zeros). HINT: add it, or pass a function of the dataset."
-            )
-        costs = dataset.sample_costs
-    else:
-        check_sample_costs(spec)
-        costs = spec(dataset)
-    costs = torch.as_tensor(costs, dtype=torch.float64)
-    size = len(dataset) if isinstance(dataset, Sized) else None
-    if costs.ndim != 1 or (size is not None and len(costs) != size):
-        raise ValueError(
-            f"Got sample costs of shape {tuple(costs.shape)} for a dataset of {size} samples. HINT: sample_costs "
-            "must give one number per sample of the training dataset."
-        )
-    if not bool(torch.isfinite(costs).all()) or bool((costs < 0).any()):
-        raise ValueError(
-            "Sample costs must be finite and non-negative. HINT: fix the dataset's `sample_costs` (or the function "
-            "passed as sample_costs), e.g. the number of non-zeros of each sample."
-        )
-    return costs
-
-
-def check_sample_costs(spec: SampleCosts) -> None:
-    """Raise, with the choices, unless ``spec`` is a valid ``sample_costs`` option (checked at construction)."""
-    if spec is None or callable(spec) or (isinstance(spec, str) and spec in ("dataset", "auto")):
-        return
-    raise ValueError(
-        f"Unknown sample_costs {spec!r}. HINT: pass None (count samples), 'auto', 'dataset' or a function of the "
-        "dataset that returns one cost per sample."
-    )
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """How batch sizes follow the measurements; checked once, when built. The defaults are the strategy's.
-
-    Args:
-        planner: ``"proportional"`` (shares ∝ speed), ``"balanced"`` (equal predicted step times, fixed per-step
-            costs included), ``"additive"`` (the paper's ±step rule), ``"static"``, or any
-            :class:`~lightning_aesgd.core.planners.Planner`.
-        shares: fixed shares for the static planner (equal when omitted).
-        min_batch: smallest batch per replica.
-        max_batch: largest batch per replica.
-        min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``.
-        speed_smoothing: smoothing β of the moving averages.
-        plan_gain: fraction γ of the way to the planner's target that each new plan moves; the first plan, from the
-            initial (equal or static) split, moves all the way.
-        plan_dead_band: no plan is made while the predicted step times agree within this relative tolerance, and a
-            plan stays while every replica's relative move is below it.
-        planner_options: extra arguments of a named planner (e.g. ``step`` of the additive rule).
-        hold_steps: no new plan for steps before this one (speeds are still measured): the authors' code keeps
-            batches fixed through its warm-up and adapts only after it.
-    """
-
-    planner: str | Planner = "proportional"
-    shares: Sequence[float] | None = None
-    min_batch: int = 1
-    max_batch: int | None = None
-    min_share: float = 0.1
-    speed_smoothing: float = 0.8
-    plan_gain: float = 0.5
-    plan_dead_band: float = 0.03
-    planner_options: Mapping[str, Any] = field(default_factory=dict)
-    hold_steps: int = 0
-
-    def __post_init__(self) -> None:
-        # Types first: a string from a config file would otherwise fail deep inside a comparison, or (a planner
-        # that is neither a name nor a Planner) only at the first plan.
-        for name in ("min_batch", "max_batch"):
-            value = getattr(self, name)
-            if not (_is_whole(value) or (name == "max_batch" and value is None)):
-                raise TypeError(f"`{name}` is a batch size, got {value!r}. HINT: pass a whole number such as 4.")
-        if not _is_whole(self.hold_steps) or self.hold_steps < 0:
-            raise ValueError(f"`hold_steps` counts steps, got {self.hold_steps!r}. HINT: pass a whole number >= 0.")
-        for name in ("min_share", "speed_smoothing", "plan_gain", "plan_dead_band"):
-            if not _is_real(getattr(self, name)):
-                raise TypeError(f"`{name}` must be a number, got {getattr(self, name)!r}. HINT: pass a float.")
-        if not 0.0 <= self.speed_smoothing < 1.0:
-            raise ValueError(
-                f"`speed_smoothing` is the weight β of the past in the speed averages, got {self.speed_smoothing}. "
-                "HINT: pass a value in [0, 1) (0.8 by default; 0 keeps only the latest period)."
-            )
-        if not isinstance(self.planner, str) and not callable(getattr(self.planner, "plan", None)):
-            raise TypeError(
-                f"`planner` must be a name or a Planner (an object with a `plan` method), got {self.planner!r}. "
-                "HINT: pass 'proportional', 'balanced', 'additive' or 'static'."
-            )
-        if self.shares is not None:
-            if isinstance(self.shares, (str, bytes)) or not isinstance(self.shares, Sequence):
-                raise TypeError(f"`shares` must be a list of numbers, got {self.shares!r}. HINT: e.g. [2, 1, 1].")
-            if not all(_is_real(share) for share in self.shares):
-                raise TypeError(f"`shares` must all be numbers, got {list(self.shares)}. HINT: e.g. [2, 1, 1].")
-            if not self.shares or not all(0.0 < share < math.inf for share in self.shares):
-                raise ValueError(
-                    f"`shares` must be one finite share > 0 per replica, got {list(self.shares)}. HINT: e.g. "
-                    "[2, 1, 1] gives the first of three replicas half of every step."
-                )
-        check_plan_damping(self.min_share, self.plan_gain, self.plan_dead_band)
-        self.build_planner(self.min_batch)  # bad planner options fail here, not at the first plan
-
-    def check_step(self, total: int, num_replicas: int) -> None:
-        """Raise, naming the options to change, unless steps of ``total`` samples can be split by these settings.
-
-        Known once the training DataLoader is (``total`` is its batch size × replicas by default).
-        """
-        if self.shares is not None and len(self.shares) != num_replicas:
-            raise ValueError(
-                f"Got {len(self.shares)} static shares for {num_replicas} replicas. HINT: pass one share per "
-                "replica (Trainer devices × num_nodes) in `shares`."
-            )
-        if total < num_replicas:
-            raise ValueError(
-                f"Steps of {total} samples cannot give each of the {num_replicas} replicas one. HINT: raise the "
-                f"strategy's step_batch_size (or the DataLoader's batch_size) to at least {num_replicas}."
-            )
-        if self.min_batch * num_replicas > total:
-            raise ValueError(
-                f"min_batch={self.min_batch} for each of {num_replicas} replicas exceeds the {total} samples of a "
-                "step. HINT: lower the strategy's min_batch, or raise step_batch_size (or the DataLoader's "
-                "batch_size)."
-            )
-        if self.max_batch is not None and self.max_batch * num_replicas < total:
-            raise ValueError(
-                f"max_batch={self.max_batch} for each of {num_replicas} replicas cannot hold the {total} samples of "
-                "a step. HINT: raise the strategy's max_batch (or set it to None), or lower step_batch_size (or the "
-                "DataLoader's batch_size)."
-            )
-        if not isinstance(self.planner, str):
-            _trial_plan(self.planner, total, num_replicas)
-
-    @property
-    def adaptive(self) -> bool:
-        """Whether plans follow the measurements (every planner but ``"static"``)."""
-        return self.planner != "static"
-
-    def build_planner(self, floor: int) -> Planner:
-        """The planner, with ``floor`` as its smallest batch (a named one; a Planner object is used as it is)."""
-        if not isinstance(self.planner, str):
-            return self.planner
-        if self.planner == "static":
-            return StaticPlanner(self.shares)
-        if self.shares is not None:
-            raise ValueError(
-                f"`shares` fix the plan of the 'static' planner; the {self.planner!r} planner measures them. "
-                "HINT: pass planner='static' with shares, or leave shares unset."
-            )
-        return get_planner(self.planner, min_batch=floor, max_batch=self.max_batch, **self.planner_options)
 
 
 class Router:
@@ -582,33 +417,6 @@ class Router:
 def _plans_fit(plans: dict[str, Any], num_replicas: int, total: int | None) -> bool:
     """Whether saved plans (:meth:`PlanBook.state_dict`) split steps of ``total`` among ``num_replicas``."""
     return all(len(sizes) == num_replicas and sum(sizes) == total for sizes in plans["sizes"])
-
-
-def _trial_plan(planner: Planner, total: int, num_replicas: int) -> None:
-    """Ask a user's Planner object for one plan of equal replicas, so that it fails now rather than mid-training.
-
-    Raises:
-        ValueError: if it raises, or returns anything but one whole batch size >= 1 per replica summing to ``total``.
-    """
-    equal = apportion(total, [1.0] * num_replicas)
-    hint = (
-        f"HINT: the planner must return {num_replicas} whole batch sizes >= 1 summing to {total} (one per replica: "
-        "Trainer devices × num_nodes), or pass a planner by name."
-    )
-    try:
-        sizes = list(planner.plan(equal, [StepTime(0.0, 1.0)] * num_replicas, total))
-    except Exception as error:  # any failure of user code: named with the fix, the original chained
-        raise ValueError(f"The planner {planner!r} failed a trial plan of {equal}: {error}. {hint}") from error
-    if len(sizes) != num_replicas or sum(sizes) != total or not all(_is_whole(s) and s >= 1 for s in sizes):
-        raise ValueError(f"The planner {planner!r} returned {sizes} for a trial plan of {equal}. {hint}")
-
-
-def _is_whole(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 _ACTIVE, _WAITED, _BUSY = "active", "waited", "busy"

@@ -16,7 +16,8 @@ import torch
 from cuda_run import run_on_cuda
 
 from lightning_aesgd.core.sensing import PeriodReport
-from lightning_aesgd.engine.routing import PlanSettings, Router
+from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.routing import Router
 from lightning_aesgd.engine.sampler import StepRecord
 from lightning_aesgd.engine.timing import CudaTimeline, HostTimeline, SpanLedger, Timeline
 

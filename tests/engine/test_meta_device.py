@@ -27,7 +27,7 @@ from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import WeightedAllReduce
 from lightning_aesgd.engine.flat import FlatView, to_host
 from lightning_aesgd.engine.model_merge import ModelMerge
-from lightning_aesgd.engine.routing import Router
+from lightning_aesgd.engine.plan_settings import PlanSettings
 
 DEVICES = ["cpu", "meta"]
 RULES = {"elastic_average": {"alpha": 0.5, "momentum": 0.5}, "sma": {}, "easgd": {}}
@@ -204,7 +204,7 @@ def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
     settings = MergeSettings(get_merge_rule("elastic_average"), period=3)
     options = {"lr_scaling": False, "lr_schedule": None, "step_batch_size": None}
     options |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
-    engine = ModelMerge(settings, Router(), l2_nudge=True, **options)
+    engine = ModelMerge(settings, PlanSettings(), l2_nudge=True, **options)
     engine.start(module, FakeCommunicator(world_size=1), torch.device("cpu"))
     loader = engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)

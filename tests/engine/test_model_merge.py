@@ -18,13 +18,13 @@ from lightning_aesgd.emulation.profiles import as_profile
 from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import LocalCommunicator
 from lightning_aesgd.engine.model_merge import ModelMerge, NonFiniteReplicasError
-from lightning_aesgd.engine.routing import Router
+from lightning_aesgd.engine.plan_settings import PlanSettings
 
 
 def _engine(merging: MergeSettings | None = None, **options) -> ModelMerge:
     defaults = {"l2_nudge": False, "lr_scaling": False, "lr_schedule": None, "step_batch_size": None}
     defaults |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
-    return ModelMerge(merging or MergeSettings(ElasticAverage()), Router(), **(defaults | options))
+    return ModelMerge(merging or MergeSettings(ElasticAverage()), PlanSettings(), **(defaults | options))
 
 
 def _started(module: torch.nn.Module, **engine_kwargs) -> tuple[ModelMerge, DataLoader]:

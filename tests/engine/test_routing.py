@@ -8,13 +8,9 @@ from helpers import RegressionData
 
 from lightning_aesgd.core.apportion import share_error
 from lightning_aesgd.core.planners import StaticPlanner
-from lightning_aesgd.engine.routing import (
-    HISTORY_LENGTH,
-    PlanSettings,
-    Router,
-    check_sample_costs,
-    resolve_sample_costs,
-)
+from lightning_aesgd.engine.loading import check_sample_costs, resolve_sample_costs
+from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.routing import HISTORY_LENGTH, Router
 from lightning_aesgd.engine.sampler import StepRecord
 
 STEP_BATCH = 256

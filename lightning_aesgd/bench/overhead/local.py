@@ -21,7 +21,8 @@ from torch.utils.data import BatchSampler, Dataset, DistributedSampler
 from lightning_aesgd.core.apportion import apportion
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
-from lightning_aesgd.engine.routing import PlanSettings, Router
+from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.routing import Router
 from lightning_aesgd.engine.sampler import PlanBook, PlannedBatchSampler
 
 REPLICAS = 4
