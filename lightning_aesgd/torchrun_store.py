@@ -13,16 +13,25 @@ On one node the agent's restart count is the same for every worker, so keys pref
 attempt: :func:`attempt_store` builds that store. Across nodes each agent counts its own restarts (pytorch issue
 135712), so no prefix is safe there; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes torchrun start a fresh
 store for every rendezvous round instead, and :func:`shared_store_warning` says so.
+
+The strategy's other process-group and process chores live here too: creating its group on such a store
+(:func:`init_attempt_group`), destroying it first at exit (:func:`destroy_group_at_exit`), and ending the
+replicas a script launcher started when the job cannot go on (:func:`end_launched_replicas`).
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import signal
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
@@ -95,3 +104,61 @@ def destroy_process_group() -> None:
     """Destroy the default process group if one is left: registered at exit for the groups the strategy creates."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def destroy_group_at_exit() -> None:
+    """Register :func:`destroy_process_group` to run at interpreter exit, once per process.
+
+    A group left to the interpreter's exit may abort the process after a successful fit ("terminate called without
+    an active exception": gloo's threads outlive the group's destruction order at shutdown), which a launcher counts
+    as a failure. Destroyed first at exit instead; forked replicas leave by ``os._exit``.
+    """
+    if not getattr(destroy_group_at_exit, "registered", False):
+        atexit.register(destroy_process_group)
+        destroy_group_at_exit.registered = True  # type: ignore[attr-defined]
+
+
+def init_attempt_group(strategy: Any) -> None:
+    """Create the default group of a Lightning ``DDPStrategy`` on this attempt's own store, where it needs one.
+
+    Where :func:`attempt_store` applies (a single-node torchrun sharing its agent's store), the group is created
+    here as Lightning's ``_init_dist_connection`` creates it, but on that store instead of ``env://``; Lightning's
+    own set-up then finds it initialised and keeps it. Rank zero logs :func:`shared_store_warning` where it applies.
+
+    Args:
+        strategy: the strategy about to set up its process group (of either Lightning namespace).
+    """
+    warning = shared_store_warning()
+    if warning is not None and strategy.global_rank == 0:
+        log.warning(warning)
+    store = attempt_store(strategy._timeout)
+    if store is None or dist.is_initialized():
+        return
+    strategy.set_world_ranks()
+    environment, device = strategy.cluster_environment, strategy.root_device
+    dist.init_process_group(
+        strategy._get_process_group_backend(),
+        store=store,
+        rank=environment.global_rank(),
+        world_size=environment.world_size(),
+        timeout=strategy._timeout,
+        device_id=device if device.type != "cpu" else None,
+    )
+
+
+def end_launched_replicas(launcher: Any) -> None:
+    """Kill the processes a script launcher started (Lightning's own answer to a failed child: SIGKILL).
+
+    Under the script launcher rank zero starts the other ranks; Lightning ends them when a child fails, but when
+    rank zero fails first (its merge timed out because a child stalls, or the rendezvous failed) the child would
+    live on as an orphan until it wakes. torchrun, the spawn launcher and SLURM end their processes themselves.
+    """
+    children = getattr(launcher, "procs", None)
+    if not children:
+        return
+    # SIGTERM is not enough: a process blocked in a collective or a C extension may never handle it.
+    kill = getattr(signal, "SIGKILL", signal.SIGTERM)
+    for child in children:
+        if child.poll() is None:
+            log.error("Ending replica process %d, launched by this one, as the job cannot go on.", child.pid)
+            child.send_signal(kill)

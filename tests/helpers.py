@@ -134,6 +134,14 @@ class FakeCommunicator:
         _check_backend_device(tensor, torch.device("cpu"))
         tensor.add_(self.peers_sum(tensor.clone()))
 
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        self.calls.append("all_gather")
+        _check_backend_device(tensor, self.device)
+        return [tensor.clone() for _ in range(self.world_size)]
+
+    def sums_sparse(self, device: torch.device) -> bool:
+        return self.device is None or self.device.type == "cpu"
+
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:
         self.calls.append("broadcast_")
         _check_backend_device(tensor, self.device)

@@ -71,11 +71,11 @@ def test_adaptive_sgd_outer_momentum_is_off_where_the_optimizer_has_momentum(tmp
 def test_the_paper_preset_is_the_papers_algorithm(tmp_path):
     trainer, model, _datamodule = build(_compose(tmp_path, "algorithm=adaptive_sgd_paper"))
     strategy = trainer.strategy
-    planner = strategy.router.planner
+    planner = strategy.plans.planner
     assert isinstance(planner, AdditivePlanner)
     assert (planner.step, planner.min_batch, planner.max_batch) == (32, 32, 1024)
-    assert (strategy.router.settings.plan_gain, strategy.router.settings.min_share) == (1.0, 0.0)
-    assert strategy.router.settings.hold_steps == strategy.warmup_steps == 10
+    assert (strategy.plans.settings.plan_gain, strategy.plans.settings.min_share) == (1.0, 0.0)
+    assert strategy.plans.settings.hold_steps == strategy.warmup_steps == 10
     assert strategy.merging.weights == "updates"
     assert strategy.engine.lr_scaling
     assert strategy.engine.normalization.enabled

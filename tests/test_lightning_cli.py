@@ -42,7 +42,7 @@ def test_flags_set_the_strategy_options(module, class_path):
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AdaptiveElasticMixin)
-    assert (strategy.period, strategy.router.settings.planner) == (2, "static")
+    assert (strategy.period, strategy.plans.settings.planner) == (2, "static")
 
 
 @pytest.mark.parametrize(("module", "class_path"), NAMESPACES)

@@ -87,7 +87,7 @@ SCRIPT = textwrap.dedent(
         # Callbacks' on_train_end runs before the strategy's, which ends the engine.
         def on_train_end(self, trainer, pl_module):
             strategy = trainer.strategy
-            router = strategy.router
+            plans = strategy.plans
             report = {{
                 "global_rank": trainer.global_rank,
                 "local_rank": trainer.local_rank,
@@ -95,8 +95,8 @@ SCRIPT = textwrap.dedent(
                 "world_size": trainer.world_size,
                 "num_nodes": trainer.num_nodes,
                 "environment": {{k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK")}},
-                "plans": router.plan_book.state_dict(),
-                "history": [[step, list(speeds), list(sizes)] for step, speeds, sizes in router.history],
+                "plans": plans.plan_book.state_dict(),
+                "history": [[r.step, list(r.speeds), list(r.sizes)] for r in plans.history],
                 "merges": strategy.engine.syncs if strategy.sync == "gradients" else strategy.engine.averager.merges,
                 "global_step": trainer.global_step,
                 "seen": pl_module.seen,

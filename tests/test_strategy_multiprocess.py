@@ -65,7 +65,7 @@ class _PlanWriter(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
-            self.path.write_text(json.dumps(trainer.strategy.router.plan_book.state_dict()))
+            self.path.write_text(json.dumps(trainer.strategy.plans.plan_book.state_dict()))
 
 
 def test_defaults_follow_slowness_in_hooks_and_still_match_ddp_with_plain_sgd(tmp_path):

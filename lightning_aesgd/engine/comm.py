@@ -43,6 +43,17 @@ class Communicator(Protocol):
         """Launch the in-place SUM of ``tensor`` over all replicas; the future's value is ``[tensor]`` once done."""
         ...
 
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every replica's ``tensor`` (all of one shape), in rank order.
+
+        On a device the current stream waits for them and the host goes on, as after an async launch's ``wait``.
+        """
+        ...
+
+    def sums_sparse(self, device: torch.device) -> bool:
+        """Whether :meth:`all_reduce_sum_async` takes sparse tensors on ``device`` (gloo does, NCCL does not)."""
+        ...
+
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:
         """Replace ``tensor`` in place by replica ``src``'s tensor."""
         ...
@@ -79,6 +90,12 @@ class LocalCommunicator:
 
     def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future[Any]:  # noqa: D102
         return _completed([tensor])
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:  # noqa: D102
+        return [tensor]
+
+    def sums_sparse(self, device: torch.device) -> bool:  # noqa: D102
+        return True
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
         return None
@@ -145,6 +162,17 @@ class TorchCommunicator:
         ).get_future()
         return future
 
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:  # noqa: D102
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        # Waiting on the work makes the current stream wait for it on NCCL; the host goes on.
+        self._collective(
+            "all-gather", lambda: dist.all_gather(gathered, tensor, group=self.group, async_op=True).wait()
+        )
+        return gathered
+
+    def sums_sparse(self, device: torch.device) -> bool:  # noqa: D102
+        return _backend_on(device, self.group) in SPARSE_BACKENDS
+
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
         self._collective("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group))
 
@@ -197,6 +225,23 @@ class NoMergeWeightError(ValueError):
     def __init__(self, message: str, rows: list[list[float]]) -> None:
         super().__init__(message)
         self.rows = rows
+
+
+SPARSE_BACKENDS = frozenset({"gloo"})
+"""The backends whose all-reduce takes sparse tensors."""
+
+
+def _backend_on(device: torch.device, group: Any) -> str:
+    """The backend that runs ``group``'s collectives on ``device``.
+
+    A group may name one per device type (``"cpu:gloo,cuda:nccl"``).
+    """
+    backend = str(dist.get_backend(group))
+    for entry in backend.split(","):
+        device_type, _, name = entry.rpartition(":")
+        if device_type in ("", device.type):
+            return name
+    return backend
 
 
 def _is_gloo(group: Any) -> bool:

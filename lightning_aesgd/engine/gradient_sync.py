@@ -19,12 +19,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lightning_aesgd.core.schedule import report_interval
-from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.comm import (
     Communicator,
     ReplicaStalledError,
-    copy_from_host,
     is_peer_failure,
     stalled_error,
 )
@@ -39,14 +36,11 @@ from lightning_aesgd.engine.gradients import (
 from lightning_aesgd.engine.loading import SampleCosts
 from lightning_aesgd.engine.pipeline import StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.report_exchange import ReportExchange
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-SETTLED_SPREAD = 0.1
-"""A plan whose predicted step times agree within this fraction counts as settled: reports may then space out (see
-:meth:`GradientSync._next_interval`)."""
 
 
 class GradientSync(StepPipeline):
@@ -105,12 +99,10 @@ class GradientSync(StepPipeline):
         self._optimizer: torch.optim.Optimizer | None = None
         self._share = 1.0
         self._stop_requested: Callable[[], bool] = _never
-        self._rows_in_flight: list[torch.futures.Future[Any]] = []
+        self.reports = ReportExchange()
         self._device = torch.device("cpu")
         self._module: nn.Module | None = None
         self._arrived = 0.0
-        self._next_report = 0  # the global step of the next report (the first step of a fit reports)
-        self._report_every = 0  # steps between reports, from the latest reports (0: none received yet)
 
     @property
     def delay(self) -> int:
@@ -133,18 +125,19 @@ class GradientSync(StepPipeline):
         """DistributedDataParallel has already made every replica start from rank zero's model."""
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self.reduce.comm = comm  # every sum, sparse ones included, goes through the communicator
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
         self._pending_is_stale = False
         self.reduce.applied = {}
-        self._rows_in_flight = []
-        self._next_report, self._report_every = 0, 0
+        self.reports.start()
         self._device = device
         self.syncs = 0
 
     def _stop(self) -> None:
         self._optimizer = None
         self._stop_requested = _never  # the Trainer's check holds the Trainer: not kept past the fit
-        self._rows_in_flight = []
+        self.reports.start()  # nothing of this fit is awaited past its end
+        self.reduce.comm = None
 
     def configure_model(self, model: nn.Module) -> None:
         """Register the gradient sum as DistributedDataParallel's communication hook on the wrapped ``model``."""
@@ -160,7 +153,7 @@ class GradientSync(StepPipeline):
             self._take_reports()
             if not self.reduce.delay:
                 # DDP's reducer has made the compute stream wait for the sums: on CUDA the stamp lands after them.
-                self.router.end_wait()  # released from the step's sums
+                self.arrivals.end_wait()  # released from the step's sums
             self.compute_spans.begin()  # the update's compute, after the release
             return output
 
@@ -195,8 +188,7 @@ class GradientSync(StepPipeline):
         factor = self._lr_factor(stale=bool(self.reduce.delay) and self._pending_is_stale)
         # This step's sum, applied at the next step or flushed, is stale if this step moves the weights.
         self._pending_is_stale = bool(self.reduce.delay) and applies
-        loader_seconds = self._loader_seconds()
-        timing = self.router.timing(record, loader_seconds)
+        timing = self._timed_step(record)
         self.compute_spans.begin()  # the forward and backward, up to the arrival
         self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
         try:
@@ -228,68 +220,36 @@ class GradientSync(StepPipeline):
     def _arrive(self) -> None:
         """The last bucket is ready: report this replica's period in a small all-reduce launched before it.
 
-        The router stamps the arrival before any collective is launched; on CUDA the stamp lies on the compute
+        The arrival clock stamps the arrival before any collective is launched; on CUDA the stamp lies on the compute
         stream, after the backward, so the host does not wait for the device here. The forward and backward's
         compute span ends here, before the arrival; the sums' own work is outside every span.
         """
         self.compute_spans.end(self._comm().rank, self._global_step)
         self._arrived = time.monotonic()
-        if self._reports_due():
+        if self.reports.due(self._global_step, self.plans):
             # The period's report travels beside the sums; the replica works on from its arrival (the time it then
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).
-            comm = self._comm()
-            report = self.router.report(self._share, stop=self._stop_requested())
-            row = report.as_row()
-            rows = torch.zeros(comm.world_size, len(row), dtype=torch.float64, device=self._device)
-            copy_from_host(rows[comm.rank], row)  # pinned and non-blocking: no wait for the backward here
-            self._rows_in_flight.append(comm.all_reduce_sum_async(rows))
-            self.router.continue_after_arrival()
+            report = self.arrivals.arrive(self._share, stop=self._stop_requested())
+            self.reports.launch(report.as_row(), self._comm(), self._device)
+            self.arrivals.continue_after_arrival()
         if not self.reduce.delay:
-            self.router.begin_wait()  # DDP's reducer now waits for the slowest replica's buckets
-
-    def _reports_due(self) -> bool:
-        """Whether this step's arrival is reported, launching the report: due every ``report_interval`` steps.
-
-        Never more often than every ``lag + 1`` steps: a plan is made only after the previous one has been applied
-        and measured. Short steps report less often (about every quarter of a second of training), as a report is
-        a collective of its own. Every replica decides from the same received reports, so all agree.
-        """
-        if self._global_step < self._next_report:
-            return False
-        self._next_report = self._global_step + max(self._report_every, self.router.lag + 1)
-        return True
+            self.arrivals.begin_wait()  # DDP's reducer now waits for the slowest replica's buckets
 
     def _take_reports(self) -> None:
         # Synchronous: this step's reports. Delayed: the previous exchange's, while this one's travel.
-        keep = 1 if self.reduce.delay else 0
-        while len(self._rows_in_flight) > keep:
-            future = self._rows_in_flight.pop(0)
-            with self._waiting_for_peers() if self.reduce.delay else nullcontext():
-                rows = future.wait()[0]
-            self.router.receive(rows.cpu().tolist(), self._step_key, released=False)
-            self._report_every = self._next_interval()
-
-    def _next_interval(self) -> int:
-        """Steps to the next report: ``lag + 1`` until the plan is settled, then about a quarter second's worth.
-
-        Settled: the plan's predicted step times agree within ``SETTLED_SPREAD`` (the router's smoothed models, so
-        timing noise on equal devices does not count), and every report measured at least ``lag + 1`` steps (the
-        first step of a fit, or of an epoch, leaves out the hooks and data loading around it).
-        """
-        shortest = self.router.lag + 1
-        reports = self.router.latest_reports
-        settled = self.router.balanced_within(SETTLED_SPREAD) and all(r.steps >= shortest for r in reports)
-        return report_interval(_step_seconds(reports), shortest) if settled else shortest
+        keep, waiting = (1, self._waiting_for_peers) if self.reduce.delay else (0, nullcontext)
+        for rows in self.reports.received(keep, waiting):
+            self._receive(rows, released=False)
+            self.reports.space_out(self.plans)
 
     def _waiting_for_peers(self) -> AbstractContextManager[None]:
-        return self.router.waiting()
+        return self.arrivals.waiting()
 
     def flush(self) -> None:
         """Apply the delayed sum still in flight (ABS-SGD), so that none is lost: before evaluation and at the end."""
         pending = self.reduce.take_pending()
-        while self._rows_in_flight:
-            rows = self._rows_in_flight.pop(0).wait()[0]
-            self.router.receive(rows.cpu().tolist(), self._step_key, released=False)
+        for rows in self.reports.received(0, nullcontext):
+            self._receive(rows, released=False)
         optimizer = self._optimizer
         if pending is None:
             return
@@ -324,12 +284,12 @@ class GradientSync(StepPipeline):
 
     def begin_evaluation(self) -> None:
         """Apply what is in flight, then evaluate the model every replica shares."""
-        self.router.pause()
+        self.arrivals.pause()
         self.flush()
         self._share_buffers()
 
     def end_evaluation(self) -> None:  # noqa: D102
-        self.router.resume()
+        self.arrivals.resume()
 
     def finish(self) -> None:
         """Apply the last delayed sum: the module leaves fit holding every update, and rank zero's buffers."""
@@ -340,12 +300,12 @@ class GradientSync(StepPipeline):
 
     def global_model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The module's state (a collective): every replica holds the same parameters, and gets rank zero's buffers."""
-        self.router.pause()
+        self.arrivals.pause()
         self._share_buffers()
         return {name: tensor.clone() for name, tensor in module.state_dict().items()}
 
     def training_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        """Plans, the router's measurements and (ABS-SGD) the sums the next step applies and the latest applied.
+        """Plans, the plan loop's measurements and (ABS-SGD) the sums the next step applies and the latest applied.
 
         Momentum compensation subtracts the latest applied sum from the next: resuming needs both.
         """
@@ -379,8 +339,3 @@ class GradientSync(StepPipeline):
 def _never() -> bool:
     """No stop requested (a module-level function, so that the engine pickles for the spawn launcher)."""
     return False
-
-
-def _step_seconds(reports: list[PeriodReport]) -> float:
-    """The longest measured step of the latest reports (active seconds per step), 0 where none was measured."""
-    return max((report.active / report.steps for report in reports if report.steps > 0), default=0.0)

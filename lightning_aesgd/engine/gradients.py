@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_aesgd.engine.comm import Communicator, TorchCommunicator
+
 Pending = dict[int, Tensor]
 """Reduced gradients awaiting their update, keyed by ``id`` of the parameter: flat chunks in DDP's bucket layout
 (a sparse gradient as it is)."""
@@ -59,9 +61,6 @@ Pending = dict[int, Tensor]
 SparseReduction = Literal["auto", "all_reduce", "gather", "densify"]
 """How :class:`GradientSum` sums a sparse gradient: ``"auto"`` is ``"all_reduce"`` where the backend takes sparse
 tensors, else the cheaper of ``"gather"`` and ``"densify"`` (see :func:`sparse_sum_method`)."""
-
-SPARSE_BACKENDS = frozenset({"gloo"})
-"""The backends whose all-reduce takes sparse tensors."""
 
 
 class GradientSum:
@@ -76,7 +75,8 @@ class GradientSum:
         on_last_bucket: called once per backward, when the last bucket is ready, before its sum is launched: this
             replica has finished its step's computation (its arrival).
         waiting: a context manager around time spent blocked on peers (the previous step's sums, with ``delay``).
-        group: the process group (the default one when ``None``).
+        comm: the replicas' communicator, which runs every sum; by default, made at the first bucket, the default
+            process group's (:class:`~lightning_aesgd.engine.comm.TorchCommunicator`).
         compensate_momentum: with ``delay``, give momentum parameters ``(1 + μ)·Ĝ_{t−1} − μ·Ĝ_{t−2}`` (see the
             module's docstring); the momenta are read from the optimizer by :meth:`read_momentum`.
         sparse_reduction: how a sparse gradient is summed (see :data:`SparseReduction`): ``"all_reduce"`` needs a
@@ -88,7 +88,7 @@ class GradientSum:
         delay: int = 0,
         on_last_bucket: Callable[[], None] | None = None,
         waiting: Callable[[], AbstractContextManager[Any]] | None = None,
-        group: Any = None,
+        comm: Communicator | None = None,
         compensate_momentum: bool = True,
         sparse_reduction: SparseReduction = "auto",
     ) -> None:
@@ -100,7 +100,7 @@ class GradientSum:
         self.delay = delay
         self.on_last_bucket = on_last_bucket
         self.waiting = waiting if waiting is not None else nullcontext
-        self.group = group
+        self.comm = comm
         self._launched: list[tuple[list[nn.Parameter], torch.futures.Future[Tensor]]] = []
         self._previous: list[tuple[list[nn.Parameter], torch.futures.Future[Tensor]]] = []
         self._ready: Pending | None = None  # the previous step's sums, per parameter, once awaited
@@ -164,9 +164,7 @@ class GradientSum:
             # A delayed sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
             # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
             contribution = _held_contribution(buffer) if self.delay else buffer
-            summed: torch.futures.Future[list[Tensor]] = dist.all_reduce(
-                contribution, group=self.group, async_op=True
-            ).get_future()
+            summed: torch.futures.Future[list[Tensor]] = self._comm(buffer.device).all_reduce_sum_async(contribution)
             result = summed.then(lambda future: future.value()[0])
         if not self.delay:
             return result
@@ -175,9 +173,14 @@ class GradientSum:
         ready = self._previous_sums()
         return _completed(_assemble(ready, params) if ready is not None else _nothing_to_apply(buffer))
 
+    def _comm(self, device: torch.device) -> Communicator:
+        if self.comm is None:
+            self.comm = TorchCommunicator(device)
+        return self.comm
+
     def _all_reduces_sparse(self, device: torch.device) -> bool:
         if self.sparse_reduction == "auto":
-            return _backend_on(device, self.group) in SPARSE_BACKENDS
+            return self._comm(device).sums_sparse(device)
         return self.sparse_reduction == "all_reduce"
 
     def _sum_sparse(self, buffer: Tensor) -> torch.futures.Future[Tensor]:
@@ -185,15 +188,15 @@ class GradientSum:
 
         Both copy the contribution into tensors of their own at launch, so a delayed sum needs no held copy.
         """
-        method = self.sparse_reduction
+        method, comm = self.sparse_reduction, self._comm(buffer.device)
         if method == "densify":
-            return _densified_sum(buffer, self.group)
+            return _densified_sum(buffer, comm)
         local = buffer.coalesce()  # an embedding's gradient repeats a row per occurrence: each travels once
         # Replicas hold different numbers of rows, which every replica must know before the gather (and for the
         # choice, which all must agree on): the hook blocks on this small exchange, until every replica has
         # reached this bucket.
         with self.waiting():
-            counts = _row_counts(local, self.group)
+            counts = _row_counts(local, comm)
         if method == "auto":
             method = sparse_sum_method(
                 max(counts),
@@ -204,8 +207,8 @@ class GradientSum:
                 world_size=len(counts),
             )
         if method == "densify":
-            return _densified_sum(local, self.group)
-        return _gathered_sum(local, counts, self.group)
+            return _densified_sum(local, comm)
+        return _gathered_sum(local, counts, comm)
 
     def _previous_sums(self) -> Pending | None:
         if not self._took_previous:
@@ -315,28 +318,13 @@ def sparse_sum_method(
     return "gather" if gather <= densify else "densify"
 
 
-def _backend_on(device: torch.device, group: Any) -> str:
-    """The backend that runs ``group``'s collectives on ``device``.
-
-    A group may name one per device type (``"cpu:gloo,cuda:nccl"``).
-    """
-    backend = str(dist.get_backend(group))
-    for entry in backend.split(","):
-        device_type, _, name = entry.rpartition(":")
-        if device_type in ("", device.type):
-            return name
-    return backend
-
-
-def _row_counts(sparse: Tensor, group: Any) -> list[int]:
-    """Every replica's number of stored rows of ``sparse``, in rank order (a blocking all-gather)."""
+def _row_counts(sparse: Tensor, comm: Communicator) -> list[int]:
+    """Every replica's number of stored rows of ``sparse``, in rank order (read on the host: it blocks)."""
     count = torch.tensor([sparse._nnz()], dtype=torch.long, device=sparse.device)
-    counts = [torch.empty_like(count) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, count, group=group)
-    return [int(n) for n in torch.cat(counts).tolist()]
+    return [int(n) for n in torch.cat(comm.all_gather(count)).tolist()]
 
 
-def _gathered_sum(local: Tensor, counts: list[int], group: Any) -> torch.futures.Future[Tensor]:
+def _gathered_sum(local: Tensor, counts: list[int], comm: Communicator) -> torch.futures.Future[Tensor]:
     """All replicas' rows of a sparse gradient, an uncoalesced tensor whose sum is the sum of the gradients.
 
     ``counts`` are the replicas' numbers of rows (:func:`_row_counts`): each pads its indices and values to the
@@ -346,13 +334,10 @@ def _gathered_sum(local: Tensor, counts: list[int], group: Any) -> torch.futures
     if not longest:  # every replica knows: none launches the gather
         return _completed(_no_rows(local))
     indices, values = _padded(local._indices(), longest, dim=1), _padded(local._values(), longest, dim=0)
-    all_indices = [torch.empty_like(indices) for _ in counts]
-    all_values = [torch.empty_like(values) for _ in counts]
-    # Waiting on the works makes the current stream wait for them on NCCL (the host goes on); the tensor is then
-    # built on this stream and handed back in a completed CPU future. A CUDA future's callback result would have
-    # its storages collected through ``indices()``, which an uncoalesced sparse tensor refuses.
-    dist.all_gather(all_indices, indices, group=group, async_op=True).wait()
-    dist.all_gather(all_values, values, group=group, async_op=True).wait()
+    # The gathers leave the host going on (the current stream waits for them); the tensor is then built on this
+    # stream and handed back in a completed CPU future. A CUDA future's callback result would have its storages
+    # collected through ``indices()``, which an uncoalesced sparse tensor refuses.
+    all_indices, all_values = comm.all_gather(indices), comm.all_gather(values)
     return _completed(
         torch.sparse_coo_tensor(
             torch.cat([rows[:, :n] for rows, n in zip(all_indices, counts, strict=True)], dim=1),
@@ -372,7 +357,7 @@ def _padded(tensor: Tensor, length: int, dim: int) -> Tensor:
     return padded
 
 
-def _densified_sum(sparse: Tensor, group: Any) -> torch.futures.Future[Tensor]:
+def _densified_sum(sparse: Tensor, comm: Communicator) -> torch.futures.Future[Tensor]:
     """The sum of a sparse gradient all-reduced as a dense tensor, handed back with every row stored.
 
     Keeping every row (zero where no replica touched it) needs nothing of the sum's values, so the conversion
@@ -385,7 +370,7 @@ def _densified_sum(sparse: Tensor, group: Any) -> torch.futures.Future[Tensor]:
     indices = torch.stack(
         torch.unravel_index(torch.arange(math.prod(sparse.shape[:dims]), device=dense.device), sparse.shape[:dims])
     )
-    summed: torch.futures.Future[list[Tensor]] = dist.all_reduce(dense, group=group, async_op=True).get_future()
+    summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(dense)
 
     def every_row(future: torch.futures.Future[list[Tensor]]) -> Tensor:
         total = future.value()[0]

@@ -51,7 +51,7 @@ class ModelMerge(StepPipeline):
         lr_schedule: a further factor on the rate during each step, a function of the global step (``None``: 1).
         step_batch_size: indices consumed per step by all replicas (see :class:`StepPipeline`).
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
-        sample_costs: per-sample costs for cost-aware splitting (see :func:`~.routing.resolve_sample_costs`).
+        sample_costs: per-sample costs for cost-aware splitting (see :func:`~.loading.resolve_sample_costs`).
         checkpoint_replicas: save every replica's own model and optimizer state in checkpoints.
     """
 
@@ -93,7 +93,7 @@ class ModelMerge(StepPipeline):
             warnings.warn(
                 "lr_scaling=True with merge_weights='samples' weighs large batches twice. HINT: use "
                 "merge_weights='updates' with lr_scaling (the paper's form), or samples without lr_scaling.",
-                stacklevel=3,
+                stacklevel=4,  # the user's call: strategy, settings, engine, here
             )
 
     @property
@@ -140,9 +140,8 @@ class ModelMerge(StepPipeline):
         nominal = sampler.step_batch_size / averager.comm.world_size
         factor = linear_lr_scale(record.num_samples, nominal) if self.lr_scaling else 1.0
         factor *= self._scheduled_lr_factor()
-        loader_seconds = self._loader_seconds()
         scale_before = _loss_scale(grad_scaler)
-        with scaled_learning_rate(optimizer, factor), self.router.timing(record, loader_seconds):
+        with scaled_learning_rate(optimizer, factor), self._timed_step(record):
             self.compute_spans.begin()  # the whole local step is the device's compute, up to the merge
             output = run_step()
             self.compute_spans.end(averager.comm.rank, self._global_step)
@@ -177,8 +176,8 @@ class ModelMerge(StepPipeline):
         # A replica whose model is not finite (a NaN loss or gradient) is left out with weight 0 and restored from
         # the merged model: replicas are whole models, so the others carry on. Its flag rides in its report.
         finite = averager.is_finite(probe)
-        weight = self.normalization.weight(averager.own_weight(), rank, self.router.merge_weights, averager.local_steps)
-        report = self.router.report(
+        weight = self.normalization.weight(averager.own_weight(), rank, self.plans.merge_weights, averager.local_steps)
+        report = self.arrivals.arrive(
             weight if finite else 0.0, stop=stop_requested, finite=finite, center_norm=center_norm
         )
         try:
@@ -187,7 +186,7 @@ class ModelMerge(StepPipeline):
             lost = [r for r, row in enumerate(error.rows) if not PeriodReport.from_row(row).finite]
             if not lost:  # every replica's updates since the last merge were skipped: its model is unchanged
                 averager.skip_merge()
-                self.router.receive(error.rows, self._step_key)
+                self._receive(error.rows)
                 return
             if len(lost) == averager.comm.world_size:
                 raise NonFiniteReplicasError(
@@ -207,7 +206,7 @@ class ModelMerge(StepPipeline):
             # nudged and plain weights in one merge.
             self.normalization.observe(PeriodReport.from_row(rows[0]).center_norm)
             self._center_norm = center.norm()  # now, as `center` may be scratch that the next merge overwrites
-        self.router.receive(rows, self._step_key)
+        self._receive(rows)
 
     def _note_exclusions(self, rows: list[list[float]]) -> None:
         lost = [rank for rank, row in enumerate(rows) if not PeriodReport.from_row(row).finite]
@@ -225,14 +224,14 @@ class ModelMerge(StepPipeline):
 
     def begin_evaluation(self) -> None:
         """Swap the global model in for validation (a collective); waiting for peers is not training time."""
-        self.router.pause()
+        self.arrivals.pause()
         self.normalization.new_window()  # the authors re-judge the L2 trend before every evaluation pass
         self._running_averager().swap_in_global_model()
 
     def end_evaluation(self) -> None:
         """Put the replica's own model back and resume training."""
         self._running_averager().swap_out()
-        self.router.resume()
+        self.arrivals.resume()
 
     def finish(self) -> None:
         """Make the global model the replica's own (a collective): what the module holds after fit."""
@@ -243,7 +242,7 @@ class ModelMerge(StepPipeline):
     def global_model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The module's state dict holding the global model (a collective); the replica's own model stays."""
         averager = self._running_averager()
-        self.router.pause()  # writing a checkpoint is not training time
+        self.arrivals.pause()  # writing a checkpoint is not training time
         was_swapped = averager.swapped_in
         averager.swap_in_global_model()
         state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
@@ -270,7 +269,6 @@ class ModelMerge(StepPipeline):
                 "buffers": buffers,
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "averager": averager.local_state(),
-                "router": self.router.local_state(),
             }
             state["replicas"] = averager.comm.gather_object(_on_cpu(own), dst=0)
         return state
@@ -301,7 +299,6 @@ class ModelMerge(StepPipeline):
         own = replicas[averager.comm.rank]
         averager.load_local_model(own["params"].to(device), own["buffers"].to(device))
         averager.load_local_state(own["averager"])
-        self.router.load_local_state(own["router"])
         if optimizer is not None and own["optimizer"] is not None:
             optimizer.load_state_dict(own["optimizer"])
 

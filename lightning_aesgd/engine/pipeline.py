@@ -1,13 +1,14 @@
 """The step pipeline both sync modes share: the planned loader, the plans, the arrival clock and telemetry.
 
 :class:`StepPipeline` owns, for one replica, what does not depend on how replicas synchronise: the training
-loader rebuilt around the plan-driven sampler, the :class:`~lightning_aesgd.engine.routing.Router` (arrival
-stamps, reports, plans), the per-step learning-rate schedule, the compute-span listener, telemetry and the plan's
-part of checkpoints. Its two siblings say how replicas meet at a sync point:
-:class:`~lightning_aesgd.engine.gradient_sync.GradientSync` (``sync="gradients"``, the default: DDP's reducer sums
-share-weighted gradients every step) and :class:`~lightning_aesgd.engine.model_merge.ModelMerge`
-(``sync="models"``: local steps, merged every ``period`` steps). Each implements the template methods below; the
-strategy's Lightning hooks call the pipeline and never ask which sibling it is.
+loader rebuilt around the plan-driven sampler, the :class:`~lightning_aesgd.engine.arrivals.ArrivalClock`
+(stamps and reports), the :class:`~lightning_aesgd.engine.plan_loop.PlanLoop` (reports to plans), the per-step
+learning-rate schedule, the compute-span listener, telemetry and the plans' part of checkpoints. Its two
+siblings say how replicas meet at a sync point: :class:`~lightning_aesgd.engine.gradient_sync.GradientSync`
+(``sync="gradients"``, the default: DDP's reducer sums share-weighted gradients every step) and
+:class:`~lightning_aesgd.engine.model_merge.ModelMerge` (``sync="models"``: local steps, merged every ``period``
+steps). Each implements the template methods below; the strategy's Lightning hooks call the pipeline and never
+ask which sibling it is.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.comm import Communicator
 from lightning_aesgd.engine.loading import (
     LoaderClock,
@@ -34,9 +36,9 @@ from lightning_aesgd.engine.loading import (
     prefetch_depth,
     resolve_sample_costs,
 )
+from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
-from lightning_aesgd.engine.routing import Router
-from lightning_aesgd.engine.sampler import PlannedBatchSampler
+from lightning_aesgd.engine.sampler import PlannedBatchSampler, StepRecord
 from lightning_aesgd.engine.telemetry import replica_metrics, summary_record, summary_table
 from lightning_aesgd.engine.timing import ComputeSpans, NoComputeSpans
 
@@ -57,7 +59,7 @@ class StepPipeline(ABC):
         step_batch_size: indices consumed per step by all replicas; by default the loader's batch size times
             the number of replicas, so that an equal plan means what DDP means.
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
-        sample_costs: per-sample costs for cost-aware splitting (see :func:`~.routing.resolve_sample_costs`).
+        sample_costs: per-sample costs for cost-aware splitting (see :func:`~.loading.resolve_sample_costs`).
     """
 
     wraps_model = False
@@ -74,12 +76,9 @@ class StepPipeline(ABC):
     ) -> None:
         check_step_options(step_batch_size, plan_lag)
         check_sample_costs(sample_costs)
-        if lr_schedule is not None and not callable(lr_schedule):
-            raise TypeError(
-                f"`lr_schedule` is a function of the global step, got {lr_schedule!r}. HINT: pass e.g. "
-                "lightning_aesgd.InverseTimeDecay(decay=0.05, warmup_steps=10), or None."
-            )
-        self.router = Router(planning)
+        check_lr_schedule(lr_schedule)
+        self.arrivals = ArrivalClock()
+        self.plans = PlanLoop(planning)
         self.lr_schedule = lr_schedule
         self.step_batch_size = step_batch_size
         self.plan_lag = plan_lag
@@ -185,7 +184,8 @@ class StepPipeline(ABC):
     def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
         """Begin a fit of ``module`` on ``device``, with the other replicas behind ``comm``."""
         self._comm_in_use = comm
-        self.router.attach(comm.world_size, device)
+        self.arrivals.attach(device)
+        self.plans.attach(comm.world_size)
         self._first_step = True
         self._saved_step_batch_size = None
         self._start(module, comm, device)
@@ -195,7 +195,7 @@ class StepPipeline(ABC):
         self._stop()
         self._comm_in_use = None
         self.sampler = self.loader_clock = None
-        self.router.detach()
+        self.arrivals.detach()
 
     def training_loader(
         self, dataloader: DataLoader[Any], position: tuple[int, int] | None = None
@@ -219,25 +219,25 @@ class StepPipeline(ABC):
             )
         lag = self.plan_lag if self.plan_lag is not None else depth + 1
         costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
-        total = self._step_total(facts.batch_size * comm.world_size, position)
-        plan_book = self.router.plan_book_for(total, comm.world_size, lag, cost_aware=costs is not None)
+        step_batch_size = self._step_batch_size(facts.batch_size * comm.world_size, position)
+        plan_book = self.plans.plan_book_for(step_batch_size, comm.world_size, lag, cost_aware=costs is not None)
         loader = build_planned_loader(
             dataloader,
             facts,
             num_replicas=comm.world_size,
             rank=comm.rank,
             plan_book=plan_book,
-            step_batch_size=total,
+            step_batch_size=step_batch_size,
             costs=costs,
         )
         self.sampler, self.loader_clock = loader.batch_sampler, loader.loader_clock
         if position is not None:
             epoch, steps_done = position
-            saved = self._saved_step_batch_size or total  # DDP checkpoints: steps of the same size
+            saved = self._saved_step_batch_size or step_batch_size  # DDP checkpoints: steps of the same size
             self.sampler.load_state_dict({"epoch": epoch, "steps_done": steps_done, "step_batch_size": saved})
         return loader
 
-    def _step_total(self, default: int, position: tuple[int, int] | None) -> int:
+    def _step_batch_size(self, default: int, position: tuple[int, int] | None) -> int:
         """Samples per step: the option, else the checkpoint's while its epoch is under way, else ``default``."""
         if self.step_batch_size is not None:
             return self.step_batch_size
@@ -267,9 +267,9 @@ class StepPipeline(ABC):
         if batch_idx == 0 or self._first_step:
             # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch
             # included (checkpoint restore, first fetch): not a training period.
-            self.router.interrupt()
+            self.arrivals.new_epoch()
             self._first_step = False
-        self.router.resume()  # after whatever paused the clock (validation, a checkpoint)
+        self.arrivals.resume()  # after whatever paused the clock (validation, a checkpoint)
 
     def _scheduled_lr_factor(self) -> float:
         """The learning-rate schedule's factor for this step (1 without a schedule)."""
@@ -282,45 +282,72 @@ class StepPipeline(ABC):
     @property
     def stop_requested(self) -> bool:
         """Whether a replica asked to stop in the latest reports."""
-        return self.router.stop_requested
+        return self.plans.stop_requested
 
     # --- telemetry ------------------------------------------------------------------------------------------
 
     def telemetry(self) -> dict[str, float] | None:
         """``aesgd/...`` metrics of the latest reports (identical on every replica); ``None`` before the first."""
-        if not self.router.latest_reports or self.router.plan_book is None:
+        if not self.plans.latest_reports or self.plans.plan_book is None:
             return None
-        return replica_metrics(self.router.stats(), self.router.plan_book.latest)
+        return replica_metrics(self.plans.stats(), self.plans.plan_book.latest)
 
     def summary(self) -> str | None:
         """The end-of-fit table of every replica as the latest reports saw it; ``None`` before the first."""
-        if not self.router.latest_reports:
-            return None
-        unit = "units" if self.router.cost_aware else "samples"
-        sizes = self.router.history[-1][2]
-        return summary_table(self.router.stats(), sizes, self.sync_count, unit, self.router.floor)
+        return None if not self.plans.latest_reports else summary_table(*self._summary_parts())
 
     def summary_record(self) -> dict[str, Any] | None:
         """:meth:`summary` as plain data (:func:`~lightning_aesgd.engine.telemetry.summary_record`)."""
-        if not self.router.latest_reports:
-            return None
-        unit = "units" if self.router.cost_aware else "samples"
-        sizes = self.router.history[-1][2]
-        return summary_record(self.router.stats(), sizes, self.sync_count, unit, self.router.floor)
+        return None if not self.plans.latest_reports else summary_record(*self._summary_parts())
 
-    # --- the plans' part of checkpoints -----------------------------------------------------------------------
+    def _summary_parts(self) -> tuple[Any, ...]:
+        plans = self.plans
+        unit = "units" if plans.cost_aware else "samples"
+        return plans.stats(), plans.history[-1].sizes, self.sync_count, unit, plans.floor
+
+    # --- the sync point's bookkeeping and the plans' part of checkpoints ----------------------------------------
+
+    @contextmanager
+    def _timed_step(self, record: StepRecord) -> Iterator[None]:
+        """Account one local step on the arrival clock: its work, planned samples and loader time."""
+        work = record.cost if self.plans.cost_aware else float(record.num_samples)
+        with self.arrivals.step(work, record.planned, self._loader_seconds()):
+            yield
+
+    def _receive(self, rows: list[list[float]], released: bool = True) -> None:
+        """Take every replica's reports from the sync point: release this replica, then plan.
+
+        ``released=False``: the replica already works on (:meth:`~.ArrivalClock.continue_after_arrival`).
+        """
+        if released:
+            self.arrivals.release()
+        self.plans.receive(rows, self._step_key)
 
     def _plan_state(self) -> dict[str, Any]:
-        """The router's shared state and the step batch: what every sync mode's checkpoint holds."""
-        shared: dict[str, Any] = {"router": self.router.shared_state()}
+        """The plan loop's state and the step batch: what every sync mode's checkpoint holds."""
+        shared: dict[str, Any] = {"plans": self.plans.state_dict()}
         if self.sampler is not None:
             shared["step_batch_size"] = self.sampler.step_batch_size
         return shared
 
     def _load_plan_state(self, shared: dict[str, Any]) -> None:
         """Put back :meth:`_plan_state`'s part of a checkpoint (of either sync mode)."""
-        self.router.load_shared_state(shared["router"])
+        # Checkpoints written before the plan loop had its name keep its state under "router".
+        self.plans.load_state_dict(shared["plans"] if "plans" in shared else shared["router"])
         self._saved_step_batch_size = shared.get("step_batch_size")
+
+
+def check_lr_schedule(lr_schedule: Any) -> None:
+    """Raise unless ``lr_schedule`` is a function of the global step or None.
+
+    Raises:
+        TypeError: naming the option.
+    """
+    if lr_schedule is not None and not callable(lr_schedule):
+        raise TypeError(
+            f"`lr_schedule` is a function of the global step, got {lr_schedule!r}. HINT: pass e.g. "
+            "lightning_aesgd.InverseTimeDecay(decay=0.05, warmup_steps=10), or None."
+        )
 
 
 @contextmanager

@@ -82,35 +82,35 @@ class PlanSettings:
         check_plan_damping(self.min_share, self.plan_gain, self.plan_dead_band)
         self.build_planner(self.min_batch)  # bad planner options fail here, not at the first plan
 
-    def check_step(self, total: int, num_replicas: int) -> None:
-        """Raise, naming the options to change, unless steps of ``total`` samples can be split by these settings.
+    def check_step(self, step_batch_size: int, num_replicas: int) -> None:
+        """Raise, naming the options to change, unless steps of ``step_batch_size`` samples can be split so.
 
-        Known once the training DataLoader is (``total`` is its batch size × replicas by default).
+        Known once the training DataLoader is (``step_batch_size`` is its batch size × replicas by default).
         """
         if self.shares is not None and len(self.shares) != num_replicas:
             raise ValueError(
                 f"Got {len(self.shares)} static shares for {num_replicas} replicas. HINT: pass one share per "
                 "replica (Trainer devices × num_nodes) in `shares`."
             )
-        if total < num_replicas:
+        if step_batch_size < num_replicas:
             raise ValueError(
-                f"Steps of {total} samples cannot give each of the {num_replicas} replicas one. HINT: raise the "
-                f"strategy's step_batch_size (or the DataLoader's batch_size) to at least {num_replicas}."
+                f"Steps of {step_batch_size} samples cannot give each of the {num_replicas} replicas one. HINT: "
+                f"raise the strategy's step_batch_size (or the DataLoader's batch_size) to at least {num_replicas}."
             )
-        if self.min_batch * num_replicas > total:
+        if self.min_batch * num_replicas > step_batch_size:
             raise ValueError(
-                f"min_batch={self.min_batch} for each of {num_replicas} replicas exceeds the {total} samples of a "
-                "step. HINT: lower the strategy's min_batch, or raise step_batch_size (or the DataLoader's "
-                "batch_size)."
-            )
-        if self.max_batch is not None and self.max_batch * num_replicas < total:
-            raise ValueError(
-                f"max_batch={self.max_batch} for each of {num_replicas} replicas cannot hold the {total} samples of "
-                "a step. HINT: raise the strategy's max_batch (or set it to None), or lower step_batch_size (or the "
+                f"min_batch={self.min_batch} for each of {num_replicas} replicas exceeds the {step_batch_size} "
+                "samples of a step. HINT: lower the strategy's min_batch, or raise step_batch_size (or the "
                 "DataLoader's batch_size)."
             )
+        if self.max_batch is not None and self.max_batch * num_replicas < step_batch_size:
+            raise ValueError(
+                f"max_batch={self.max_batch} for each of {num_replicas} replicas cannot hold the {step_batch_size} "
+                "samples of a step. HINT: raise the strategy's max_batch (or set it to None), or lower "
+                "step_batch_size (or the DataLoader's batch_size)."
+            )
         if not isinstance(self.planner, str):
-            _trial_plan(self.planner, total, num_replicas)
+            _trial_plan(self.planner, step_batch_size, num_replicas)
 
     @property
     def adaptive(self) -> bool:
@@ -131,22 +131,23 @@ class PlanSettings:
         return get_planner(self.planner, min_batch=floor, max_batch=self.max_batch, **self.planner_options)
 
 
-def _trial_plan(planner: Planner, total: int, num_replicas: int) -> None:
+def _trial_plan(planner: Planner, step_batch_size: int, num_replicas: int) -> None:
     """Ask a user's Planner object for one plan of equal replicas, so that it fails now rather than mid-training.
 
     Raises:
-        ValueError: if it raises, or returns anything but one whole batch size >= 1 per replica summing to ``total``.
+        ValueError: if it raises, or returns anything but one whole batch size >= 1 per replica summing to
+            ``step_batch_size``.
     """
-    equal = apportion(total, [1.0] * num_replicas)
+    equal = apportion(step_batch_size, [1.0] * num_replicas)
     hint = (
-        f"HINT: the planner must return {num_replicas} whole batch sizes >= 1 summing to {total} (one per replica: "
-        "Trainer devices × num_nodes), or pass a planner by name."
+        f"HINT: the planner must return {num_replicas} whole batch sizes >= 1 summing to {step_batch_size} (one per "
+        "replica: Trainer devices × num_nodes), or pass a planner by name."
     )
     try:
-        sizes = list(planner.plan(equal, [StepTime(0.0, 1.0)] * num_replicas, total))
+        sizes = list(planner.plan(equal, [StepTime(0.0, 1.0)] * num_replicas, step_batch_size))
     except Exception as error:  # any failure of user code: named with the fix, the original chained
         raise ValueError(f"The planner {planner!r} failed a trial plan of {equal}: {error}. {hint}") from error
-    if len(sizes) != num_replicas or sum(sizes) != total or not all(_is_whole(s) and s >= 1 for s in sizes):
+    if len(sizes) != num_replicas or sum(sizes) != step_batch_size or not all(_is_whole(s) and s >= 1 for s in sizes):
         raise ValueError(f"The planner {planner!r} returned {sizes} for a trial plan of {equal}. {hint}")
 
 

@@ -1,7 +1,7 @@
 """What the strategy reports: per-replica metrics for Lightning's loggers and an end-of-fit summary table.
 
 Everything here is computed from the statistics the replicas exchange at merges
-(:class:`~lightning_aesgd.engine.routing.ReplicaStats`) and the plan in force, so every rank could log it; Lightning's
+(:class:`~lightning_aesgd.engine.plan_loop.ReplicaStats`) and the plan in force, so every rank could log it; Lightning's
 loggers write rank zero's copy.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_aesgd.core.apportion import ideal_shares, share_error
-from lightning_aesgd.engine.routing import ReplicaStats
+from lightning_aesgd.engine.plan_loop import ReplicaStats
 
 
 def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Arrivals stamped on a device's own timeline, whose stamps are read later: a scripted device on CPU, and a GPU.
 
 The scripted device runs behind the host by as much as the test says: its stamps become readable when the test
-lets it catch up, or when the router blocks on one (counted). The ``cuda`` tests run their bodies in a fresh
+lets it catch up, or when the arrival clock blocks on one (counted). The ``cuda`` tests run their bodies in a fresh
 process that sees the GPUs (``tests/cuda_run.py``); the functions they run are at the end of this module.
 """
 
@@ -16,9 +16,7 @@ import torch
 from cuda_run import run_on_cuda
 
 from lightning_aesgd.core.sensing import PeriodReport
-from lightning_aesgd.engine.plan_settings import PlanSettings
-from lightning_aesgd.engine.routing import Router
-from lightning_aesgd.engine.sampler import StepRecord
+from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.timing import CudaTimeline, HostTimeline, SpanLedger, Timeline
 
 HERE = Path(__file__).resolve().parent
@@ -83,38 +81,34 @@ class Step:
     loader: float = 0.0
 
 
-def _router(deferred: bool) -> tuple[Router, Any]:
+def _arrivals(deferred: bool) -> tuple[ArrivalClock, Any]:
     if deferred:
         device = ScriptedDevice()
-        router = Router(PlanSettings(planner="static"), timeline=device)
+        arrivals = ArrivalClock(timeline=device)
     else:
         device = ScriptedHost()
-        router = Router(PlanSettings(planner="static"), clock=device)
-    router.attach(1, torch.device("cpu"))
-    router.plan_book_for(64, 1, lag=1)
-    return router, device
+        arrivals = ArrivalClock(clock=device)
+    arrivals.attach(torch.device("cpu"))
+    return arrivals, device
 
 
-def _run_gradient_steps(router: Router, clock: Any, steps: list[Step]) -> tuple[list[PeriodReport], list[int]]:
-    """Drive the router as the gradient engine does: arrival at the last bucket, release after the sums.
+def _run_gradient_steps(arrivals: ArrivalClock, clock: Any, steps: list[Step]) -> tuple[list[PeriodReport], list[int]]:
+    """Drive the clock as the gradient sync does: arrival at the last bucket, release after the sums.
 
-    Returns the reports and, per step, the blocking reads the router made (0 on the host's clock).
+    Returns the reports and, per step, the blocking reads the clock made (0 on the host's clock).
     """
     reports, blocking = [], []
-    for index, step in enumerate(steps):
+    for step in steps:
         waits_before = getattr(clock, "waits", 0)
-        router.resume()
-        record = StepRecord(num_samples=step.size, cost=float(step.size), planned=step.size)
-        with router.timing(record, loader_seconds=step.loader):
+        arrivals.resume()
+        with arrivals.step(float(step.size), step.size, loader_seconds=step.loader):
             clock.now += step.active  # data, forward, backward: the last bucket is ready
             if step.reports:
-                reports.append(router.report(1.0))
-                router.continue_after_arrival()
-            router.begin_wait()
+                reports.append(arrivals.arrive(1.0))
+                arrivals.continue_after_arrival()
+            arrivals.begin_wait()
             clock.now += step.wait  # the sums wait for the slowest replica
-            if step.reports:
-                router.receive([reports[-1].as_row()], index, released=False)
-            router.end_wait()
+            arrivals.end_wait()
         blocking.append(getattr(clock, "waits", 0) - waits_before)
     return reports, blocking
 
@@ -136,8 +130,8 @@ def _measured(report: PeriodReport) -> tuple[float, ...]:
 
 
 def test_a_deferred_report_carries_the_previous_completed_period():
-    router, device = _router(deferred=True)
-    reports, _ = _run_gradient_steps(router, device, SCRIPT)
+    arrivals, device = _arrivals(deferred=True)
+    reports, _ = _run_gradient_steps(arrivals, device, SCRIPT)
     first, second, third = reports[:3]
     assert first.steps == 0  # nothing has completed before a fit's first report
     assert not first.measured
@@ -154,8 +148,8 @@ def test_a_deferred_report_carries_the_previous_completed_period():
 
 
 def test_the_host_clock_reports_the_current_period():
-    router, clock = _router(deferred=False)
-    reports, blocking = _run_gradient_steps(router, clock, SCRIPT)
+    arrivals, clock = _arrivals(deferred=False)
+    reports, blocking = _run_gradient_steps(arrivals, clock, SCRIPT)
     first, second = reports[:2]
     assert (first.work, first.steps, first.active) == (8.0, 1.0, pytest.approx(0.10))
     assert (second.work, second.steps, second.active) == (19.0, 2.0, pytest.approx(0.50))
@@ -166,10 +160,10 @@ def test_the_host_clock_reports_the_current_period():
 
 def test_deferred_reports_are_the_host_reports_one_report_later():
     """Work, planned, steps, loader, busy and active of one period travel together, as do its wait fraction."""
-    device_router, device = _router(deferred=True)
-    host_router, clock = _router(deferred=False)
-    deferred, _ = _run_gradient_steps(device_router, device, SCRIPT)
-    host, _ = _run_gradient_steps(host_router, clock, SCRIPT)
+    device_arrivals, device = _arrivals(deferred=True)
+    host_arrivals, clock = _arrivals(deferred=False)
+    deferred, _ = _run_gradient_steps(device_arrivals, device, SCRIPT)
+    host, _ = _run_gradient_steps(host_arrivals, clock, SCRIPT)
     for late, now in zip(deferred[1:], host, strict=False):
         assert _measured(late) == pytest.approx(_measured(now))
     # The wait fraction is always the previous period's: the deferred report's numbers are of that period.
@@ -177,26 +171,26 @@ def test_deferred_reports_are_the_host_reports_one_report_later():
 
 
 def test_a_report_blocks_at_most_once_and_steps_without_a_report_never():
-    router, device = _router(deferred=True)
-    _, blocking = _run_gradient_steps(router, device, SCRIPT)
+    arrivals, device = _arrivals(deferred=True)
+    _, blocking = _run_gradient_steps(arrivals, device, SCRIPT)
     # The device never caught up on its own: every report after the first waits once, for the period it reads.
     assert blocking == [0, 0, 1, 0, 1, 0, 1]
 
 
 def test_a_report_does_not_block_where_the_device_has_caught_up():
-    router, device = _router(deferred=True)
+    arrivals, device = _arrivals(deferred=True)
     blocking = []
     for step in SCRIPT:
         device.catch_up()  # e.g. a loss read on the host: the device ran everything queued before it
-        blocking += _run_gradient_steps(router, device, [step])[1]
+        blocking += _run_gradient_steps(arrivals, device, [step])[1]
     assert blocking == [0] * len(SCRIPT)
 
 
 def test_active_time_excludes_waiting_for_peers_on_the_device_timeline():
     """A fast replica that waits most of each step for a slow peer measures its own time, not the peer's."""
-    router, device = _router(deferred=True)
+    arrivals, device = _arrivals(deferred=True)
     steps = [Step(size=8, active=0.01, wait=0.99, reports=index % 4 == 0) for index in range(13)]
-    reports, _ = _run_gradient_steps(router, device, steps)
+    reports, _ = _run_gradient_steps(arrivals, device, steps)
     later = [report for report in reports if report.measured][1:]  # past the fit's first period
     assert later
     for report in later:
@@ -206,14 +200,14 @@ def test_active_time_excludes_waiting_for_peers_on_the_device_timeline():
 
 def test_a_merge_wait_counts_as_waiting_of_the_period_it_ends():
     """Under model merges a report's period ends at the merge; its wait there is read with it, a merge later."""
-    router, device = _router(deferred=True)
+    arrivals, device = _arrivals(deferred=True)
     reports = []
-    for merge, (active, wait) in enumerate([(0.2, 0.6), (0.3, 0.1), (0.4, 0.0)]):
-        with router.timing(StepRecord(num_samples=8, cost=8.0, planned=8)):
+    for active, wait in [(0.2, 0.6), (0.3, 0.1), (0.4, 0.0)]:
+        with arrivals.step(8.0, 8):
             device.now += active
-        reports.append(router.report(1.0))
+        reports.append(arrivals.arrive(1.0))
         device.now += wait  # the merge's all-reduce waits for the slowest replica
-        router.receive([reports[-1].as_row()], merge)
+        arrivals.release()
     assert reports[0].steps == 0
     assert (reports[1].active, reports[1].wait_fraction) == (pytest.approx(0.2), pytest.approx(0.6 / 0.8))
     assert (reports[2].active, reports[2].wait_fraction) == (pytest.approx(0.3), pytest.approx(0.1 / 0.4))
@@ -221,24 +215,24 @@ def test_a_merge_wait_counts_as_waiting_of_the_period_it_ends():
 
 
 def test_an_interrupted_period_reports_no_measurement_a_report_later():
-    router, device = _router(deferred=True)
-    with router.timing(StepRecord(num_samples=8, cost=8.0, planned=8)):
+    arrivals, device = _arrivals(deferred=True)
+    with arrivals.step(8.0, 8):
         device.now += 0.5
-    router.interrupt()  # a new epoch
+    arrivals.new_epoch()  # a new epoch
     device.now += 0.25
-    first = router.report(1.0)
-    router.receive([first.as_row()], 0)
-    second = router.report(1.0)
+    first = arrivals.arrive(1.0)
+    arrivals.release()
+    second = arrivals.arrive(1.0)
     assert (first.steps, second.steps) == (0.0, 0.0)
     assert second.work == 8.0  # the period's work, unmeasured
 
 
 def test_a_new_fit_starts_without_the_previous_fits_periods():
-    router, device = _router(deferred=True)
-    _run_gradient_steps(router, device, SCRIPT[:3])
-    router.detach()
-    router.attach(1, torch.device("cpu"))
-    reports, _ = _run_gradient_steps(router, device, SCRIPT[:1])
+    arrivals, device = _arrivals(deferred=True)
+    _run_gradient_steps(arrivals, device, SCRIPT[:3])
+    arrivals.detach()
+    arrivals.attach(torch.device("cpu"))
+    reports, _ = _run_gradient_steps(arrivals, device, SCRIPT[:1])
     assert (reports[0].steps, reports[0].work) == (0.0, 0.0)
 
 
@@ -333,15 +327,14 @@ def sensed_active_follows_gpu_time() -> None:
         work = torch.tanh(work @ matrix)
     torch.cuda.synchronize(device)
     timeline = CountingCudaTimeline(device)
-    router = Router(PlanSettings(planner="static"), timeline=timeline)
-    router.attach(1, device)
-    router.plan_book_for(16, 1, lag=1)
+    arrivals = ArrivalClock(timeline=timeline)
+    arrivals.attach(device)
     compute, collective = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     pairs, reports, waits_in_reports = [], [], 0
-    router.interrupt()  # the fit's first step begins, as the engine's begin_step says
+    arrivals.new_epoch()  # the fit's first step begins, as the engine's begin_step says
     for step in range(GPU_STEPS):
-        router.resume()
-        with router.timing(StepRecord(num_samples=16, cost=16.0, planned=16)):
+        arrivals.resume()
+        with arrivals.step(16.0, 16):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(compute)
             for _ in range(MATMULS_PER_STEP):
@@ -351,17 +344,15 @@ def sensed_active_follows_gpu_time() -> None:
             due = step % REPORT_EVERY == 0
             if due:
                 before = timeline.waits
-                reports.append(router.report(1.0))
+                reports.append(arrivals.arrive(1.0))
                 assert timeline.waits - before <= 1, "a report blocked the host more than once"
                 waits_in_reports += timeline.waits - before
-                router.continue_after_arrival()
-            router.begin_wait()
+                arrivals.continue_after_arrival()
+            arrivals.begin_wait()
             _join_a_slow_peer(compute, collective)
-            if due:
-                router.receive([reports[-1].as_row()], step, released=False)
-            router.end_wait()
+            arrivals.end_wait()
     torch.cuda.synchronize(device)
-    assert timeline.waits == waits_in_reports, "the router blocked the host outside a report"
+    assert timeline.waits == waits_in_reports, "the arrival clock blocked the host outside a report"
     assert reports[0].steps == 0
     measured = [report for report in reports if report.measured]
     assert len(measured) == len(reports) - 1, [report.steps for report in reports]

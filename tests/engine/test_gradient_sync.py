@@ -77,7 +77,7 @@ class _PlanWriter(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
-            self.path.write_text(json.dumps(trainer.strategy.router.plan_book.state_dict()))
+            self.path.write_text(json.dumps(trainer.strategy.plans.plan_book.state_dict()))
 
 
 # --- equivalence with DDP -------------------------------------------------------------------------------------

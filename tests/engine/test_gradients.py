@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_aesgd.engine.comm import LocalCommunicator
 from lightning_aesgd.engine.gradients import (
     GradientSum,
     apply_gradients,
@@ -182,16 +181,16 @@ def test_a_sparse_gradient_is_summed_with_its_repeated_rows(delay):
     torch.testing.assert_close(summed.to_dense(), expected)
 
 
-class DeferredAllReduce:
-    """``dist.all_reduce`` of one replica whose result comes only when the test says: a sum still in flight."""
+class DeferredSums(LocalCommunicator):
+    """A lone replica's communicator whose sums come only when the test says: sums still in flight."""
 
     def __init__(self) -> None:
         self.launched: list[tuple[torch.Tensor, torch.futures.Future[list[torch.Tensor]]]] = []
 
-    def __call__(self, tensor: torch.Tensor, group=None, async_op: bool = False) -> SimpleNamespace:
+    def all_reduce_sum_async(self, tensor: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
         future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         self.launched.append((tensor, future))
-        return SimpleNamespace(get_future=lambda: future)
+        return future
 
     def complete(self) -> None:
         """The sums arrive: each is the contribution as it is now (one replica)."""
@@ -200,18 +199,18 @@ class DeferredAllReduce:
 
 
 @pytest.mark.parametrize("coalesced", [False, True])
-def test_a_held_sparse_contribution_survives_what_happens_to_the_buckets_gradient(coalesced, monkeypatch):
+def test_a_held_sparse_contribution_survives_what_happens_to_the_buckets_gradient(coalesced):
     """A delayed sum outlives its backward. While it is in flight DDP gives the sparse gradient tensor the hook's
     result with ``copy_``, a user's code may reuse its input batch (whose indices an embedding's gradient may
     view), and the next backward writes gradients again: none of it reaches the sum."""
-    all_reduce = DeferredAllReduce()
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    sums = DeferredSums()
     param = nn.Parameter(torch.zeros(5, 2))
     rows = torch.tensor([[1, 3, 1]])
     grad = torch.sparse_coo_tensor(rows, torch.ones(3, 2), (5, 2))
     grad = grad.coalesce() if coalesced else grad
     expected = grad.to_dense().clone()
-    reduce = GradientSum(delay=1, sparse_reduction="all_reduce")  # the sum that runs on the gradient's own values
+    # The sum that runs on the gradient's own values.
+    reduce = GradientSum(delay=1, sparse_reduction="all_reduce", comm=sums)
     reduce.begin_step()
     handed_back = reduce.reduce(SparseBucket(param, grad)).wait()
     assert handed_back._nnz() == 0  # the first delayed step applies nothing (its update is skipped)
@@ -220,7 +219,7 @@ def test_a_held_sparse_contribution_survives_what_happens_to_the_buckets_gradien
     grad._values().fill_(7.0)
     rows.fill_(0)  # the user's batch, reused
     reduce.end_step()
-    all_reduce.complete()
+    sums.complete()
     torch.testing.assert_close(reduce.take_pending()[id(param)].to_dense(), expected)
 
 

@@ -12,10 +12,12 @@ from lightning_aesgd.engine.loading import (
     PlannedDataLoader,
     TimedLoading,
     build_planned_loader,
+    check_sample_costs,
     check_step_fits,
     check_step_options,
     inspect_train_loader,
     prefetch_depth,
+    resolve_sample_costs,
 )
 from lightning_aesgd.engine.sampler import PlanBook, StepIndices
 
@@ -152,3 +154,30 @@ def test_a_drop_last_loader_too_small_for_one_step_names_the_options_to_change()
     loader = DataLoader(RegressionData(3), batch_size=4, drop_last=True)
     with pytest.raises(ValueError, match="HINT"):
         _build(loader)
+
+
+def test_sample_costs_come_from_the_dataset_or_a_function():
+    data = RegressionData(10)
+    torch.testing.assert_close(resolve_sample_costs("dataset", data), data.sample_costs)
+    torch.testing.assert_close(
+        resolve_sample_costs(lambda d: [2.0] * len(d), data), torch.full((10,), 2.0, dtype=torch.float64)
+    )
+    assert resolve_sample_costs(None, data) is None
+    with pytest.raises(TypeError, match="sample_costs"):
+        resolve_sample_costs("dataset", list(range(3)))
+    with pytest.raises(ValueError, match="non-negative"):
+        resolve_sample_costs(lambda d: [-1.0] * len(d), data)
+
+
+def test_auto_sample_costs_use_the_dataset_costs_where_present():
+    data = RegressionData(10)
+    torch.testing.assert_close(resolve_sample_costs("auto", data), data.sample_costs)
+    assert resolve_sample_costs("auto", list(range(3))) is None
+
+
+def test_sample_costs_are_checked_at_construction_and_against_the_dataset():
+    for spec in ("bogus", 1.0):
+        with pytest.raises(ValueError, match=r"Unknown sample_costs.*HINT"):
+            check_sample_costs(spec)
+    with pytest.raises(ValueError, match=r"shape \(1,\) for a dataset of 10 samples.*HINT"):
+        resolve_sample_costs(lambda dataset: [1.0], RegressionData(10))

@@ -55,7 +55,7 @@ def test_the_step_emulation_counts_as_busy_time():
     _steps(engine, loader, optimizer, work)
     compute = computes[-1]
     # The device "took" its real time plus 2× its compute time (3× in all); sleeps never end early.
-    assert engine.router.stats()[0].busy_seconds >= 2.5 * compute
+    assert engine.plans.stats()[0].busy_seconds >= 2.5 * compute
 
 
 def test_only_the_step_mode_is_emulated_inside_the_strategy():
@@ -206,8 +206,8 @@ def test_a_step_the_grad_scaler_skipped_carries_no_merge_weight():
     for index, _ in enumerate(loader):
         engine.begin_step(0, index, index)
         engine.optimizer_step(optimizer, scaler.step_body, lambda: False, grad_scaler=scaler)
-        if engine.synced_last_step and engine.router.latest_reports:
-            weights.append(engine.router.latest_reports[0].merge_weight)
+        if engine.synced_last_step and engine.plans.latest_reports:
+            weights.append(engine.plans.latest_reports[0].merge_weight)
     # Steps of 4 samples, merges after steps 0, 2, 4 and 6. Step 0 alone, skipped: nothing to merge (skipped, not
     # an error). Steps 1-2 with 2 skipped: 4 samples of weight. Steps 3-4: 8. Steps 5-6, both skipped: nothing.
     assert weights == [0.0, 4.0, 8.0, 0.0]

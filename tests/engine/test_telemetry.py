@@ -8,7 +8,7 @@ import math
 import pytest
 
 from lightning_aesgd.core.apportion import share_error
-from lightning_aesgd.engine.routing import ReplicaStats
+from lightning_aesgd.engine.plan_loop import ReplicaStats
 from lightning_aesgd.engine.telemetry import replica_metrics, step_time_balance, summary_record, summary_table
 
 STATS = [

@@ -1,8 +1,8 @@
-"""What the routing machinery costs a replica per step, without any communication, in microseconds.
+"""What the planning machinery costs a replica per step, without any communication, in microseconds.
 
-* Planner: the router's work at a merge, :meth:`~lightning_aesgd.engine.routing.Router.report` and
-  :meth:`~lightning_aesgd.engine.routing.Router.receive` with scripted reports (updating the arrival models, the
-  planner's plan, damping, scheduling it in the plan book), and the planner's ``plan`` alone. It runs once per
+* Planner: the work at a sync point, :meth:`~lightning_aesgd.engine.arrivals.ArrivalClock.arrive` and
+  :meth:`~lightning_aesgd.engine.plan_loop.PlanLoop.receive` with scripted reports (updating the arrival models,
+  the planner's plan, damping, scheduling it in the plan book), and the planner's ``plan`` alone. It runs once per
   merge, i.e. every ``period`` steps.
 * Sampler: iterating one epoch of :class:`~lightning_aesgd.engine.sampler.PlannedBatchSampler` (by count, and by
   cost as the XMC workloads use it) against torch's ``BatchSampler`` over a ``DistributedSampler``, which is
@@ -21,8 +21,9 @@ from torch.utils.data import BatchSampler, Dataset, DistributedSampler
 from lightning_aesgd.core.apportion import apportion
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.arrivals import ArrivalClock
+from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
-from lightning_aesgd.engine.routing import Router
 from lightning_aesgd.engine.sampler import PlanBook, PlannedBatchSampler
 
 REPLICAS = 4
@@ -46,15 +47,17 @@ def scripted_rows(call: int) -> list[list[float]]:
 
 
 def planner_costs(iterations: int) -> dict[str, float]:
-    """Microseconds per merge of the router's work (report, then receive: models, plan, schedule), and per plan."""
-    router = Router(PlanSettings(planner="balanced", plan_dead_band=0.0))
-    router.attach(REPLICAS, torch.device("cpu"))
-    router.plan_book_for(STEP_BATCH, REPLICAS, LAG)
+    """Microseconds per merge of the planning work (arrive, release, receive: models, plan, schedule), and per plan."""
+    arrivals, plans = ArrivalClock(), PlanLoop(PlanSettings(planner="balanced", plan_dead_band=0.0))
+    arrivals.attach(torch.device("cpu"))
+    plans.attach(REPLICAS)
+    plans.plan_book_for(STEP_BATCH, REPLICAS, LAG)
     rows = [scripted_rows(call) for call in range(2)]
 
     def exchange(iteration: int) -> None:
-        router.report(1.0)
-        router.receive(rows[iteration % 2], iteration * PERIOD)
+        arrivals.arrive(1.0)
+        arrivals.release()
+        plans.receive(rows[iteration % 2], iteration * PERIOD)
 
     exchange_us = _microseconds(exchange, iterations)
     current = apportion(STEP_BATCH, [1.0] * REPLICAS)
@@ -62,7 +65,7 @@ def planner_costs(iterations: int) -> dict[str, float]:
         [StepTime(0.002, 1.0 / speed) for speed in speeds]
         for speeds in ([2000.0, 1000.0, 500.0, 250.0], [1000.0, 1000.0, 500.0, 250.0])
     ]
-    planner = router.planner
+    planner = plans.planner
     plan_us = _microseconds(lambda i: planner.plan(current, models[i % 2], STEP_BATCH), iterations)
     return {"exchange_us_per_merge": exchange_us, "plan_us_per_merge": plan_us, "merge_period": PERIOD}
 

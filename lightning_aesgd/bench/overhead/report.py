@@ -39,7 +39,10 @@ def overhead_table(results: dict[str, Any]) -> str:
 
 
 def _machinery_table(planner: dict[str, float], sampler: dict[str, float]) -> str:
-    exchange = f"Router.report + receive (models, plan, schedule), per merge (every {PERIOD} steps in adaptive_sgd)"
+    exchange = (
+        f"ArrivalClock.arrive + PlanLoop.receive (models, plan, schedule), per merge (every {PERIOD} steps in "
+        "adaptive_sgd)"
+    )
     rows = [
         (exchange, planner["exchange_us_per_merge"]),
         ("Planner.plan alone, per merge", planner["plan_us_per_merge"]),

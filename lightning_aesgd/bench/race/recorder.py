@@ -136,11 +136,12 @@ class BenchRecorder(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
         self._pause()
-        router = getattr(trainer.strategy, "router", None)
-        if router is not None and router.plan_book is not None:
-            self.record.plans = router.plan_book.state_dict()
+        plans = getattr(trainer.strategy, "plans", None)
+        if plans is not None and plans.plan_book is not None:
+            self.record.plans = plans.plan_book.state_dict()
             self.record.exchanges = [
-                {"step": step, "sizes": list(sizes), "speeds": list(speeds)} for step, speeds, sizes in router.history
+                {"step": record.step, "sizes": list(record.sizes), "speeds": list(record.speeds)}
+                for record in plans.history
             ]
         if trainer.is_global_zero:
             self.record.save(self.path)

@@ -64,9 +64,9 @@ class StepClock(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
         if not trainer.is_global_zero:
             return
-        router = getattr(trainer.strategy, "router", None)
-        plans = router.plan_book.state_dict() if router is not None and router.plan_book is not None else None
-        stats = router.stats() if router is not None else []
+        loop = getattr(trainer.strategy, "plans", None)
+        plans = loop.plan_book.state_dict() if loop is not None and loop.plan_book is not None else None
+        stats = loop.stats() if loop is not None else []
         balance = step_time_balance(stats) if stats else None
         record = {"times": self.times, "cpu": self.cpu, "plans": plans, "step_time_balance": balance}
         self.path.write_text(json.dumps(record))

@@ -1,0 +1,223 @@
+"""The plan loop: every replica's reports → step-time models → planner → plan book, identically on every rank.
+
+At each sync point every replica's :class:`~lightning_aesgd.core.sensing.PeriodReport` (measured by its
+:class:`~lightning_aesgd.engine.arrivals.ArrivalClock`) reaches every rank inside the sync point's collective.
+:class:`PlanLoop` updates the :class:`~lightning_aesgd.core.sensing.ArrivalModel` from them, asks the planner for
+the next plan, damps it, and schedules it ``lag`` steps ahead in the
+:class:`~lightning_aesgd.engine.sampler.PlanBook`. Every rank holds the same numbers, so every rank takes the same
+decision without another message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_aesgd.core.apportion import apportion
+from lightning_aesgd.core.planners import Planner
+from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
+from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.sampler import PlanBook
+
+log = logging.getLogger(__name__)
+
+HISTORY_LENGTH = 4096
+"""Sync points the loop remembers (step, speeds, plan) for plots: a ring, so memory stays flat over long runs."""
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """The plan loop at one sync point, for plots: the step, the smoothed speeds and the latest plan."""
+
+    step: int
+    speeds: tuple[float, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica as the latest sync point saw it, for telemetry and the end-of-fit summary.
+
+    Attributes:
+        merge_weight: the replica's merge weight at the latest sync point (its share ``bᵢ/M`` of the step under
+            gradient synchronisation).
+        speed: smoothed samples (or cost units) per active second.
+        samples: samples (or cost units) processed in the latest period.
+        wait_fraction: share of its wall time the replica spent blocked on peers.
+        step_seconds: smoothed active seconds per step (release of a sync point to arrival at the next).
+        busy_seconds: seconds per step inside the optimizer step (forward, backward, update).
+        finite: whether the replica's model was finite at the latest sync point (otherwise it was left out).
+    """
+
+    merge_weight: float
+    speed: float
+    samples: float
+    wait_fraction: float
+    step_seconds: float
+    busy_seconds: float = 0.0
+    finite: bool = True
+
+
+class PlanLoop:
+    """Turns every replica's reports into batch-size plans; never communicates.
+
+    Args:
+        settings: the planner and its bounds, damping and smoothing.
+    """
+
+    def __init__(self, settings: PlanSettings | None = None) -> None:
+        self.settings = settings if settings is not None else PlanSettings()
+        self.planner: Planner = self.settings.build_planner(self.settings.min_batch)
+        self.arrival_model: ArrivalModel | None = None
+        self.plan_book: PlanBook | None = None
+        self.floor = self.settings.min_batch
+        self.lag = 1
+        self.step_batch_size = 0
+        self.cost_aware = False
+        self.stop_requested = False
+        self.merge_weights: list[float] = []  # every replica's weight at the latest sync point
+        self.latest_reports: list[PeriodReport] = []
+        self.history: deque[PlanRecord] = deque(maxlen=HISTORY_LENGTH)
+        self._saved_state: dict[str, Any] | None = None
+        self._next_plan = 0
+
+    def attach(self, num_replicas: int) -> None:
+        """Start a fit of ``num_replicas`` replicas; the models of an earlier fit of as many are kept."""
+        if self.arrival_model is None or self.arrival_model.num_replicas != num_replicas:
+            self.arrival_model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
+        self.stop_requested = False
+
+    def plan_book_for(self, step_batch_size: int, num_replicas: int, lag: int, cost_aware: bool = False) -> PlanBook:
+        """The plan book for steps of ``step_batch_size`` samples, created on first use or restored from a checkpoint.
+
+        With ``cost_aware`` a replica's work is the cost of its samples (e.g. non-zeros), not their count.
+        """
+        self.lag, self.step_batch_size, self.cost_aware = lag, step_batch_size, cost_aware
+        settings = self.settings
+        settings.check_step(step_batch_size, num_replicas)
+        min_share = settings.min_share if settings.adaptive else 0.0
+        self.floor = batch_floor(step_batch_size, num_replicas, settings.min_batch, min_share)
+        self.planner = settings.build_planner(self.floor)
+        book = self.plan_book
+        if book is None or len(book.latest) != num_replicas or sum(book.latest) != step_batch_size:
+            shares = settings.shares if settings.shares is not None else [1.0] * num_replicas
+            book = self.plan_book = PlanBook(apportion(step_batch_size, shares, self.floor, settings.max_batch))
+        self._load_saved_state()
+        return book
+
+    def receive(self, rows: Sequence[Sequence[float]], step: int) -> None:
+        """Take every replica's report (rank order, as rows) from the sync point at ``step``; maybe schedule a plan.
+
+        Every rank passes the same rows, so every rank takes the same decision.
+        """
+        assert self.plan_book is not None, "call plan_book_for() first"
+        assert self.arrival_model is not None, "call attach() first"
+        reports = [PeriodReport.from_row(row) for row in rows]
+        self.arrival_model.update(reports)
+        self.stop_requested = any(report.stop > 0 for report in reports)
+        self.merge_weights = [report.merge_weight for report in reports]
+        models = self.arrival_model.models()
+        settings = self.settings
+        if settings.adaptive and models is not None and step >= settings.hold_steps and self._plans_now(step, models):
+            self._plan(step, models)
+        self.latest_reports = reports
+        self.history.append(PlanRecord(step, tuple(self.arrival_model.rates()), self.plan_book.latest))
+
+    def _plan(self, step: int, models: Sequence[StepTime]) -> None:
+        """Ask the planner for the next plan, damp it (a named planner's), and schedule it ``lag`` steps ahead."""
+        assert self.plan_book is not None
+        settings, current = self.settings, self.plan_book.latest
+        sizes = self.planner.plan(current, models, self.step_batch_size)
+        if isinstance(settings.planner, str):  # a Planner object of the user's is obeyed as it is
+            # The initial split is a guess, not a measured plan: the first plan moves all the way to the target.
+            gain = settings.plan_gain if self.plan_book.revised else 1.0
+            sizes = damped_plan(current, sizes, gain, settings.plan_dead_band, self.floor, settings.max_batch)
+        if tuple(sizes) != current:
+            self.plan_book.schedule(step + self.lag, sizes)
+
+    def _plans_now(self, step: int, models: Sequence[StepTime]) -> bool:
+        """Whether to ask a named planner for a new plan at this sync point (a Planner object is always asked).
+
+        Not before the previous plan has been applied and measured: plans piled on plans that no arrival has
+        reflected yet overshoot. Not while the latest plan's predicted step times agree within the dead band:
+        the named planners all aim at equal step times. The check costs a few float operations where planning
+        costs a few hundred microseconds.
+        """
+        if not isinstance(self.settings.planner, str):
+            return True
+        if step < self._next_plan or self._agree_within(models, self.settings.plan_dead_band):
+            return False
+        self._next_plan = step + self.lag + 1
+        return True
+
+    def balanced_within(self, spread: float) -> bool:
+        """Whether the latest plan's predicted step times agree within ``spread`` (``max ≤ (1 + spread)·min``).
+
+        From the models every rank updates alike, so every rank gives the same answer; ``False`` before any model.
+        """
+        models = self.arrival_model.models() if self.arrival_model is not None else None
+        return models is not None and self.plan_book is not None and self._agree_within(models, spread)
+
+    def _agree_within(self, models: Sequence[StepTime], spread: float) -> bool:
+        assert self.plan_book is not None
+        times = [model.seconds(size) for model, size in zip(models, self.plan_book.latest, strict=True)]
+        return max(times) <= (1 + spread) * min(times)
+
+    def stats(self) -> list[ReplicaStats]:
+        """Every replica as the latest sync point saw it (empty before the first)."""
+        if self.arrival_model is None or not self.latest_reports:
+            return []
+        rates, seconds = self.arrival_model.rates(), self.arrival_model.step_seconds()
+        return [
+            ReplicaStats(
+                merge_weight=report.merge_weight,
+                speed=rate,
+                samples=report.work,
+                wait_fraction=report.wait_fraction,
+                step_seconds=step_seconds,
+                busy_seconds=report.busy / report.steps if report.steps > 0 else 0.0,
+                finite=report.finite > 0,
+            )
+            for report, rate, step_seconds in zip(self.latest_reports, rates, seconds, strict=True)
+        ]
+
+    # --- checkpoints: identical on every replica ------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plans, the arrival model and the latest merge weights."""
+        return {
+            "plans": None if self.plan_book is None else self.plan_book.state_dict(),
+            "arrivals": None if self.arrival_model is None else self.arrival_model.state_dict(),
+            "merge_weights": list(self.merge_weights),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (now, or once the plan book exists)."""
+        self._saved_state = state
+        if self.plan_book is not None:
+            self._load_saved_state()
+
+    def _load_saved_state(self) -> None:
+        state, self._saved_state = self._saved_state, None
+        if state is None:
+            return
+        if state.get("plans") is not None and self.plan_book is not None:
+            if _plans_fit(state["plans"], len(self.plan_book.latest), self.step_batch_size):
+                self.plan_book.load_state_dict(state["plans"])
+            else:
+                # Another number of replicas or another step batch (a resume across shapes): plan afresh.
+                log.info("The checkpoint's plans are for another number of replicas or step batch: planning afresh.")
+        if state.get("arrivals") is not None and self.arrival_model is not None:
+            self.arrival_model.load_state_dict(state["arrivals"])
+        weights = state.get("merge_weights") or []
+        if self.arrival_model is not None and len(weights) == self.arrival_model.num_replicas:
+            self.merge_weights = list(weights)
+
+
+def _plans_fit(plans: dict[str, Any], num_replicas: int, step_batch_size: int) -> bool:
+    """Whether saved plans (:meth:`PlanBook.state_dict`) split steps of ``step_batch_size`` among ``num_replicas``."""
+    return all(len(sizes) == num_replicas and sum(sizes) == step_batch_size for sizes in plans["sizes"])

@@ -1,0 +1,76 @@
+"""Reports beside the gradient sums: launched with a step's last bucket, taken in after its backward.
+
+Under gradient synchronisation every step is a sync point, but a report is a collective of its own. The
+:class:`ReportExchange` sends one every ``lag + 1`` steps until the plan is settled (a plan is made only after
+the previous one has been applied and measured), then about every quarter second of training
+(:func:`~lightning_aesgd.core.schedule.report_interval`). Every replica decides from the same received reports,
+so all agree on which steps report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from lightning_aesgd.core.schedule import report_interval
+from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.engine.comm import Communicator, copy_from_host
+from lightning_aesgd.engine.plan_loop import PlanLoop
+
+SETTLED_SPREAD = 0.1
+"""A plan whose predicted step times agree within this fraction counts as settled: reports may then space out."""
+
+
+class ReportExchange:
+    """When reports are due, and the report all-reduces in flight, for one replica under gradient sync."""
+
+    def __init__(self) -> None:
+        self._in_flight: list[torch.futures.Future[Any]] = []
+        self._next_report = 0  # the global step of the next report (the first step of a fit reports)
+        self._every = 0  # steps between reports, from the latest reports (0: none received yet)
+
+    def start(self) -> None:
+        """A fit begins: its first step reports, and nothing of an earlier fit is in flight."""
+        self._in_flight, self._next_report, self._every = [], 0, 0
+
+    def due(self, global_step: int, plans: PlanLoop) -> bool:
+        """Whether this step reports; if so, the next report is scheduled (never sooner than ``lag + 1`` steps)."""
+        if global_step < self._next_report:
+            return False
+        self._next_report = global_step + max(self._every, plans.lag + 1)
+        return True
+
+    def launch(self, row: list[float], comm: Communicator, device: torch.device) -> None:
+        """Launch the all-reduce of every replica's report row, this replica's ``row`` in its own place."""
+        rows = torch.zeros(comm.world_size, len(row), dtype=torch.float64, device=device)
+        copy_from_host(rows[comm.rank], row)  # pinned and non-blocking: no wait for the backward here
+        self._in_flight.append(comm.all_reduce_sum_async(rows))
+
+    def received(self, keep: int, waiting: Callable[[], AbstractContextManager[Any]]) -> Iterator[list[list[float]]]:
+        """Every exchange but the latest ``keep``, oldest first, as rows; the wait for each inside ``waiting()``."""
+        while len(self._in_flight) > keep:
+            future = self._in_flight.pop(0)
+            with waiting():
+                rows = future.wait()[0]
+            yield rows.cpu().tolist()
+
+    def space_out(self, plans: PlanLoop) -> None:
+        """Set the steps to the next report from the reports just received.
+
+        ``lag + 1`` until the plan is settled, then about a quarter second's worth. Settled: the plan's predicted
+        step times agree within :data:`SETTLED_SPREAD` (the plan loop's smoothed models, so timing noise on equal
+        devices does not count), and every report measured at least ``lag + 1`` steps (the first step of a fit, or
+        of an epoch, leaves out the hooks and data loading around it).
+        """
+        shortest = plans.lag + 1
+        reports = plans.latest_reports
+        settled = plans.balanced_within(SETTLED_SPREAD) and all(report.steps >= shortest for report in reports)
+        self._every = report_interval(_step_seconds(reports), shortest) if settled else shortest
+
+
+def _step_seconds(reports: list[PeriodReport]) -> float:
+    """The longest measured step of the latest reports (active seconds per step), 0 where none was measured."""
+    return max((report.active / report.steps for report in reports if report.steps > 0), default=0.0)

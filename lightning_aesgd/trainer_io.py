@@ -1,0 +1,64 @@
+"""What the strategy reads from the Trainer and hands to its loggers, outside Lightning's hooks.
+
+Where a restored training loop resumes, the Trainer's gradient clipping for updates the strategy applies itself,
+whether the loggers write at this step, the telemetry metrics handed to them, and the end-of-fit summary saved as
+JSON next to their logs. Each takes the Trainer (or module) of either Lightning namespace; nothing here imports
+Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "aesgd_summary.json"
+"""The end-of-fit summary as JSON, in the first logger's directory (see :func:`save_summary`)."""
+
+
+def resumed_position(trainer: Any) -> tuple[int, int] | None:
+    """Where a restored training loop resumes: (epoch, batches of it processed), or None for a fresh fit."""
+    if not trainer.fit_loop.restarting:
+        return None
+    return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def clip_gradients(module: Any, optimizer: Any) -> None:
+    """The Trainer's gradient clipping, for an update the strategy applies itself (a flushed delayed sum)."""
+    trainer = module.trainer
+    module.configure_gradient_clipping(
+        optimizer,
+        gradient_clip_val=trainer.gradient_clip_val,
+        gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+    )
+
+
+def logs_this_step(trainer: Any) -> bool:
+    """Whether Lightning's loggers write at this step."""
+    every, step = max(1, int(trainer.log_every_n_steps)), int(trainer.global_step)
+    return (step + 1) % every == 0
+
+
+def log_metrics(trainer: Any, metrics: dict[str, float] | None) -> None:
+    """Hand ``metrics`` (if any) to every logger of the Trainer, at its global step; called on rank zero only."""
+    # Every rank holds the same numbers (those of the latest merge), so rank zero hands them to the loggers
+    # directly: through `LightningModule.log_dict` a score of metrics costs tens of milliseconds.
+    if metrics is not None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def save_summary(trainer: Any, record: dict[str, Any] | None) -> None:
+    """Write the end-of-fit summary to ``<log_dir>/aesgd_summary.json`` where the fit has a logger with a directory."""
+    log_dir = getattr(trainer.logger, "log_dir", None) if record is not None else None
+    if not log_dir:
+        return
+    path = Path(log_dir) / SUMMARY_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as error:  # a summary that cannot be saved is no reason to fail a finished fit
+        log.warning("Could not save the end-of-fit summary to %s: %s", path, error)

@@ -1,0 +1,257 @@
+"""Plans from measured speed: four replicas (arrival clock + plan loop each) exchange scripted timings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_aesgd.core.apportion import share_error
+from lightning_aesgd.core.planners import StaticPlanner
+from lightning_aesgd.engine.arrivals import ArrivalClock
+from lightning_aesgd.engine.plan_loop import HISTORY_LENGTH, PlanLoop, PlanRecord
+from lightning_aesgd.engine.plan_settings import PlanSettings
+
+STEP_BATCH = 256
+SECONDS_PER_SAMPLE = 1e-3
+
+
+class Clock:
+    """A scripted wall clock: arrivals and releases happen when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Replica:
+    """One replica's arrival clock and plan loop on a scripted clock, paired as the step pipeline pairs them."""
+
+    def __init__(self, num_replicas: int, **settings) -> None:
+        self.clock = Clock()
+        self.arrivals = ArrivalClock(clock=self.clock)
+        self.plans = PlanLoop(PlanSettings(**settings))
+        self.arrivals.attach(torch.device("cpu"))
+        self.plans.attach(num_replicas)
+        self.plans.plan_book_for(STEP_BATCH, num_replicas, lag=3)
+
+    def work(self, size: int) -> None:
+        with self.arrivals.step(float(size), size):
+            pass
+
+    def receive(self, rows, step: int) -> None:
+        self.arrivals.release()
+        self.plans.receive(rows, step)
+
+
+def _group(num_replicas: int, **settings) -> list[Replica]:
+    return [Replica(num_replicas, **settings) for _ in range(num_replicas)]
+
+
+def _run(replicas, factors_at, steps, overhead=0.0):
+    """Replica i arrives fᵢ·(overhead + size·t₁) after each release (t₁ the per-sample time); a sync every step.
+
+    Nothing is timed inside the optimizer step (the busy regions are empty): the plan loops see the replicas'
+    speeds only through their arrivals, as with slowness in data loading, hooks or CPU quotas.
+    """
+    plans, now = [], 0.0
+    for step in range(steps):
+        sizes = replicas[0].plans.plan_book.sizes_at(step)
+        for replica in replicas[1:]:
+            assert replica.plans.plan_book.sizes_at(step) == sizes  # every replica slices the step the same way
+        rows = []
+        for rank, replica in enumerate(replicas):
+            replica.work(sizes[rank])
+            replica.clock.now = now + factors_at(step)[rank] * (overhead + sizes[rank] * SECONDS_PER_SAMPLE)
+            rows.append(replica.arrivals.arrive(merge_weight=1.0).as_row())
+        now = max(replica.clock.now for replica in replicas) + 1e-4
+        for replica in replicas:
+            replica.clock.now = now
+            replica.receive(rows, step)
+        plans.append(sizes)
+    return plans
+
+
+def _speeds(factors):
+    return [1 / f for f in factors]
+
+
+@pytest.mark.parametrize("planner", ["proportional", "balanced"])
+def test_shares_converge_to_the_speed_proportional_ideal_within_30_steps(planner):
+    factors = (1, 1, 2, 4)
+    plans = _run(_group(4, planner=planner), lambda step: factors, steps=30)
+    assert share_error(plans[0], _speeds(factors)) > 0.5  # starts equal, far from the ideal
+    assert share_error(plans[-1], _speeds(factors)) < 0.10
+    # Damped: no plan overshoots the ideal on the way (the slowest replica's batch only ever falls).
+    slowest = [plan[3] for plan in plans]
+    assert slowest == sorted(slowest, reverse=True)
+
+
+@pytest.mark.parametrize("planner", ["proportional", "balanced"])
+def test_the_first_plan_moves_all_the_way_from_the_initial_split(planner):
+    """The equal split is a guess: the first measurements replace it at once (no damping against a guess)."""
+    factors = (1, 1, 2, 4)
+    plans = _run(_group(4, planner=planner), lambda step: factors, steps=6)
+    assert plans[:3] == [(64, 64, 64, 64)] * 3  # the first plan is made at step 0 and applies after the lag of 3
+    assert share_error(plans[3], _speeds(factors)) < 0.05
+
+
+def test_a_plan_is_balanced_when_its_predicted_step_times_agree():
+    """Judged on the latest plan (scheduled ones included) by every rank alike, from the same models."""
+    adaptive = _group(4)
+    assert not adaptive[0].plans.balanced_within(0.1)  # nothing measured yet
+    _run(adaptive, lambda step: (1, 1, 2, 4), steps=10)
+    assert [replica.plans.balanced_within(0.1) for replica in adaptive] == [True] * 4
+    equal_split = _group(4, planner="static")  # keeps the equal split, which unequal replicas cannot balance
+    _run(equal_split, lambda step: (1, 1, 2, 4), steps=10)
+    assert [replica.plans.balanced_within(0.1) for replica in equal_split] == [False] * 4
+
+
+@pytest.mark.parametrize("planner", ["proportional", "balanced"])
+def test_the_plan_follows_a_replica_that_becomes_4x_slower_within_30_steps(planner):
+    def factors_at(step):
+        return (1, 1, 1, 4) if step >= 40 else (1, 1, 1, 1)
+
+    plans = _run(_group(4, planner=planner), factors_at, steps=70)
+    assert share_error(plans[39], _speeds((1, 1, 1, 1))) < 0.05
+    assert share_error(plans[45], _speeds((1, 1, 1, 4))) > 0.10  # the change takes time to show...
+    assert share_error(plans[69], _speeds((1, 1, 1, 4))) < 0.10  # ...and is followed within 30 steps
+
+
+def test_additive_planner_moves_towards_equal_step_times():
+    factors = (1, 2)
+    replicas = _group(2, planner="additive", planner_options={"step": 8}, min_batch=8, max_batch=248)
+    plans = _run(replicas, lambda step: factors, steps=40)
+    times = [size * f for size, f in zip(plans[-1], factors, strict=True)]
+    assert plans[0] == (128, 128)
+    assert max(times) / min(times) < 1.15
+
+
+def test_hold_steps_keep_the_first_plan_through_the_warm_up_then_adapt():
+    factors = (1, 2)
+    held = _run(_group(2, planner="additive", hold_steps=10), lambda step: factors, steps=40)
+    free = _run(_group(2, planner="additive"), lambda step: factors, steps=40)
+    assert free[8] != (128, 128)  # adapts from the first measurements...
+    assert set(held[: 10 + 3]) == {(128, 128)}  # ...or not before step 10 (+ the lag of 3)
+    assert held[-1][0] > held[-1][1]  # then it does
+
+
+@pytest.mark.parametrize("planner", ["proportional", "balanced", "additive", "static"])
+def test_every_planner_plans_within_the_strategy_default_bounds(planner):
+    # The strategy passes min_batch=1, max_batch=None (no limit); every planner must accept them.
+    plans = _run(_group(2, planner=planner, min_batch=1, max_batch=None), lambda step: (1, 3), steps=12)
+    assert all(sum(plan) == STEP_BATCH and min(plan) >= 1 for plan in plans)
+    if planner != "static":
+        assert plans[-1][0] > plans[-1][1]  # the faster replica gets the larger batch
+
+
+def test_static_planner_never_changes_the_plan():
+    plans = _run(_group(2, planner="static", shares=[3, 1]), lambda step: (1, 5), steps=10)
+    assert set(plans) == {(192, 64)}
+
+
+def test_any_replica_asking_to_stop_stops_every_replica():
+    replicas = _group(2)
+    rows = [replica.arrivals.arrive(1.0, stop=rank == 1).as_row() for rank, replica in enumerate(replicas)]
+    for replica in replicas:
+        replica.receive(rows, step=0)
+    assert all(replica.plans.stop_requested for replica in replicas)
+
+
+def test_a_very_slow_replica_keeps_the_floor_batch():
+    factors = (1, 1, 1, 40)
+    replicas = _group(4, planner="proportional", min_share=0.25)
+    plans = _run(replicas, lambda step: factors, steps=40)
+    floor = 16  # a quarter of the equal share 64
+    assert replicas[0].plans.floor == floor
+    assert plans[-1][3] == floor
+    assert all(min(plan) >= floor for plan in plans)
+
+
+def _step_times(plan, factors, overhead):
+    return [f * (overhead + size * SECONDS_PER_SAMPLE) for size, f in zip(plan, factors, strict=True)]
+
+
+def test_with_fixed_step_costs_the_balanced_planner_equalises_step_times():
+    # A fixed cost of 10 samples' worth per step: a small batch is slow per sample, which misleads a plan that
+    # only looks at samples per second; the balanced planner models the fixed part.
+    factors, overhead = (1, 1, 2, 4), 10 * SECONDS_PER_SAMPLE
+    balanced = _run(_group(4, planner="balanced"), lambda step: factors, steps=40, overhead=overhead)
+    times = _step_times(balanced[-1], factors, overhead)
+    assert max(times) / min(times) < 1.05
+    # The closed form: fᵢ(a + c·bᵢ) = T for all i with Σ bᵢ = 256 → T = (256c + 4a) / Σ(1/fᵢ) with a = 10c.
+    common = (STEP_BATCH + 4 * 10) * SECONDS_PER_SAMPLE / sum(1 / f for f in factors)
+    assert max(times) == pytest.approx(common, rel=0.05)
+
+
+def test_a_restored_plan_loop_continues_with_the_same_plans_and_measurements():
+    replicas = _group(2, planner="balanced")
+    _run(replicas, lambda step: (1, 3), steps=12)
+    saved = replicas[1].plans
+
+    restored = PlanLoop(PlanSettings(planner="balanced"))
+    restored.attach(2)
+    restored.load_state_dict(saved.state_dict())
+    restored.plan_book_for(STEP_BATCH, 2, lag=3)
+    assert restored.arrival_model.models() == saved.arrival_model.models()
+    assert restored.arrival_model.rates() == saved.arrival_model.rates()
+    assert restored.plan_book.state_dict() == saved.plan_book.state_dict()
+    assert restored.merge_weights == saved.merge_weights == [1.0, 1.0]
+
+
+def test_saved_plans_for_another_step_batch_are_replaced_by_a_fresh_plan():
+    replicas = _group(2, planner="balanced")
+    _run(replicas, lambda step: (1, 3), steps=12)
+    restored = PlanLoop(PlanSettings(planner="balanced"))
+    restored.attach(2)
+    restored.load_state_dict(replicas[0].plans.state_dict())
+    assert restored.plan_book_for(STEP_BATCH // 2, 2, lag=3).latest == (64, 64)
+
+
+def test_the_history_is_a_ring_of_typed_records_so_memory_stays_flat():
+    (replica,) = _group(1)
+    for step in range(HISTORY_LENGTH + 10):
+        replica.work(10)
+        replica.clock.now += 0.01
+        replica.receive([replica.arrivals.arrive(1.0).as_row()], step)
+    assert len(replica.plans.history) == HISTORY_LENGTH
+    latest = replica.plans.history[-1]
+    assert isinstance(latest, PlanRecord)
+    assert (latest.step, latest.sizes) == (HISTORY_LENGTH + 9, (STEP_BATCH,))
+    assert latest.speeds[0] == pytest.approx(10 / 0.01)
+
+
+def test_stats_describe_every_replica_as_the_latest_sync_point_saw_it():
+    replicas = _group(2)
+    assert replicas[0].plans.stats() == []  # nothing received yet
+    _run(replicas, lambda step: (1, 3), steps=12)
+    fast, slow = replicas[0].plans.stats()
+    assert fast.speed == pytest.approx(3 * slow.speed, rel=0.05)
+    assert fast.step_seconds == pytest.approx(slow.step_seconds, rel=0.1)  # balanced by the plans
+    assert (fast.finite, slow.finite, fast.merge_weight) == (True, True, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "total", "replicas", "match"),
+    [
+        ({"planner": "static", "shares": [1, 2]}, 8, 1, r"2 static shares for 1 replicas.*HINT"),
+        ({}, 3, 4, r"cannot give each of the 4 replicas one.*HINT: raise the strategy's step_batch_size"),
+        ({"min_batch": 4}, 6, 2, r"min_batch=4 for each of 2 replicas exceeds the 6 samples.*HINT"),
+        ({"max_batch": 2}, 8, 2, r"max_batch=2 for each of 2 replicas cannot hold the 8 samples.*HINT"),
+        ({"planner": StaticPlanner((1.0, 2.0))}, 8, 1, r"failed a trial plan.*HINT"),
+    ],
+)
+def test_options_that_do_not_fit_the_step_fail_when_the_plan_book_is_made(kwargs, total, replicas, match):
+    with pytest.raises(ValueError, match=match):
+        PlanLoop(PlanSettings(**kwargs)).plan_book_for(total, replicas, lag=2)
+
+
+class _WrongTotal:
+    def plan(self, current, step_times, total):
+        return [total + 1 for _ in current]
+
+
+def test_a_planner_object_that_returns_a_wrong_plan_fails_before_training():
+    with pytest.raises(ValueError, match=r"returned \[9\] for a trial plan of \[8\].*HINT"):
+        PlanLoop(PlanSettings(planner=_WrongTotal())).plan_book_for(8, 1, lag=2)

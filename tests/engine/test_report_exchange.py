@@ -1,0 +1,82 @@
+"""Reports beside the gradient sums: when they are due, and what comes back, over a faked communicator."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from helpers import FakeCommunicator
+
+from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.engine.plan_loop import PlanLoop
+from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.report_exchange import ReportExchange
+
+STEP_BATCH = 64
+
+
+def _plans(lag: int = 2, planner: str = "proportional") -> PlanLoop:
+    plans = PlanLoop(PlanSettings(planner=planner))
+    plans.attach(2)
+    plans.plan_book_for(STEP_BATCH, 2, lag=lag)
+    return plans
+
+
+def _due_steps(exchange: ReportExchange, plans: PlanLoop, steps: int) -> list[int]:
+    return [step for step in range(steps) if exchange.due(step, plans)]
+
+
+def test_until_a_report_is_received_reports_are_due_every_lag_plus_one_steps():
+    exchange, plans = ReportExchange(), _plans(lag=2)
+    assert _due_steps(exchange, plans, 10) == [0, 3, 6, 9]
+
+
+def test_reports_travel_in_rank_order_and_the_latest_keep_stay_in_flight():
+    """Rank 1's row lands in its own place; its peer's (here one that adds a copy of rank 1's row) in place 0."""
+    exchange, comm = ReportExchange(), FakeCommunicator(world_size=2, rank=1, peers_sum=lambda t: t.flip(0) / 2)
+    first, second = PeriodReport(0.25, work=16.0, steps=1.0), PeriodReport(0.75, work=48.0, steps=1.0)
+    exchange.launch(first.as_row(), comm, torch.device("cpu"))
+    exchange.launch(second.as_row(), comm, torch.device("cpu"))
+    waits = []
+
+    @contextmanager
+    def waiting():
+        waits.append(True)
+        yield
+
+    (rows,) = list(exchange.received(keep=1, waiting=waiting))  # the delayed mode keeps the latest in flight
+    assert [PeriodReport.from_row(row).work for row in rows] == [8.0, 16.0]
+    assert waits == [True]
+    (rows,) = list(exchange.received(keep=0, waiting=waiting))
+    assert PeriodReport.from_row(rows[1]).merge_weight == 0.75
+    assert list(exchange.received(keep=0, waiting=waiting)) == []
+
+
+def test_reports_space_out_once_the_plan_is_settled_and_steps_are_short():
+    exchange, plans = ReportExchange(), _plans(lag=2)
+    # Two equal replicas, 5 ms per step over 4 steps each: the plan (equal) is balanced, so settled.
+    rows = [PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.02).as_row() for _ in range(2)]
+    for step in range(0, 40, 4):
+        plans.receive(rows, step)
+    exchange.space_out(plans)
+    assert exchange.due(100, plans)
+    assert not any(exchange.due(step, plans) for step in range(101, 124))  # 8 × (lag + 1) = 24 steps: the cap
+    assert exchange.due(124, plans)
+
+
+def test_an_unsettled_plan_keeps_reports_every_lag_plus_one_steps():
+    """A static plan that unequal replicas cannot balance; an adaptive one would be settled by its next plan."""
+    exchange, plans = ReportExchange(), _plans(lag=2, planner="static")
+    fast = PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.02).as_row()
+    slow = PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.2).as_row()
+    plans.receive([fast, slow], 0)
+    exchange.space_out(plans)
+    assert _due_steps(exchange, plans, 7) == [0, 3, 6]
+
+
+def test_a_new_fit_reports_at_its_first_step_again():
+    exchange, plans = ReportExchange(), _plans(lag=2)
+    assert exchange.due(0, plans)
+    assert not exchange.due(1, plans)
+    exchange.start()
+    assert exchange.due(0, plans)
