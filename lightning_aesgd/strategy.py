@@ -29,7 +29,7 @@ from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.engine.averager import OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.loading import SampleCosts
-from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline
+from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.placement import SharedDevices
 from lightning_aesgd.settings import StrategySettings, check_timeout, refuse_unknown_options
@@ -197,8 +197,12 @@ class AdaptiveElasticMixin(SharedDevices):
         if self.slowdown is not None:  # emulated slower devices, told of each compute span by the engine
             self.slowdown.check_replicas(self.world_size)
             self.engine.compute_spans = StepStretcher(self.slowdown, self.root_device)
-        self.engine.start(self._module, default_communicator(self.root_device), self.root_device)
-        self.engine.before_own_update = partial(clip_gradients, self._module)  # for a flushed delayed sum
+        hooks = TrainerHooks(
+            stop_requested=lambda: bool(getattr(trainer, "received_sigterm", False)),
+            grad_scaler=getattr(self.precision_plugin, "scaler", None),
+            before_own_update=partial(clip_gradients, self._module),  # for a flushed delayed sum
+        )
+        self.engine.start(self._module, default_communicator(self.root_device), self.root_device, hooks)
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
 
     @override
@@ -225,10 +229,7 @@ class AdaptiveElasticMixin(SharedDevices):
         trainer = self._module.trainer
         closure = self.engine.after_backward_of(closure)
         output = self.engine.optimizer_step(
-            optimizer,
-            lambda: super(AdaptiveElasticMixin, self).optimizer_step(optimizer, closure, model, **kwargs),
-            lambda: bool(getattr(trainer, "received_sigterm", False)),
-            grad_scaler=getattr(self.precision_plugin, "scaler", None),
+            optimizer, lambda: super(AdaptiveElasticMixin, self).optimizer_step(optimizer, closure, model, **kwargs)
         )
         if self.telemetry and self.is_global_zero and logs_this_step(trainer):
             log_metrics(trainer, self.engine.telemetry())

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from lightning_aesgd.engine.comm import (
     Communicator,
@@ -33,8 +34,7 @@ from lightning_aesgd.engine.gradients import (
     pending_to_list,
     update_skipped,
 )
-from lightning_aesgd.engine.loading import SampleCosts
-from lightning_aesgd.engine.pipeline import StepPipeline, scaled_learning_rate
+from lightning_aesgd.engine.pipeline import StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.report_exchange import ReportExchange
 
@@ -55,10 +55,7 @@ class GradientSync(StepPipeline):
         delay_lr_scale: a factor on the learning rate of every update that applies a stale sum, one computed
             before the latest update (see :func:`~lightning_aesgd.core.lr.stale_update_scale`); 1 is the paper's
             rule. The sum of a step that applied nothing (the first after a start or a flush) is fresh when applied.
-        lr_schedule: a factor on the learning rate during each step, a function of the global step.
-        step_batch_size: indices consumed per step by all replicas.
-        plan_lag: steps between deciding a plan and applying it.
-        sample_costs: per-sample costs for cost-aware splitting.
+        **step_options: the pipeline's own options (:class:`~lightning_aesgd.engine.pipeline.StepPipeline`).
     """
 
     wraps_model = True  # DistributedDataParallel's reducer runs the sums, through GradientSum's hook
@@ -71,18 +68,9 @@ class GradientSync(StepPipeline):
         compensate_momentum: bool = True,
         delay_warmup: int = 0,
         delay_lr_scale: float = 1.0,
-        lr_schedule: Callable[[int], float] | None,
-        step_batch_size: int | None,
-        plan_lag: int | None,
-        sample_costs: SampleCosts,
+        **step_options: Unpack[StepOptions],
     ) -> None:
-        super().__init__(
-            planning,
-            lr_schedule=lr_schedule,
-            step_batch_size=step_batch_size,
-            plan_lag=plan_lag,
-            sample_costs=sample_costs,
-        )
+        super().__init__(planning, **step_options)
         self.reduce = GradientSum(
             delay,
             on_last_bucket=self._arrive,
@@ -98,7 +86,6 @@ class GradientSync(StepPipeline):
         self._params: list[nn.Parameter] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._share = 1.0
-        self._stop_requested: Callable[[], bool] = _never
         self.reports = ReportExchange()
         self._device = torch.device("cpu")
         self._module: nn.Module | None = None
@@ -135,7 +122,6 @@ class GradientSync(StepPipeline):
 
     def _stop(self) -> None:
         self._optimizer = None
-        self._stop_requested = _never  # the Trainer's check holds the Trainer: not kept past the fit
         self.reports.start()  # nothing of this fit is awaited past its end
         self.reduce.comm = None
 
@@ -159,16 +145,10 @@ class GradientSync(StepPipeline):
 
         return closure_then_reports
 
-    def optimizer_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        run_step: Callable[[], T],
-        stop_requested: Callable[[], bool],
-        grad_scaler: Any = None,
-    ) -> T:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T]) -> T:
         """Run one step whose gradient counts with this replica's share of the step's samples (``loss_weight``).
 
-        A step the ``grad_scaler`` skips is skipped on every replica alike (they all see the same summed gradient).
+        A step a grad scaler skips is skipped on every replica alike (they all see the same summed gradient).
         """
         sampler = self.sampler
         if sampler is None:
@@ -178,7 +158,7 @@ class GradientSync(StepPipeline):
                 "torch.utils.data.DataLoader from train_dataloader(), or use sync='models'."
             )
         record = sampler.pop_record(self._step_key)
-        self._optimizer, self._stop_requested = optimizer, stop_requested
+        self._optimizer = optimizer
         self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
         self.reduce.delay = self._delay if self._global_step >= self.delay_warmup else 0
         self.reduce.begin_step()
@@ -229,7 +209,7 @@ class GradientSync(StepPipeline):
         if self.reports.due(self._global_step, self.plans):
             # The period's report travels beside the sums; the replica works on from its arrival (the time it then
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).
-            report = self.arrivals.arrive(self._share, stop=self._stop_requested())
+            report = self.arrivals.arrive(self._share, stop=self.hooks.stop_requested())
             self.reports.launch(report.as_row(), self._comm(), self._device)
             self.arrivals.continue_after_arrival()
         if not self.reduce.delay:
@@ -258,8 +238,7 @@ class GradientSync(StepPipeline):
             return
         self.reduce.read_momentum(optimizer)
         apply_gradients(self._params, self.reduce.compensated(pending))
-        if self.before_own_update is not None:
-            self.before_own_update(optimizer)
+        self.hooks.before_own_update(optimizer)
         factor = self._lr_factor(stale=self._pending_is_stale)
         self._pending_is_stale = False  # nothing is in flight now
         self.compute_spans.begin()  # the flushed update is the update a step skipped: compute like any
@@ -334,8 +313,3 @@ class GradientSync(StepPipeline):
             )
         elif delayed is not None:
             log.warning("The checkpoint holds a delayed gradient sum, which sync without delay does not apply.")
-
-
-def _never() -> bool:
-    """No stop requested (a module-level function, so that the engine pickles for the spawn launcher)."""
-    return False

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+from typing_extensions import Unpack
 
 from lightning_aesgd.core.schedule import LearningRateDrop
 from lightning_aesgd.core.sensing import PeriodReport
@@ -25,8 +26,7 @@ from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
-from lightning_aesgd.engine.loading import SampleCosts
-from lightning_aesgd.engine.pipeline import StepPipeline, scaled_learning_rate
+from lightning_aesgd.engine.pipeline import StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
 log = logging.getLogger(__name__)
@@ -48,11 +48,8 @@ class ModelMerge(StepPipeline):
         planning: how batch sizes follow the measured speeds.
         l2_nudge: Adaptive SGD's adaptive normalization of merge weights.
         lr_scaling: scale the replica's learning rate by its batch over the nominal one during its step.
-        lr_schedule: a further factor on the rate during each step, a function of the global step (``None``: 1).
-        step_batch_size: indices consumed per step by all replicas (see :class:`StepPipeline`).
-        plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
-        sample_costs: per-sample costs for cost-aware splitting (see :func:`~.loading.resolve_sample_costs`).
         checkpoint_replicas: save every replica's own model and optimizer state in checkpoints.
+        **step_options: the pipeline's own options (:class:`~lightning_aesgd.engine.pipeline.StepPipeline`).
     """
 
     def __init__(
@@ -62,19 +59,10 @@ class ModelMerge(StepPipeline):
         *,
         l2_nudge: bool,
         lr_scaling: bool,
-        lr_schedule: Callable[[int], float] | None,
-        step_batch_size: int | None,
-        plan_lag: int | None,
-        sample_costs: SampleCosts,
         checkpoint_replicas: bool,
+        **step_options: Unpack[StepOptions],
     ) -> None:
-        super().__init__(
-            planning,
-            lr_schedule=lr_schedule,
-            step_batch_size=step_batch_size,
-            plan_lag=plan_lag,
-            sample_costs=sample_costs,
-        )
+        super().__init__(planning, **step_options)
         self.merging = merging
         self.normalization = AdaptiveNormalization(l2_nudge, merging.warmup_steps)
         self.lr_scaling = lr_scaling
@@ -118,18 +106,11 @@ class ModelMerge(StepPipeline):
     def configure_model(self, model: nn.Module) -> None:
         """The model stays unwrapped: replicas synchronise by merges, not through DistributedDataParallel."""
 
-    def optimizer_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        run_step: Callable[[], T],
-        stop_requested: Callable[[], bool],
-        grad_scaler: Any = None,
-    ) -> T:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T]) -> T:
         """Run one local step (``run_step``: Lightning's optimizer step), then merge when one is due.
 
-        ``stop_requested``: whether this replica received SIGTERM, asked at the merge; the flag travels in the
-        merge to every replica. ``grad_scaler``: the precision plugin's ``GradScaler`` (16-bit mixed precision),
-        whose skipped steps carry no merge weight.
+        A step the Trainer's grad scaler skipped carries no merge weight; a SIGTERM is asked at the merge, whose
+        reports carry it to every replica.
         """
         averager, sampler = self._running_averager(), self.sampler
         assert sampler is not None, "the training loader was not built by training_loader()"
@@ -140,6 +121,7 @@ class ModelMerge(StepPipeline):
         nominal = sampler.step_batch_size / averager.comm.world_size
         factor = linear_lr_scale(record.num_samples, nominal) if self.lr_scaling else 1.0
         factor *= self._scheduled_lr_factor()
+        grad_scaler = self.hooks.grad_scaler
         scale_before = _loss_scale(grad_scaler)
         with scaled_learning_rate(optimizer, factor), self._timed_step(record):
             self.compute_spans.begin()  # the whole local step is the device's compute, up to the merge
@@ -149,7 +131,7 @@ class ModelMerge(StepPipeline):
         if scale_before is not None:
             self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
         if self.synced_last_step:
-            self._merge(averager, optimizer, stop_requested())
+            self._merge(averager, optimizer, self.hooks.stop_requested())
         return output
 
     def _read_before_merge(self, averager: ElasticAverager) -> tuple[float, list[float], float]:

@@ -17,7 +17,8 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypedDict, TypeVar
 
 import torch
 from torch import nn
@@ -50,6 +51,42 @@ CHECKPOINT_KEY = "adaptive_elastic"
 T = TypeVar("T")
 
 
+def _never() -> bool:
+    """No stop requested (a module-level function, so that the pipeline pickles for the spawn launcher)."""
+    return False
+
+
+def _nothing(optimizer: torch.optim.Optimizer) -> None:
+    """Nothing to do before an update."""
+
+
+class StepOptions(TypedDict, total=False):
+    """The step pipeline's own options, which each sync mode takes and passes on (see :class:`StepPipeline`)."""
+
+    lr_schedule: Callable[[int], float] | None
+    step_batch_size: int | None
+    plan_lag: int | None
+    sample_costs: SampleCosts
+
+
+@dataclass(frozen=True)
+class TrainerHooks:
+    """What the fit's Trainer lends the pipeline, given at :meth:`StepPipeline.start`.
+
+    Attributes:
+        stop_requested: whether this replica received SIGTERM; asked at each report, whose flag carries it to
+            every replica.
+        grad_scaler: the precision plugin's ``GradScaler`` (16-bit mixed precision), if any: under model merging
+            the steps it skips carry no merge weight.
+        before_own_update: what runs before an update the pipeline applies itself, outside Lightning's optimizer
+            step (the Trainer's gradient clipping, for a flushed delayed sum).
+    """
+
+    stop_requested: Callable[[], bool] = _never
+    grad_scaler: Any = None
+    before_own_update: Callable[[torch.optim.Optimizer], None] = _nothing
+
+
 class StepPipeline(ABC):
     """One replica's training machinery around Lightning's loop, Lightning-free; a sync mode completes it.
 
@@ -69,10 +106,10 @@ class StepPipeline(ABC):
         self,
         planning: PlanSettings,
         *,
-        lr_schedule: Callable[[int], float] | None,
-        step_batch_size: int | None,
-        plan_lag: int | None,
-        sample_costs: SampleCosts,
+        lr_schedule: Callable[[int], float] | None = None,
+        step_batch_size: int | None = None,
+        plan_lag: int | None = None,
+        sample_costs: SampleCosts = None,
     ) -> None:
         check_step_options(step_batch_size, plan_lag)
         check_sample_costs(sample_costs)
@@ -88,9 +125,7 @@ class StepPipeline(ABC):
         self.synced_last_step = False  # whether the latest step ended at a sync point (its reports were read)
         # Told where the device computes in each step (an emulation of slower devices listens; by default nobody).
         self.compute_spans: ComputeSpans = NoComputeSpans()
-        # What runs before an update the pipeline applies itself, outside Lightning's optimizer step (the
-        # Trainer's gradient clipping, for a flushed delayed sum).
-        self.before_own_update: Callable[[torch.optim.Optimizer], None] | None = None
+        self.hooks = TrainerHooks()
         self._comm_in_use: Communicator | None = None
         self._step_key = 0
         self._global_step = 0
@@ -118,18 +153,8 @@ class StepPipeline(ABC):
         """The sync mode's part of :meth:`stop`."""
 
     @abstractmethod
-    def optimizer_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        run_step: Callable[[], T],
-        stop_requested: Callable[[], bool],
-        grad_scaler: Any = None,
-    ) -> T:
-        """Run one step (``run_step``: Lightning's optimizer step) and this sync mode's synchronisation.
-
-        ``stop_requested``: whether this replica received SIGTERM, carried to every replica in the reports.
-        ``grad_scaler``: the precision plugin's ``GradScaler`` (16-bit mixed precision), if any.
-        """
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T]) -> T:
+        """Run one step (``run_step``: Lightning's optimizer step) and this sync mode's synchronisation."""
 
     @abstractmethod
     def configure_model(self, model: nn.Module) -> None:
@@ -181,9 +206,12 @@ class StepPipeline(ABC):
         assert self._comm_in_use is not None, "the pipeline is not running: call start() first"
         return self._comm_in_use
 
-    def start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
-        """Begin a fit of ``module`` on ``device``, with the other replicas behind ``comm``."""
+    def start(
+        self, module: nn.Module, comm: Communicator, device: torch.device, hooks: TrainerHooks | None = None
+    ) -> None:
+        """Begin a fit of ``module`` on ``device``, with the other replicas behind ``comm`` and the Trainer's hooks."""
         self._comm_in_use = comm
+        self.hooks = hooks if hooks is not None else TrainerHooks()
         self.arrivals.attach(device)
         self.plans.attach(comm.world_size)
         self._first_step = True
@@ -194,6 +222,7 @@ class StepPipeline(ABC):
         """End a fit; plans and measurements stay for a later fit of the same strategy."""
         self._stop()
         self._comm_in_use = None
+        self.hooks = TrainerHooks()  # the Trainer's checks hold the Trainer: not kept past the fit
         self.sampler = self.loader_clock = None
         self.arrivals.detach()
 

@@ -27,6 +27,7 @@ from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import WeightedAllReduce
 from lightning_aesgd.engine.flat import FlatView, to_host
 from lightning_aesgd.engine.model_merge import ModelMerge
+from lightning_aesgd.engine.pipeline import TrainerHooks
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
 DEVICES = ["cpu", "meta"]
@@ -205,14 +206,14 @@ def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
     options = {"lr_scaling": False, "lr_schedule": None, "step_batch_size": None}
     options |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
     engine = ModelMerge(settings, PlanSettings(), l2_nudge=True, **options)
-    engine.start(module, FakeCommunicator(world_size=1), torch.device("cpu"))
+    engine.start(module, FakeCommunicator(world_size=1), torch.device("cpu"), TrainerHooks(grad_scaler=_Scaler()))
     loader = engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     reads_per_merge = []
     for index, _ in enumerate(loader):
         before = len(host_reads.tensors)
         engine.begin_step(0, index, index)
-        engine.optimizer_step(optimizer, lambda: None, lambda: False, grad_scaler=_Scaler())
+        engine.optimizer_step(optimizer, lambda: None)
         if engine.synced_last_step:
             reads_per_merge.append(len(host_reads.tensors) - before)
     assert reads_per_merge == [2] * engine.averager.merges

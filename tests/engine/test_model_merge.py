@@ -18,6 +18,7 @@ from lightning_aesgd.emulation.profiles import as_profile
 from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import LocalCommunicator
 from lightning_aesgd.engine.model_merge import ModelMerge, NonFiniteReplicasError
+from lightning_aesgd.engine.pipeline import TrainerHooks
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
 
@@ -27,9 +28,11 @@ def _engine(merging: MergeSettings | None = None, **options) -> ModelMerge:
     return ModelMerge(merging or MergeSettings(ElasticAverage()), PlanSettings(), **(defaults | options))
 
 
-def _started(module: torch.nn.Module, **engine_kwargs) -> tuple[ModelMerge, DataLoader]:
+def _started(
+    module: torch.nn.Module, hooks: TrainerHooks | None = None, **engine_kwargs
+) -> tuple[ModelMerge, DataLoader]:
     engine = _engine(**engine_kwargs)
-    engine.start(module, LocalCommunicator(), torch.device("cpu"))
+    engine.start(module, LocalCommunicator(), torch.device("cpu"), hooks)
     loader = engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
     return engine, loader
 
@@ -37,7 +40,7 @@ def _started(module: torch.nn.Module, **engine_kwargs) -> tuple[ModelMerge, Data
 def _steps(engine: ModelMerge, loader: DataLoader, optimizer: torch.optim.Optimizer, body=lambda: None):
     for index, _ in enumerate(loader):
         engine.begin_step(0, index, index)
-        engine.optimizer_step(optimizer, body, lambda: False)
+        engine.optimizer_step(optimizer, body)
 
 
 def test_the_step_emulation_counts_as_busy_time():
@@ -102,7 +105,7 @@ def test_a_learning_rate_drop_resets_the_replica_to_the_center_for_sma_only():
     for index, _ in enumerate(loader):
         optimizer.param_groups[0]["lr"] = 0.1 if index < 3 else 0.01
         engine.begin_step(0, index, index)
-        engine.optimizer_step(optimizer, lambda: None, lambda: False)
+        engine.optimizer_step(optimizer, lambda: None)
     assert resets == [True]
 
 
@@ -132,7 +135,7 @@ def test_a_lone_replica_that_is_not_finite_stops_training_with_the_fix():
     next(batches)
     engine.begin_step(0, 0, 0)
     with pytest.raises(NonFiniteReplicasError, match=r"Every replica's model \(\[0\]\).*HINT"):
-        engine.optimizer_step(optimizer, poison, lambda: False)
+        engine.optimizer_step(optimizer, poison)
 
 
 class _RankZeroSends(FakeCommunicator):
@@ -171,7 +174,7 @@ def test_the_l2_gate_follows_rank_zeros_gathered_norm_and_is_judged_afresh_each_
             engine.begin_evaluation()
             engine.end_evaluation()
         engine.begin_step(0, index, index)
-        engine.optimizer_step(optimizer, lambda: None, lambda: False)
+        engine.optimizer_step(optimizer, lambda: None)
         active.append(engine.normalization.trend.active)
     assert active == [True, True, False, False, True, True, True, True]
     assert engine.normalization.trend.previous_norm == 5.0  # the gathered value, not this replica's own norm
@@ -199,13 +202,15 @@ class _ScriptedScaler:
 
 def test_a_step_the_grad_scaler_skipped_carries_no_merge_weight():
     module = torch.nn.Linear(2, 1)
-    engine, loader = _started(module, merging=MergeSettings(ElasticAverage(), period=2))
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     scaler = _ScriptedScaler(skip_at={0, 2, 5, 6})
+    engine, loader = _started(
+        module, TrainerHooks(grad_scaler=scaler), merging=MergeSettings(ElasticAverage(), period=2)
+    )
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     weights = []
     for index, _ in enumerate(loader):
         engine.begin_step(0, index, index)
-        engine.optimizer_step(optimizer, scaler.step_body, lambda: False, grad_scaler=scaler)
+        engine.optimizer_step(optimizer, scaler.step_body)
         if engine.synced_last_step and engine.plans.latest_reports:
             weights.append(engine.plans.latest_reports[0].merge_weight)
     # Steps of 4 samples, merges after steps 0, 2, 4 and 6. Step 0 alone, skipped: nothing to merge (skipped, not
