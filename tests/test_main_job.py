@@ -40,7 +40,7 @@ def other_lines(output: str) -> list[str]:
         if SUMMARY in line:
             in_summary = True
             continue
-        if in_summary and re.match(r"^(\s*\d+\s|replica|-+$|merges:|plan vs|replica \d+ sits)", line):
+        if in_summary and re.match(r"^(\s*\d+\s|replica|-+$|merges:|gradient sums:|plan vs|replica \d+ sits)", line):
             continue
         in_summary = False
         if _PROGRESS.search(line) or "results: " in line:
@@ -78,7 +78,7 @@ def test_the_main_job_prints_one_line_per_fact_and_leaves_its_figures_to_the_use
     assert "results: " in train_log
     summary = json.loads((tmp_path / "logs" / SUMMARY_FILE).read_text())
     assert len(summary["replicas"]) == 4
-    assert summary["merges"] == 7  # warm-up merges after every step
+    assert (summary["syncs"], summary["sync_name"]) == (7, "merges")  # warm-up merges after every step
     params = yaml.safe_load((tmp_path / "logs" / "hparams.yaml").read_text())
     assert params["algorithm"]["name"] == "adaptive_sgd"
     assert params["algorithm"]["planner"] == "balanced"

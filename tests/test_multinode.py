@@ -97,7 +97,7 @@ SCRIPT = textwrap.dedent(
                 "environment": {{k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK")}},
                 "plans": plans.plan_book.state_dict(),
                 "history": [[r.step, list(r.speeds), list(r.sizes)] for r in plans.history],
-                "merges": strategy.engine.syncs if strategy.sync == "gradients" else strategy.engine.averager.merges,
+                "merges": strategy.engine.sync_count,
                 "global_step": trainer.global_step,
                 "seen": pl_module.seen,
             }}

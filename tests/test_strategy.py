@@ -182,9 +182,9 @@ def test_end_of_fit_summary_reaches_the_root_logger_and_is_saved_as_json(caplog,
         _trainer(strategy, max_steps=4, limit_val_batches=0, logger=logger).fit(RegressionModel())
     summary = "\n".join(record.getMessage() for record in caplog.records if record.name.startswith("lightning_aesgd"))
     assert "replicas at the end of fit" in summary
-    assert "merges: 4" in summary
+    assert "gradient sums: 4" in summary  # the default sync mode's sync points
     record = json.loads((Path(logger.log_dir) / SUMMARY_FILE).read_text())
-    assert record["merges"] == 4
+    assert (record["syncs"], record["sync_name"]) == (4, "gradient sums")
     assert [replica["rank"] for replica in record["replicas"]] == [0]
     assert sum(replica["batch"] for replica in record["replicas"]) > 0
 

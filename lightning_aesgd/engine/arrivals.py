@@ -47,6 +47,7 @@ class ArrivalClock:
         self._release: Any = None  # the stamp the running active span began at; None while paused
         self._arrival: Any = None  # the stamp of the latest report
         self._wait_started: Any = None
+        self._in_step = False  # inside an optimizer step, whose waits for peers are not busy time
 
     def attach(self, device: torch.device) -> None:
         """Start measuring a replica that works on ``device``."""
@@ -66,13 +67,18 @@ class ArrivalClock:
     def step(self, work: float, planned: int, loader_seconds: float = 0.0) -> Iterator[None]:
         """Account one local step of ``work`` samples (or cost units) whose batch took ``loader_seconds``.
 
-        The body is the optimizer step: its busy time goes to telemetry; the arrival measures the rest.
+        The body is the optimizer step: its busy time, less its waits for peers (DDP's reducer waits inside the
+        backward), goes to telemetry; the arrival measures the rest.
         """
         # The work counts from the start: under gradient synchronisation the replica reports mid-step.
         self._period.add(work, planned)
         self._period.loader += loader_seconds
         started = self._timeline.stamp()
-        yield
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
         self._period.spans.add(_BUSY, started, self._timeline.stamp())
 
     def new_epoch(self) -> None:
@@ -111,7 +117,7 @@ class ArrivalClock:
         finally:
             end = self._timeline.stamp()
             self._resume_at(end)
-            self._period.spans.add(_WAITED, start, end)
+            self._add_wait(start, end)
 
     def begin_wait(self) -> None:
         """Start blocking on peers until :meth:`end_wait`: :meth:`waiting` split across two callbacks.
@@ -129,8 +135,13 @@ class ArrivalClock:
         if self._wait_started is not None:
             released = self._timeline.stamp()
             self._resume_at(released)
-            self._period.spans.add(_WAITED, self._wait_started, released)
+            self._add_wait(self._wait_started, released)
             self._wait_started = None
+
+    def _add_wait(self, start: Any, end: Any) -> None:
+        self._period.spans.add(_WAITED, start, end)
+        if self._in_step:
+            self._period.spans.add(_WAITED_IN_STEP, start, end)
 
     # --- at a sync point ------------------------------------------------------------------------------------
 
@@ -161,7 +172,7 @@ class ArrivalClock:
             steps=float(shown.steps) if shown.reported_measured else 0.0,
             active=shown.spans.total(_ACTIVE),
             loader=shown.loader,
-            busy=shown.spans.total(_BUSY),
+            busy=shown.spans.total(_BUSY) - shown.spans.total(_WAITED_IN_STEP),
             wait_fraction=previous.wait_fraction() if previous is not None else 0.0,
             stop=1.0 if stop else 0.0,
             finite=1.0 if finite else 0.0,
@@ -207,8 +218,9 @@ class ArrivalClock:
         self._previous, self._period = self._period, _Period(self._timeline)
 
 
-_ACTIVE, _WAITED, _BUSY = "active", "waited", "busy"
-"""A period's spans: released to arrived (or paused), blocked on peers, inside the optimizer step."""
+_ACTIVE, _WAITED, _BUSY, _WAITED_IN_STEP = "active", "waited", "busy", "waited in step"
+"""A period's spans: released to arrived (or paused), blocked on peers, inside the optimizer step, and blocked on
+peers inside the optimizer step."""
 
 
 class _Period:

@@ -59,6 +59,7 @@ class GradientSync(StepPipeline):
     """
 
     wraps_model = True  # DistributedDataParallel's reducer runs the sums, through GradientSum's hook
+    sync_name = "gradient sums"
 
     def __init__(
         self,

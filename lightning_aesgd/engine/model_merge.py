@@ -52,6 +52,8 @@ class ModelMerge(StepPipeline):
         **step_options: the pipeline's own options (:class:`~lightning_aesgd.engine.pipeline.StepPipeline`).
     """
 
+    sync_name = "merges"
+
     def __init__(
         self,
         merging: MergeSettings,

@@ -102,6 +102,9 @@ class StepPipeline(ABC):
     wraps_model = False
     """Whether the strategy wraps the model in DistributedDataParallel for this sync mode."""
 
+    sync_name = "sync points"
+    """What this sync mode's sync points are called in the summary (``"merges"``, ``"gradient sums"``)."""
+
     def __init__(
         self,
         planning: PlanSettings,
@@ -332,7 +335,7 @@ class StepPipeline(ABC):
     def _summary_parts(self) -> tuple[Any, ...]:
         plans = self.plans
         unit = "units" if plans.cost_aware else "samples"
-        return plans.stats(), plans.history[-1].sizes, self.sync_count, unit, plans.floor
+        return plans.stats(), plans.history[-1].sizes, self.sync_count, unit, plans.floor, self.sync_name
 
     # --- the sync point's bookkeeping and the plans' part of checkpoints ----------------------------------------
 

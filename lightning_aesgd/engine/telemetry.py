@@ -1,6 +1,6 @@
 """What the strategy reports: per-replica metrics for Lightning's loggers and an end-of-fit summary table.
 
-Everything here is computed from the statistics the replicas exchange at merges
+Everything here is computed from the statistics the replicas exchange at sync points
 (:class:`~lightning_aesgd.engine.plan_loop.ReplicaStats`) and the plan in force, so every rank could log it; Lightning's
 loggers write rank zero's copy.
 """
@@ -24,8 +24,9 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
 
     Returns:
         samples (or cost units) per active second, batch size, share of the step batch, normalised merge weight,
-        fraction of wall time spent inside merges, active seconds per step (release of a merge to arrival at the
-        next) and busy seconds per step (inside the optimizer step), per replica; ``aesgd/share_error`` (the
+        fraction of wall time spent blocked on peers, active seconds per step (release of a sync point to arrival
+        at the next) and busy seconds per step (inside the optimizer step, waits for peers left out), per replica;
+        ``aesgd/excluded`` (replicas left out of the latest sync point), ``aesgd/share_error`` (the
         largest relative distance of a share from the speed-proportional target) once every replica has a
         speed; and ``aesgd/step_time_balance``.
     """
@@ -50,7 +51,7 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
 
 
 def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
-    """The slowest replica's active time per step over the fastest's: 1.0 when all arrive at merges together.
+    """The slowest replica's active time per step over the fastest's: 1.0 when all arrive at sync points together.
 
     Lockstep replicas wait for the slowest at every step, so this is what routing exists to bring to 1.
     """
@@ -59,16 +60,22 @@ def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
 
 
 def summary_table(
-    stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: int, unit: str = "samples", floor: int = 0
+    stats: Sequence[ReplicaStats],
+    sizes: Sequence[int],
+    syncs: int,
+    unit: str = "samples",
+    floor: int = 0,
+    sync_name: str = "merges",
 ) -> str:
     """A plain-text table that shows whether the plan converged and what it gained.
 
     Args:
-        stats: the statistics of the latest merge, in rank order.
+        stats: the statistics of the latest sync point, in rank order.
         sizes: the plan in force.
-        merges: number of merges so far.
+        syncs: number of sync points so far.
         unit: what speeds count: ``"samples"`` or cost ``"units"``.
         floor: the smallest batch the planner may give; a replica held there and still late is named.
+        sync_name: what the sync points are in the sync mode (``"merges"``, ``"gradient sums"``).
     """
     speeds = [s.speed for s in stats]
     measured = all(speed > 0 for speed in speeds)
@@ -84,26 +91,31 @@ def summary_table(
             f"{replica.merge_weight / total_weight:>6.3f}  {1000 * replica.step_seconds:>8.1f}  "
             f"{1000 * replica.busy_seconds:>8.1f}  {replica.wait_fraction:>7.1%}"
         )
-    lines.append(f"merges: {merges}")
+    lines.append(f"{sync_name}: {syncs}")
     if measured:
         lines.append(
             f"plan vs speed-proportional target: largest relative share error {share_error(sizes, speeds):.1%}; "
-            f"slowest/fastest step time: {step_time_balance(stats):.2f} (1.00: all arrive at merges together)"
+            f"slowest/fastest step time: {step_time_balance(stats):.2f} (1.00: all arrive at {sync_name} together)"
         )
         lines += starved_replicas(stats, sizes, floor)
     return "\n".join(lines)
 
 
 def summary_record(
-    stats: Sequence[ReplicaStats], sizes: Sequence[int], merges: int, unit: str = "samples", floor: int = 0
+    stats: Sequence[ReplicaStats],
+    sizes: Sequence[int],
+    syncs: int,
+    unit: str = "samples",
+    floor: int = 0,
+    sync_name: str = "merges",
 ) -> dict[str, Any]:
     """What :func:`summary_table` shows, as plain data for JSON (``None`` where a figure is not measured).
 
     Returns:
-        ``unit``, ``merges``, ``replicas`` (per rank: ``speed`` in units per second, ``batch``, ``share``,
-        ``target``, ``weight``, ``step_seconds``, ``busy_seconds``, ``wait_fraction``), ``share_error`` and
-        ``step_time_balance`` (``None`` until every replica has a speed) and ``starved`` (the warnings of
-        :func:`starved_replicas`).
+        ``unit``, ``sync_name`` and ``syncs`` (what the sync points are, and how many passed), ``replicas``
+        (per rank: ``speed`` in units per second, ``batch``, ``share``, ``target``, ``weight``, ``step_seconds``,
+        ``busy_seconds``, ``wait_fraction``), ``share_error`` and ``step_time_balance`` (``None`` until every
+        replica has a speed) and ``starved`` (the warnings of :func:`starved_replicas`).
     """
     speeds = [s.speed for s in stats]
     measured = all(speed > 0 for speed in speeds)
@@ -125,7 +137,8 @@ def summary_record(
     ]
     record: dict[str, Any] = {
         "unit": unit,
-        "merges": merges,
+        "sync_name": sync_name,
+        "syncs": syncs,
         "replicas": replicas,
         "share_error": share_error(sizes, speeds) if measured else None,
         "step_time_balance": step_time_balance(stats) if measured else None,

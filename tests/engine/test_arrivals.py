@@ -135,3 +135,29 @@ def test_a_report_carries_the_stop_flag_finiteness_and_center_norm():
     arrivals, _ = _arrivals()
     report = arrivals.arrive(0.0, stop=True, finite=False, center_norm=3.5)
     assert (report.stop, report.finite, report.center_norm) == (1.0, 0.0, 3.5)
+
+
+def test_a_wait_for_peers_inside_the_optimizer_step_is_not_busy_time():
+    """DDP's reducer waits for the slowest replica inside the backward: that is waiting, not the replica's work."""
+    arrivals, clock = _arrivals()
+    with arrivals.step(10.0, 10):
+        clock.now = 0.3  # forward and backward up to the last bucket
+        arrivals.begin_wait()
+        clock.now = 0.8  # the reducer waits for the slowest replica
+        arrivals.end_wait()
+        clock.now = 0.9  # the optimizer's update
+        with arrivals.waiting():  # a delayed sum still in flight
+            clock.now = 1.0
+        clock.now = 1.1
+    report = arrivals.arrive(1.0)
+    assert report.busy == pytest.approx(1.1 - 0.5 - 0.1)
+    assert report.active == pytest.approx(1.1 - 0.5 - 0.1)
+    arrivals.continue_after_arrival()
+    clock.now = 1.2
+    arrivals.pause()  # a wait outside any step (a flush at validation) is no step's
+    with arrivals.waiting():
+        clock.now = 1.5
+    arrivals.resume()
+    with arrivals.step(10.0, 10):
+        clock.now = 1.7
+    assert arrivals.arrive(1.0).busy == pytest.approx(0.2)

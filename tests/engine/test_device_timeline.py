@@ -141,8 +141,8 @@ def test_a_deferred_report_carries_the_previous_completed_period():
     # Steps 1 and 2, their arrivals measured from the releases before them: the waits are left out.
     assert (third.work, third.planned, third.steps, third.loader) == (19.0, 19.0, 2.0, pytest.approx(0.05))
     assert third.active == pytest.approx(0.20 + 0.30)
-    # Its busy time (inside the optimizer step) is that of the steps that ended in it, the wait of each included.
-    assert third.busy == pytest.approx((0.10 + 0.50) + (0.20 + 0.40))
+    # Its busy time (inside the optimizer step) is that of the steps that ended in it, their waits left out.
+    assert third.busy == pytest.approx(0.10 + 0.20)
     # Its wait: from step 0's arrival to its release, and step 1's.
     assert third.wait_fraction == pytest.approx((0.50 + 0.40) / (0.50 + 0.40 + 0.20 + 0.30))
 

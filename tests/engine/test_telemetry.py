@@ -58,7 +58,7 @@ def test_plan_wide_metrics_wait_until_every_replica_has_a_speed():
 
 
 def test_summary_table_lists_every_replica_and_the_balance():
-    table = summary_table(STATS, [60, 20, 20], merges=7, unit="samples")
+    table = summary_table(STATS, [60, 20, 20], syncs=7, unit="samples")
     lines = table.splitlines()
     assert lines[1].split() == [
         "replica",
@@ -76,20 +76,29 @@ def test_summary_table_lists_every_replica_and_the_balance():
     assert len([line for line in lines if line.strip().startswith(("0 ", "1 ", "2 "))]) == 3
     assert "merges: 7" in table
     assert "2.00" in lines[-1]
+    sums = summary_table(STATS, [60, 20, 20], syncs=7, sync_name="gradient sums")
+    assert "gradient sums: 7" in sums
+    assert "all arrive at gradient sums together" in sums
+    assert "merges" not in sums
 
 
 def test_a_replica_at_the_floor_that_is_still_late_is_named():
     late = [*STATS[:2], ReplicaStats(20, 10.0, 5, 0.0, 0.50)]
-    table = summary_table(late, [60, 35, 5], merges=3, floor=5)
+    table = summary_table(late, [60, 35, 5], syncs=3, floor=5)
     assert "replica 2 sits at the smallest batch (5)" in table
     assert "5.0×" in table
-    assert "sits at the smallest batch" not in summary_table(STATS, [60, 20, 20], merges=3, floor=5)
+    assert "sits at the smallest batch" not in summary_table(STATS, [60, 20, 20], syncs=3, floor=5)
 
 
 def test_the_summary_record_holds_what_the_table_shows_as_plain_json():
-    record = summary_record(STATS, [60, 20, 20], merges=7, unit="units", floor=5)
+    record = summary_record(STATS, [60, 20, 20], syncs=7, unit="units", floor=5, sync_name="gradient sums")
     assert json.loads(json.dumps(record, allow_nan=False)) == record
-    assert (record["unit"], record["merges"], record["starved"]) == ("units", 7, [])
+    assert (record["unit"], record["syncs"], record["sync_name"], record["starved"]) == (
+        "units",
+        7,
+        "gradient sums",
+        [],
+    )
     assert [replica["batch"] for replica in record["replicas"]] == [60, 20, 20]
     assert record["replicas"][1]["share"] == pytest.approx(0.2)
     assert record["replicas"][1]["weight"] == pytest.approx(0.2)
@@ -100,7 +109,7 @@ def test_the_summary_record_holds_what_the_table_shows_as_plain_json():
 
 def test_an_unmeasured_summary_record_has_no_nan():
     unmeasured = [*STATS[:2], ReplicaStats(1, 0.0, 0, 0.0, 0.0)]
-    record = summary_record(unmeasured, [60, 20, 20], merges=1)
+    record = summary_record(unmeasured, [60, 20, 20], syncs=1)
     json.dumps(record, allow_nan=False)
     assert record["share_error"] is None
     assert record["step_time_balance"] is None
