@@ -134,7 +134,8 @@ class ArrivalModel:
         for report, step_time, speed in zip(reports, self.step_time, self.speed, strict=True):
             if report.measured:
                 step_time.update(report.planned / report.steps, report.seconds / report.steps)
-                speed.update(report.work, report.seconds)
+                # Per step, as reports may span several steps: the mean seconds are then a step's, not a period's.
+                speed.update(report.work / report.steps, report.seconds / report.steps)
 
     def models(self) -> list[StepTime] | None:
         """Every replica's fitted step-time model, or ``None`` until every replica has been measured."""

@@ -106,3 +106,16 @@ def test_plans_do_not_collapse_when_steps_are_mostly_fixed_cost() -> None:
         plan = damped_plan(plan, planner.plan(plan, models, total), 0.5, 0.03, floor)
     assert plan[3] == floor, "the replica whose fixed cost alone outlasts the others' steps gets the floor"
     assert max(plan[:3]) - min(plan[:3]) <= 4, f"the others keep about equal batches: {plan}"
+
+
+def test_step_seconds_are_per_step_whatever_steps_a_report_spans():
+    """Under gradient synchronisation a report spans several steps: a step's seconds, not the period's."""
+    model = ArrivalModel(2, smoothing=0.0)
+    model.update(
+        [
+            PeriodReport(1.0, work=300.0, planned=300.0, steps=3.0, active=0.3),
+            PeriodReport(1.0, work=100.0, planned=100.0, steps=1.0, active=0.1),
+        ]
+    )
+    assert model.step_seconds() == pytest.approx([0.1, 0.1])
+    assert model.rates() == pytest.approx([1000.0, 1000.0])
