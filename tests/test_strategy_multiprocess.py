@@ -220,20 +220,31 @@ class _FinalState(pl.Callback):
         self.path = path
 
     def on_train_end(self, trainer, pl_module):
-        state = {"finite": bool(torch.isfinite(flat_parameters(pl_module)).all()), "excluded": None}
-        state["excluded"] = trainer.strategy.engine.exclusions
+        engine = trainer.strategy.engine
+        state = {
+            "finite": bool(torch.isfinite(flat_parameters(pl_module)).all()),
+            "parameters": flat_parameters(pl_module).tolist(),
+            "excluded": engine.exclusion_count,
+            "where": getattr(engine, "exclusions", None),
+        }
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
 
 
-def test_a_replica_that_turns_nan_is_left_out_and_restored(tmp_path):
-    strategy = AdaptiveElasticStrategy(
-        sync="models", merge_rule=ElasticAverage(alpha=0.5), start_method="fork", timeout=TIMEOUT
-    )
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+def test_a_replica_that_turns_nan_is_left_out_and_every_replica_ends_finite(tmp_path, sync):
+    """Gradients: rank 1's sum is left out of step 5's (renormalised over rank 0's samples), both stay identical.
+    Models: rank 1 is left out of the merge and restored from the merged model."""
+    options = {"merge_rule": ElasticAverage(alpha=0.5)} if sync == "models" else {}
+    strategy = AdaptiveElasticStrategy(sync=sync, start_method="fork", timeout=TIMEOUT, **options)
     pl.seed_everything(7)
-    cpu_trainer(strategy, max_steps=10, callbacks=[_FinalState(tmp_path)]).fit(_NaNOnRankOne())
+    cpu_trainer(strategy, max_steps=20, callbacks=[_FinalState(tmp_path)]).fit(_NaNOnRankOne())
     states = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert all(state["finite"] for state in states), states
-    assert all(state["excluded"] == [[5, 1]] for state in states), states  # one exclusion, seen by every rank
+    assert [state["excluded"] for state in states] == [1, 1], states  # one exclusion, counted by every rank
+    if sync == "models":
+        assert all(state["where"] == [[5, 1]] for state in states), states  # at step 5, rank 1
+    else:
+        assert states[0]["parameters"] == states[1]["parameters"]  # the same update on every replica
 
 
 class _CosineModel(RegressionModel):

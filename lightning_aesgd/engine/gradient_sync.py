@@ -34,11 +34,14 @@ from lightning_aesgd.engine.gradients import (
     pending_to_list,
     update_skipped,
 )
-from lightning_aesgd.engine.pipeline import StepOptions, StepPipeline, scaled_learning_rate
+from lightning_aesgd.engine.pipeline import NonFiniteReplicasError, StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.report_exchange import ReportExchange
 
 log = logging.getLogger(__name__)
+
+NON_FINITE_STEPS_LIMIT = 10
+"""Consecutive steps without any finite replica after which training stops (each such step applies no update)."""
 
 T = TypeVar("T")
 
@@ -84,6 +87,7 @@ class GradientSync(StepPipeline):
         self.delay_lr_scale = delay_lr_scale
         self._pending_is_stale = False  # whether the weights moved after the sum in flight was computed
         self.syncs = 0
+        self.excluded = 0
         self._params: list[nn.Parameter] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._share = 1.0
@@ -107,6 +111,11 @@ class GradientSync(StepPipeline):
         """Gradient sums in this fit."""
         return self.syncs
 
+    @property
+    def exclusion_count(self) -> int:
+        """Replicas left out of gradient sums in this fit for non-finite gradients (each a replica at one step)."""
+        return self.excluded
+
     # --- a fit's lifecycle --------------------------------------------------------------------------------
 
     def _start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
@@ -114,12 +123,14 @@ class GradientSync(StepPipeline):
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.reduce.comm = comm  # every sum, sparse ones included, goes through the communicator
+        scaler = self.hooks.grad_scaler
+        self.reduce.guard = scaler is None or not scaler.is_enabled()  # a scaler handles overflow itself
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
         self._pending_is_stale = False
         self.reduce.applied = {}
         self.reports.start()
         self._device = device
-        self.syncs = 0
+        self.syncs = self.excluded = 0
 
     def _stop(self) -> None:
         self._optimizer = None
@@ -161,6 +172,7 @@ class GradientSync(StepPipeline):
         record = sampler.pop_record(self._step_key)
         self._optimizer = optimizer
         self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
+        self.reduce.share = self._share  # carried with each bucket, for a renormalised sum (finite_guard)
         self.reduce.delay = self._delay if self._global_step >= self.delay_warmup else 0
         self.reduce.begin_step()
         self.reduce.read_momentum(optimizer)
@@ -222,6 +234,13 @@ class GradientSync(StepPipeline):
         for rows in self.reports.received(keep, waiting):
             self._receive(rows, released=False)
             self.reports.space_out(self.plans)
+            self._count_exclusions()
+
+    def _count_exclusions(self) -> None:
+        """Take in the replicas left out of sums since the last count (read with the reports: no extra wait)."""
+        excluded, run = self.reduce.exclusions.read()
+        self.excluded += excluded
+        _judge_exclusions(excluded, run, self._global_step, self._comm().rank == 0)
 
     def _waiting_for_peers(self) -> AbstractContextManager[None]:
         return self.arrivals.waiting()
@@ -231,6 +250,7 @@ class GradientSync(StepPipeline):
         pending = self.reduce.take_pending()
         for rows in self.reports.received(0, nullcontext):
             self._receive(rows, released=False)
+        self._count_exclusions()
         optimizer = self._optimizer
         if pending is None:
             return
@@ -314,3 +334,20 @@ class GradientSync(StepPipeline):
             )
         elif delayed is not None:
             log.warning("The checkpoint holds a delayed gradient sum, which sync without delay does not apply.")
+
+
+def _judge_exclusions(excluded: int, run: int, global_step: int, logs: bool) -> None:
+    """Log replicas left out of gradient sums; stop once no replica has been finite for too many steps."""
+    if excluded and logs:
+        log.warning(
+            "%d replica step(s) had non-finite gradients before global step %d: left out of the gradient sum, "
+            "which the other replicas' finite samples made.",
+            excluded,
+            global_step,
+        )
+    if run >= NON_FINITE_STEPS_LIMIT:
+        raise NonFiniteReplicasError(
+            f"No replica's gradient was finite in {run} consecutive steps before global step {global_step}: "
+            "training cannot continue. HINT: lower the learning rate, clip gradients (gradient_clip_val) or check "
+            "the loss for NaN; resume from the last checkpoint."
+        )

@@ -34,6 +34,10 @@ Nesterov's update, in which each gradient's contribution from its arrival on is 
 it, the step it missed added at once. The stable range grows to ``η·λ < 0.25`` at ``μ = 0.9``. Adam's ``betas``
 are left alone.
 
+Each bucket's contribution is guarded (:mod:`~lightning_aesgd.engine.finite_guard`): a replica whose bucket is not
+finite sends zeros, and the sum is renormalised over the finite replicas' shares, the mean gradient of the step's
+finite samples; under a GradScaler the guard is off, as the scaler must see the overflow.
+
 A sparse gradient (an ``EmbeddingBag(sparse=True)``'s) travels in a bucket of its own. Gloo all-reduces sparse
 tensors; NCCL cannot, so there (``sparse_reduction="auto"``) it is summed by the cheaper of two dense collectives,
 judged by the bytes each replica receives (:func:`sparse_sum_method`): *gather* every replica's stored rows
@@ -53,6 +57,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_aesgd.engine.comm import Communicator, TorchCommunicator
+from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
+
+Launched = tuple[list[nn.Parameter], torch.futures.Future[Tensor], Tensor]
+"""A bucket's sum in flight: its parameters, the future of the sum, and the sum's finite flags (finite_guard)."""
 
 Pending = dict[int, Tensor]
 """Reduced gradients awaiting their update, keyed by ``id`` of the parameter: flat chunks in DDP's bucket layout
@@ -101,10 +109,16 @@ class GradientSum:
         self.on_last_bucket = on_last_bucket
         self.waiting = waiting if waiting is not None else nullcontext
         self.comm = comm
-        self._launched: list[tuple[list[nn.Parameter], torch.futures.Future[Tensor]]] = []
-        self._previous: list[tuple[list[nn.Parameter], torch.futures.Future[Tensor]]] = []
+        self.share = 1.0  # this replica's share of the step, set before each backward (see finite_guard)
+        # Leave non-finite contributions out (finite_guard). Off under a GradScaler, which must see the overflow
+        # in the sum to skip the step and lower its scale, on every replica alike.
+        self.guard = True
+        self.exclusions = Exclusions()
+        self._launched: list[Launched] = []
+        self._previous: list[Launched] = []
         self._ready: Pending | None = None  # the previous step's sums, per parameter, once awaited
         self._took_previous = False
+        self._step_flags: list[Tensor] = []  # the flags of this step's synchronous sums
         self.compensate_momentum = compensate_momentum
         self._momentum: dict[int, float] = {}  # μ per parameter (id) where compensated
         self.applied: Pending = {}  # the raw sums of the latest update, for parameters with momentum
@@ -143,6 +157,7 @@ class GradientSum:
     def begin_step(self) -> None:
         """A step starts."""
         self._took_previous = False
+        self._step_flags = []
         if self.delay:
             self._previous, self._launched = self._launched, []
         else:
@@ -158,20 +173,29 @@ class GradientSum:
         if bucket.is_last() and self.on_last_bucket is not None:
             self.on_last_bucket()
         buffer = bucket.buffer()
-        if buffer.is_sparse and not self._all_reduces_sparse(buffer.device):
-            result = self._sum_sparse(buffer)
-        else:
-            # A delayed sum outlives this backward: DDP refills the bucket's buffer with the next step's gradients,
-            # possibly while a slower replica has not joined this sum yet, so it runs on a copy.
-            contribution = _held_contribution(buffer) if self.delay else buffer
-            summed: torch.futures.Future[list[Tensor]] = self._comm(buffer.device).all_reduce_sum_async(contribution)
-            result = summed.then(lambda future: future.value()[0])
+        result, flags = self._sum_sparse(buffer) if buffer.is_sparse else self._sum_dense(buffer)
         if not self.delay:
+            self._step_flags.append(flags)
             return result
         params = list(bucket.parameters())
-        self._launched.append((params, result))
+        self._launched.append((params, result, flags))
         ready = self._previous_sums()
         return _completed(_assemble(ready, params) if ready is not None else _nothing_to_apply(buffer))
+
+    def _sum_dense(self, buffer: Tensor) -> tuple[torch.futures.Future[Tensor], Tensor]:
+        """Launch the sum of a dense bucket, guarded (:mod:`~lightning_aesgd.engine.finite_guard`).
+
+        The guarded contribution is a copy, which a delayed sum needs anyway: DDP refills the bucket's buffer with
+        the next step's gradients, possibly while a slower replica has not joined this sum yet.
+        """
+        comm = self._comm(buffer.device)
+        if not self.guard:  # DDP's own sum, in place (a delayed one on a copy)
+            held = _held_contribution(buffer) if self.delay else buffer
+            plain: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(held)
+            return plain.then(lambda future: future.value()[0]), torch.zeros(2, device=buffer.device)
+        contribution = guarded(buffer, self.share)
+        summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(contribution)
+        return summed.then(lambda future: renormalised(future.value()[0])), flags_of(contribution)
 
     def _comm(self, device: torch.device) -> Communicator:
         if self.comm is None:
@@ -183,46 +207,80 @@ class GradientSum:
             return self._comm(device).sums_sparse(device)
         return self.sparse_reduction == "all_reduce"
 
-    def _sum_sparse(self, buffer: Tensor) -> torch.futures.Future[Tensor]:
-        """Sum a sparse gradient with dense collectives, by gathering its rows or densifying it.
+    def _sum_sparse(self, buffer: Tensor) -> tuple[torch.futures.Future[Tensor], Tensor]:
+        """Launch the sum of a sparse gradient: all-reduced as it is, or by gathering its rows, or densified.
 
-        Both copy the contribution into tensors of their own at launch, so a delayed sum needs no held copy.
+        A small all-gather first tells every replica each one's stored rows (which the gather needs, and the
+        choice, which all must make alike) and whether it is finite, with its share: a non-finite gradient is sent
+        as no rows and the sum renormalised as dense buckets are (:mod:`~lightning_aesgd.engine.finite_guard`).
+        The hook blocks on this exchange until every replica has reached this bucket.
         """
-        method, comm = self.sparse_reduction, self._comm(buffer.device)
-        if method == "densify":
-            return _densified_sum(buffer, comm)
-        local = buffer.coalesce()  # an embedding's gradient repeats a row per occurrence: each travels once
-        # Replicas hold different numbers of rows, which every replica must know before the gather (and for the
-        # choice, which all must agree on): the hook blocks on this small exchange, until every replica has
-        # reached this bucket.
+        comm = self._comm(buffer.device)
+        native = self._all_reduces_sparse(buffer.device)
+        # An embedding's gradient repeats a row per occurrence: gathered or densified, each row travels once.
+        local = buffer if native else buffer.coalesce()
+        # On the host: the exchange below reads it anyway.
+        finite = not self.guard or bool(torch.isfinite(local._values()).all())
+        if not finite:
+            local = _no_rows(local)
         with self.waiting():
-            counts = _row_counts(local, comm)
-        if method == "auto":
-            method = sparse_sum_method(
-                max(counts),
-                row_width=math.prod(local.shape[local.sparse_dim() :]),
-                sparse_dim=local.sparse_dim(),
-                numel=math.prod(local.shape),
-                element_size=local.element_size(),
-                world_size=len(counts),
-            )
-        if method == "densify":
-            return _densified_sum(local, comm)
-        return _gathered_sum(local, counts, comm)
+            exchange = _exchange_rows(local, self.share if finite else 0.0, comm)
+        counts, finite_share, left_out = exchange
+        flags = torch.tensor([finite_share, float(left_out)], dtype=torch.float64, device=buffer.device)
+        if native:
+            # A delayed sum outlives this backward and keeps the contribution's values (see _held_contribution).
+            contribution = _held_contribution(local) if self.delay and finite else local
+            summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(contribution)
+            result = summed.then(lambda future: future.value()[0])
+        elif self._densifies(local, counts):
+            result = _densified_sum(local, comm)
+        else:
+            result = _gathered_sum(local, counts, comm)
+        if left_out:
+            scale = 1.0 / finite_share if finite_share > 0 else 0.0
+            result = result.then(lambda future: future.value() * scale)
+        return result, flags
+
+    def _densifies(self, local: Tensor, counts: list[int]) -> bool:
+        """Whether a sparse sum without a sparse all-reduce densifies (else it gathers the replicas' rows)."""
+        if self.sparse_reduction != "auto":
+            return self.sparse_reduction == "densify"
+        method = sparse_sum_method(
+            max(counts),
+            row_width=math.prod(local.shape[local.sparse_dim() :]),
+            sparse_dim=local.sparse_dim(),
+            numel=math.prod(local.shape),
+            element_size=local.element_size(),
+            world_size=len(counts),
+        )
+        return method == "densify"
 
     def _previous_sums(self) -> Pending | None:
         if not self._took_previous:
             self._took_previous = True
             if self._previous:
                 with self.waiting():
-                    self._ready = _per_parameter(self._previous)
+                    self._ready = self._awaited(self._previous)
                 self._previous = []
             if self._ready is not None:
                 self._ready = self.compensated(self._ready)
         return self._ready
 
+    def _awaited(self, launched: list[Launched]) -> Pending:
+        """The sums of one step's buckets, awaited, per parameter; their exclusions counted."""
+        pending = _per_parameter([(params, future) for params, future, _ in launched])
+        self._count_exclusions([flags for _, _, flags in launched])
+        return pending
+
+    def _count_exclusions(self, flags: list[Tensor]) -> None:
+        if flags and self.comm is not None:
+            self.exclusions.add_step(flags, self.comm.world_size)
+
     def end_step(self) -> None:
-        """The step's update is done: the sums it applied are spent."""
+        """The step's update is done: the sums it applied are spent (synchronous sums: counted now, complete)."""
+        if not self.delay:
+            self._count_exclusions(self._step_flags)
+            self._step_flags = []
         self._ready = None
 
     def take_pending(self) -> Pending | None:
@@ -235,7 +293,7 @@ class GradientSum:
         """The sums the next step would apply, awaited and kept there (a checkpoint stores them; the run goes on)."""
         if self.delay and self._launched:
             with self.waiting():
-                self.hold(_per_parameter(self._launched))
+                self.hold(self._awaited(self._launched))
         return self._ready
 
     def hold(self, pending: Pending | None) -> None:
@@ -318,16 +376,20 @@ def sparse_sum_method(
     return "gather" if gather <= densify else "densify"
 
 
-def _row_counts(sparse: Tensor, comm: Communicator) -> list[int]:
-    """Every replica's number of stored rows of ``sparse``, in rank order (read on the host: it blocks)."""
-    count = torch.tensor([sparse._nnz()], dtype=torch.long, device=sparse.device)
-    return [int(n) for n in torch.cat(comm.all_gather(count)).tolist()]
+def _exchange_rows(sparse: Tensor, share: float, comm: Communicator) -> tuple[list[int], float, int]:
+    """Every replica's stored rows of ``sparse`` (rank order), the finite shares' sum and the replicas left out.
+
+    A ``share`` of 0 marks this replica's gradient as left out. Read on the host: it blocks.
+    """
+    mine = torch.tensor([sparse._nnz(), share, 1.0 if share == 0 else 0.0], dtype=torch.float64, device=sparse.device)
+    rows = torch.stack(comm.all_gather(mine)).cpu().tolist()
+    return [round(row[0]) for row in rows], sum(row[1] for row in rows), round(sum(row[2] for row in rows))
 
 
 def _gathered_sum(local: Tensor, counts: list[int], comm: Communicator) -> torch.futures.Future[Tensor]:
     """All replicas' rows of a sparse gradient, an uncoalesced tensor whose sum is the sum of the gradients.
 
-    ``counts`` are the replicas' numbers of rows (:func:`_row_counts`): each pads its indices and values to the
+    ``counts`` are the replicas' numbers of rows (:func:`_exchange_rows`): each pads its indices and values to the
     most, as an all-gather takes tensors of one size, and the padding is dropped from what arrives.
     """
     longest = max(counts)

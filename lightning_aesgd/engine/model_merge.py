@@ -26,16 +26,12 @@ from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
-from lightning_aesgd.engine.pipeline import StepOptions, StepPipeline, scaled_learning_rate
+from lightning_aesgd.engine.pipeline import NonFiniteReplicasError, StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class NonFiniteReplicasError(FloatingPointError):
-    """Every replica's model became non-finite: training cannot continue from any of them."""
 
 
 class ModelMerge(StepPipeline):
@@ -53,6 +49,11 @@ class ModelMerge(StepPipeline):
     """
 
     sync_name = "merges"
+
+    @property
+    def exclusion_count(self) -> int:
+        """Replicas left out of merges in this fit (each a replica at one merge)."""
+        return len(self.exclusions)
 
     def __init__(
         self,

@@ -51,6 +51,10 @@ CHECKPOINT_KEY = "adaptive_elastic"
 T = TypeVar("T")
 
 
+class NonFiniteReplicasError(FloatingPointError):
+    """No replica's model (or gradient) stayed finite: training cannot continue from any of them."""
+
+
 def _never() -> bool:
     """No stop requested (a module-level function, so that the pipeline pickles for the spawn launcher)."""
     return False
@@ -322,7 +326,14 @@ class StepPipeline(ABC):
         """``aesgd/...`` metrics of the latest reports (identical on every replica); ``None`` before the first."""
         if not self.plans.latest_reports or self.plans.plan_book is None:
             return None
-        return replica_metrics(self.plans.stats(), self.plans.plan_book.latest)
+        metrics = replica_metrics(self.plans.stats(), self.plans.plan_book.latest)
+        metrics["aesgd/excluded"] = float(self.exclusion_count)
+        return metrics
+
+    @property
+    def exclusion_count(self) -> int:
+        """Replicas left out of sync points in this fit for not being finite (each a replica at one sync point)."""
+        return 0
 
     def summary(self) -> str | None:
         """The end-of-fit table of every replica as the latest reports saw it; ``None`` before the first."""

@@ -26,7 +26,7 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
         samples (or cost units) per active second, batch size, share of the step batch, normalised merge weight,
         fraction of wall time spent blocked on peers, active seconds per step (release of a sync point to arrival
         at the next) and busy seconds per step (inside the optimizer step, waits for peers left out), per replica;
-        ``aesgd/excluded`` (replicas left out of the latest sync point), ``aesgd/share_error`` (the
+        ``aesgd/share_error`` (the
         largest relative distance of a share from the speed-proportional target) once every replica has a
         speed; and ``aesgd/step_time_balance``.
     """
@@ -42,7 +42,6 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
         metrics[f"{prefix}/wait_fraction"] = replica.wait_fraction
         metrics[f"{prefix}/step_seconds"] = replica.step_seconds
         metrics[f"{prefix}/busy_seconds"] = replica.busy_seconds
-    metrics["aesgd/excluded"] = float(sum(not replica.finite for replica in stats))
     speeds = [s.speed for s in stats]
     if all(speed > 0 for speed in speeds):
         metrics["aesgd/share_error"] = share_error(sizes, speeds)

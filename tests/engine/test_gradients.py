@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import FakeCommunicator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -61,8 +62,35 @@ def test_the_sum_takes_the_weighted_gradients_as_they_are_and_reports_the_arriva
     bucket = FakeBucket(_params(), _grads(4.0))
     summed = reduce.reduce(bucket).wait()
     torch.testing.assert_close(summed, torch.full((7,), 4.0))
-    assert summed.data_ptr() == bucket.flat.data_ptr()  # summed in place, as DDP's own hook does: no copy
     assert arrivals == [True]
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_non_finite_replica_is_left_out_and_the_sum_renormalised_over_the_finite_shares(delay):
+    """Three replicas with shares ¼, ¼, ½, whose gradients (already weighted by their shares) are 1, 2 and NaN:
+    the update is the mean gradient of the finite samples, (¼·4 + ¼·8) / (¼ + ¼) = 6, and one exclusion counts."""
+    weighted = {0: 0.25 * 4.0, 1: 0.25 * 8.0, 2: float("nan")}
+    shares = {0: 0.25, 1: 0.25, 2: 0.5}
+
+    def peers_sum(contribution: torch.Tensor) -> torch.Tensor:  # what replicas 1 and 2 add to replica 0's
+        flat = contribution[:-2]
+        return torch.cat([torch.full_like(flat, weighted[1]), torch.tensor([shares[1], 0.0])]) + torch.cat(
+            [torch.zeros_like(flat), torch.tensor([0.0, 1.0])]  # replica 2: zeros, share 0, left out
+        )
+
+    reduce = GradientSum(delay=delay, comm=FakeCommunicator(world_size=3, rank=0, peers_sum=peers_sum))
+    reduce.share = shares[0]
+    params = _params()
+    for _ in range(1 + delay):
+        reduce.begin_step()
+        summed = reduce.reduce(FakeBucket(params, _grads(weighted[0]))).wait()
+        reduce.end_step()
+    if delay:
+        summed = reduce.take_pending()
+        summed = torch.cat([summed[id(p)] for p in params])
+    torch.testing.assert_close(summed, torch.full((7,), 6.0))
+    assert reduce.exclusions.read() == (1 + delay, 0)  # one replica left out of every step's sum
+    assert reduce.exclusions.read() == (0, 0)  # read once
 
 
 @pytest.mark.usefixtures("one_process_group")
@@ -291,3 +319,30 @@ def test_compensated_heavy_ball_on_delayed_sums_is_nesterov(values, momentum):
         heavy_ball.step()
         reference.step()
     torch.testing.assert_close(compensated.detach(), nesterov.detach(), atol=1e-4, rtol=1e-5)
+
+
+def test_without_the_guard_a_non_finite_gradient_reaches_the_sum_for_a_grad_scaler_to_see():
+    """Under 16-bit mixed precision the GradScaler must find the overflow in the sum, skip the step on every
+    replica alike and lower its scale: the guard is off there, and the sum runs in place as DDP's does."""
+    reduce = GradientSum(comm=LocalCommunicator())
+    reduce.guard = False
+    reduce.begin_step()
+    bucket = FakeBucket(_params(), [torch.full((2, 2), float("inf")), torch.zeros(3)])
+    summed = reduce.reduce(bucket).wait()
+    reduce.end_step()
+    assert summed.data_ptr() == bucket.flat.data_ptr()  # summed in place: no copy
+    assert not bool(torch.isfinite(summed).all())
+    assert reduce.exclusions.read() == (0, 0)
+
+
+@pytest.mark.parametrize("method", ["all_reduce", "gather", "densify"])
+def test_a_non_finite_sparse_gradient_is_left_out_of_its_sum(method):
+    """Two replicas (the fake's peer sends what this one does) whose embedding gradients are NaN: no finite rows
+    remain, the sum has none, and the step counts as one without a finite replica."""
+    grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.tensor([[float("nan"), 1.0], [2.0, 3.0]]), (5, 2))
+    reduce = GradientSum(comm=FakeCommunicator(world_size=2), sparse_reduction=method)
+    reduce.begin_step()
+    summed = reduce.reduce(SparseBucket(nn.Parameter(torch.zeros(5, 2)), grad)).wait()
+    reduce.end_step()
+    torch.testing.assert_close(summed.to_dense(), torch.zeros(5, 2))
+    assert reduce.exclusions.read() == (2, 1)

@@ -178,8 +178,9 @@ def test_auto_all_reduces_a_sparse_gradient_only_where_the_devices_backend_can(b
 
 
 @pytest.mark.usefixtures("one_process_group")
-@pytest.mark.parametrize(("method", "blocks"), [("gather", True), ("auto", True), ("densify", False)])
-def test_the_row_count_exchange_is_time_blocked_on_peers(method, blocks, monkeypatch):
+@pytest.mark.parametrize("method", ["gather", "auto", "densify", "all_reduce"])
+def test_the_row_count_exchange_is_time_blocked_on_peers(method, monkeypatch):
+    """Every sparse sum starts with the small exchange of rows and finite flags, which waits for every replica."""
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     waits = []
 
@@ -190,7 +191,7 @@ def test_the_row_count_exchange_is_time_blocked_on_peers(method, blocks, monkeyp
 
     reduce = GradientSum(waiting=waiting, sparse_reduction=method)
     reduce.reduce(SparseBucket(nn.Parameter(torch.zeros(5, 2)), _sparse([[1, 3, 1]], (5, 2)))).wait()
-    assert waits == ([True] if blocks else [])
+    assert waits == [True]
 
 
 # --- two replicas through DDP's reducer ----------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""Non-finite gradients left out of a step's sum: the rest of the step's samples decide the update.
+
+A replica whose loss or gradients are not finite (a NaN from a bad batch, an overflow) would make every replica's
+summed gradient non-finite, and every replica's model with it. Under gradient synchronisation each bucket's
+contribution travels with two more numbers in the same all-reduce: ``fᵢ·sᵢ`` and ``1 − fᵢ``, where ``fᵢ`` is 1 if
+replica ``i``'s bucket is finite and ``sᵢ = bᵢ/M`` its share of the step. A non-finite contribution is sent as
+zeros, and where any replica was left out the sum is renormalised over the finite shares::
+
+    g = Σᵢ fᵢ·sᵢ·gᵢ / Σᵢ fᵢ·sᵢ
+
+the mean gradient of the step's finite samples. Where every replica is finite the sum is left exactly as it is
+(DDP's update); where none is, the update is zero. Every replica receives the same numbers, so all apply the same
+update and stay identical: no replica needs restoring.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FLAG_SLOTS = 2
+"""Numbers appended to a guarded contribution: the finite share ``fᵢ·sᵢ`` and the non-finite count ``1 − fᵢ``."""
+
+
+def guarded(buffer: Tensor, share: float) -> Tensor:
+    """A copy of the flat dense ``buffer``, zeros if any element is not finite, with the two flags appended.
+
+    The finiteness test reads the buffer's sum (one pass, no host synchronisation): a NaN or an infinity makes it
+    non-finite, and so, harmlessly, does a sum that overflows.
+    """
+    finite = torch.isfinite(buffer.sum())
+    contribution = torch.empty(buffer.numel() + FLAG_SLOTS, dtype=buffer.dtype, device=buffer.device)
+    if _on_host(buffer) and bool(finite):  # the flag is readable for free: a plain copy
+        contribution[:-2].copy_(buffer)
+    elif _on_host(buffer):
+        contribution[:-2].zero_()
+    else:  # decided on the device, without waiting for it
+        zero = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
+        torch.where(finite, buffer, zero, out=contribution[:-2])
+    contribution[-2:] = torch.stack([finite * share, ~finite]).to(buffer.dtype)
+    return contribution
+
+
+def renormalised(summed: Tensor) -> Tensor:
+    """The sum of guarded contributions (:func:`guarded`), renormalised over the finite shares where needed.
+
+    Returns a view of ``summed`` without its flags (scaled in place); the flags stay readable as
+    ``summed[-2:]`` (:func:`flags_of`).
+    """
+    total, finite_share, left_out = summed[:-2], summed[-2], summed[-1]
+    if _on_host(summed) and not bool(left_out > 0):  # every replica finite: the sum as it is, no pass over it
+        return total
+    total.mul_(renormalisation(finite_share, left_out))
+    return total
+
+
+def _on_host(tensor: Tensor) -> bool:
+    return tensor.device.type == "cpu"
+
+
+def renormalisation(finite_share: Tensor, left_out: Tensor) -> Tensor:
+    """``1`` where no replica was left out, ``1 / Σ fᵢ·sᵢ`` where some were, ``0`` where all were."""
+    one, zero = torch.ones_like(finite_share), torch.zeros_like(finite_share)
+    safe = torch.where(finite_share > 0, finite_share, one)
+    return torch.where(left_out > 0, torch.where(finite_share > 0, one / safe, zero), one)
+
+
+def flags_of(summed: Tensor) -> Tensor:
+    """The summed flags ``[Σ fᵢ·sᵢ, Σ (1 − fᵢ)]`` of a sum of guarded contributions."""
+    return summed[-2:]
+
+
+class Exclusions:
+    """Replicas left out of gradient sums, counted on the device and read on the host (at the reports).
+
+    Every replica counts the same summed flags, so every replica holds the same counts.
+    """
+
+    def __init__(self) -> None:
+        # [replica exclusions since the last read, current run of steps without a finite replica, longest run
+        # since the last read]: a run is counted on the device, so that no step waits for the host.
+        self._counts: Tensor | None = None
+
+    def add_step(self, flags: list[Tensor], world_size: int) -> None:
+        """Count one step's sums from their summed flags (one ``[Σ fᵢ·sᵢ, Σ (1 − fᵢ)]`` per bucket)."""
+        if not flags:
+            return
+        left_out = torch.stack([flag[1].to(torch.float64) for flag in flags]).max()
+        none_finite = (left_out >= world_size).to(torch.float64)
+        counts = (
+            self._counts if self._counts is not None else torch.zeros(3, dtype=torch.float64, device=left_out.device)
+        )
+        run = (counts[1] + 1) * none_finite  # back to 0 at a step with any finite replica
+        self._counts = torch.stack([counts[0] + left_out, run, torch.maximum(counts[2], run)])
+
+    def read(self) -> tuple[int, int]:
+        """Replica exclusions since the last read, and the longest run of steps without a finite replica in them.
+
+        One host read; the run in progress carries over to the next read.
+        """
+        if self._counts is None:
+            return 0, 0
+        excluded, run, longest = self._counts.cpu().tolist()
+        self._counts = torch.tensor([0.0, run, run], dtype=torch.float64, device=self._counts.device)
+        return round(excluded), round(longest)

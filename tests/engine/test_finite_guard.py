@@ -1,0 +1,76 @@
+"""The finite guard's arithmetic, pure: what a replica sends, and what the sum becomes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
+
+
+def _sum(contributions: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(contributions).sum(dim=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shares=st.lists(st.integers(1, 64), min_size=1, max_size=6),
+    values=st.lists(st.floats(-10, 10), min_size=6, max_size=6),
+    bad=st.lists(st.booleans(), min_size=6, max_size=6),
+)
+def test_the_sum_is_the_mean_gradient_of_the_finite_samples(shares, values, bad):
+    total = sum(shares)
+    fractions = [size / total for size in shares]
+    contributions, expected_num, expected_den = [], 0.0, 0.0
+    for index, fraction in enumerate(fractions):
+        mean_gradient = torch.full((5,), values[index])
+        weighted = fraction * mean_gradient
+        if bad[index]:
+            weighted[2] = math.nan
+        else:
+            expected_num += fraction * values[index]
+            expected_den += fraction
+        contributions.append(guarded(weighted, fraction))
+    summed = _sum(contributions)
+    result = renormalised(summed)
+    if expected_den == 0:
+        torch.testing.assert_close(result, torch.zeros(5))  # nothing finite: no update
+    elif not any(bad[: len(shares)]):
+        # Every replica finite: the plain sum, untouched (DDP's update).
+        torch.testing.assert_close(result, _sum([c[:-2] for c in contributions]))
+    else:
+        torch.testing.assert_close(result, torch.full((5,), expected_num / expected_den), rtol=1e-5, atol=1e-5)
+    assert flags_of(summed)[1].item() == sum(bad[: len(shares)])
+
+
+def test_a_contribution_carries_its_share_and_zeros_when_not_finite():
+    finite = guarded(torch.tensor([1.0, 2.0]), 0.25)
+    assert finite.tolist() == [1.0, 2.0, 0.25, 0.0]
+    infinite = guarded(torch.tensor([1.0, math.inf]), 0.25)
+    assert infinite.tolist() == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_exclusions_count_the_most_left_out_of_any_bucket_and_the_longest_run_without_a_finite_replica():
+    exclusions, one, every, none = Exclusions(), torch.tensor([0.5, 1.0]), torch.tensor([0.0, 2.0]), torch.zeros(2)
+    exclusions.add_step([one, one], world_size=2)  # one replica, in two buckets of the step
+    for flags in ([every], [every], [none], [every]):
+        exclusions.add_step(flags, world_size=2)
+    assert exclusions.read() == (1 + 2 + 2 + 0 + 2, 2)
+    exclusions.add_step([every], world_size=2)  # the run in progress goes on across reads
+    assert exclusions.read() == (2, 2)
+    exclusions.add_step([none], world_size=2)
+    assert exclusions.read() == (0, 2)  # the run ended at this read's first step
+    assert exclusions.read() == (0, 0)
+
+
+def test_ten_steps_in_a_row_without_a_finite_replica_stop_training_with_a_hint():
+    from lightning_aesgd.engine.gradient_sync import NON_FINITE_STEPS_LIMIT, _judge_exclusions
+    from lightning_aesgd.engine.pipeline import NonFiniteReplicasError
+
+    _judge_exclusions(excluded=3, run=NON_FINITE_STEPS_LIMIT - 1, global_step=42, logs=False)  # goes on
+    with pytest.raises(NonFiniteReplicasError, match=r"in 10 consecutive steps before global step 42.*HINT"):
+        _judge_exclusions(excluded=20, run=NON_FINITE_STEPS_LIMIT, global_step=42, logs=False)
