@@ -337,16 +337,17 @@ class StepPipeline(ABC):
 
     def summary(self) -> str | None:
         """The end-of-fit table of every replica as the latest reports saw it; ``None`` before the first."""
-        return None if not self.plans.latest_reports else summary_table(*self._summary_parts())
+        record = self.summary_record()
+        return None if record is None else summary_table(record)
 
     def summary_record(self) -> dict[str, Any] | None:
-        """:meth:`summary` as plain data (:func:`~lightning_aesgd.engine.telemetry.summary_record`)."""
-        return None if not self.plans.latest_reports else summary_record(*self._summary_parts())
-
-    def _summary_parts(self) -> tuple[Any, ...]:
+        """The end-of-fit summary as plain data (:func:`~lightning_aesgd.engine.telemetry.summary_record`)."""
         plans = self.plans
+        if not plans.latest_reports:
+            return None
         unit = "units" if plans.cost_aware else "samples"
-        return plans.stats(), plans.history[-1].sizes, self.sync_count, unit, plans.floor, self.sync_name
+        sizes = plans.history[-1].sizes
+        return summary_record(plans.stats(), sizes, self.sync_count, unit, plans.floor, self.sync_name)
 
     # --- the sync point's bookkeeping and the plans' part of checkpoints ----------------------------------------
 

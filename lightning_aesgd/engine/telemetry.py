@@ -58,45 +58,28 @@ def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
     return max(times) / min(times) if min(times) > 0 else float("nan")
 
 
-def summary_table(
-    stats: Sequence[ReplicaStats],
-    sizes: Sequence[int],
-    syncs: int,
-    unit: str = "samples",
-    floor: int = 0,
-    sync_name: str = "merges",
-) -> str:
-    """A plain-text table that shows whether the plan converged and what it gained.
-
-    Args:
-        stats: the statistics of the latest sync point, in rank order.
-        sizes: the plan in force.
-        syncs: number of sync points so far.
-        unit: what speeds count: ``"samples"`` or cost ``"units"``.
-        floor: the smallest batch the planner may give; a replica held there and still late is named.
-        sync_name: what the sync points are in the sync mode (``"merges"``, ``"gradient sums"``).
-    """
-    speeds = [s.speed for s in stats]
-    measured = all(speed > 0 for speed in speeds)
-    targets = ideal_shares(speeds) if measured else [float("nan")] * len(stats)
-    total, total_weight = sum(sizes), sum(s.merge_weight for s in stats) or 1.0
+def summary_table(record: dict[str, Any]) -> str:
+    """A plain-text table of a :func:`summary_record`: whether the plan converged and what it gained."""
+    unit, sync_name = record["unit"], record["sync_name"]
     columns = ("replica", f"{unit}/s", "batch", "share", "target", "weight", "step ms", "busy ms", "waiting")
     widths = (7, 12, 6, 6, 6, 6, 8, 8, 7)
     header = "  ".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True))
     lines = ["adaptive_elastic: replicas at the end of fit", header, "-" * len(header)]
-    for rank, (replica, size, target) in enumerate(zip(stats, sizes, targets, strict=True)):
+    for replica in record["replicas"]:
+        target = replica["target"] if replica["target"] is not None else math.nan
         lines.append(
-            f"{rank:>7}  {replica.speed:>12.1f}  {size:>6d}  {size / total:>6.3f}  {target:>6.3f}  "
-            f"{replica.merge_weight / total_weight:>6.3f}  {1000 * replica.step_seconds:>8.1f}  "
-            f"{1000 * replica.busy_seconds:>8.1f}  {replica.wait_fraction:>7.1%}"
+            f"{replica['rank']:>7}  {replica['speed']:>12.1f}  {replica['batch']:>6d}  {replica['share']:>6.3f}  "
+            f"{target:>6.3f}  {replica['weight']:>6.3f}  {1000 * replica['step_seconds']:>8.1f}  "
+            f"{1000 * replica['busy_seconds']:>8.1f}  {replica['wait_fraction']:>7.1%}"
         )
-    lines.append(f"{sync_name}: {syncs}")
-    if measured:
+    lines.append(f"{sync_name}: {record['syncs']}")
+    if record["share_error"] is not None:
         lines.append(
-            f"plan vs speed-proportional target: largest relative share error {share_error(sizes, speeds):.1%}; "
-            f"slowest/fastest step time: {step_time_balance(stats):.2f} (1.00: all arrive at {sync_name} together)"
+            f"plan vs speed-proportional target: largest relative share error {record['share_error']:.1%}; "
+            f"slowest/fastest step time: {record['step_time_balance']:.2f} (1.00: all arrive at {sync_name} "
+            "together)"
         )
-        lines += starved_replicas(stats, sizes, floor)
+        lines += record["starved"]
     return "\n".join(lines)
 
 
@@ -108,7 +91,15 @@ def summary_record(
     floor: int = 0,
     sync_name: str = "merges",
 ) -> dict[str, Any]:
-    """What :func:`summary_table` shows, as plain data for JSON (``None`` where a figure is not measured).
+    """The end-of-fit summary as plain data for JSON (``None`` where a figure is not measured).
+
+    Args:
+        stats: the statistics of the latest sync point, in rank order.
+        sizes: the plan in force.
+        syncs: number of sync points so far.
+        unit: what speeds count: ``"samples"`` or cost ``"units"``.
+        floor: the smallest batch the planner may give; a replica held there and still late is named.
+        sync_name: what the sync points are in the sync mode (``"merges"``, ``"gradient sums"``).
 
     Returns:
         ``unit``, ``sync_name`` and ``syncs`` (what the sync points are, and how many passed), ``replicas``

@@ -57,8 +57,12 @@ def test_plan_wide_metrics_wait_until_every_replica_has_a_speed():
     assert math.isnan(step_time_balance(unmeasured))
 
 
+def summary_table_of(stats, sizes, **options):
+    return summary_table(summary_record(stats, sizes, **options))
+
+
 def test_summary_table_lists_every_replica_and_the_balance():
-    table = summary_table(STATS, [60, 20, 20], syncs=7, unit="samples")
+    table = summary_table_of(STATS, [60, 20, 20], syncs=7, unit="samples")
     lines = table.splitlines()
     assert lines[1].split() == [
         "replica",
@@ -76,7 +80,7 @@ def test_summary_table_lists_every_replica_and_the_balance():
     assert len([line for line in lines if line.strip().startswith(("0 ", "1 ", "2 "))]) == 3
     assert "merges: 7" in table
     assert "2.00" in lines[-1]
-    sums = summary_table(STATS, [60, 20, 20], syncs=7, sync_name="gradient sums")
+    sums = summary_table_of(STATS, [60, 20, 20], syncs=7, sync_name="gradient sums")
     assert "gradient sums: 7" in sums
     assert "all arrive at gradient sums together" in sums
     assert "merges" not in sums
@@ -84,10 +88,10 @@ def test_summary_table_lists_every_replica_and_the_balance():
 
 def test_a_replica_at_the_floor_that_is_still_late_is_named():
     late = [*STATS[:2], ReplicaStats(20, 10.0, 5, 0.0, 0.50)]
-    table = summary_table(late, [60, 35, 5], syncs=3, floor=5)
+    table = summary_table_of(late, [60, 35, 5], syncs=3, floor=5)
     assert "replica 2 sits at the smallest batch (5)" in table
     assert "5.0×" in table
-    assert "sits at the smallest batch" not in summary_table(STATS, [60, 20, 20], syncs=3, floor=5)
+    assert "sits at the smallest batch" not in summary_table_of(STATS, [60, 20, 20], syncs=3, floor=5)
 
 
 def test_the_summary_record_holds_what_the_table_shows_as_plain_json():
@@ -114,3 +118,6 @@ def test_an_unmeasured_summary_record_has_no_nan():
     assert record["share_error"] is None
     assert record["step_time_balance"] is None
     assert [replica["target"] for replica in record["replicas"]] == [None, None, None]
+    table = summary_table(record)  # renders without a target or a balance
+    assert "merges: 1" in table
+    assert "plan vs" not in table
