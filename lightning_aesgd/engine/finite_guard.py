@@ -15,6 +15,8 @@ update and stay identical: no replica needs restoring.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -25,18 +27,22 @@ FLAG_SLOTS = 2
 def guarded(buffer: Tensor, share: float) -> Tensor:
     """A copy of the flat dense ``buffer``, zeros if any element is not finite, with the two flags appended.
 
-    The finiteness test reads the buffer's sum (one pass, no host synchronisation): a NaN or an infinity makes it
-    non-finite, and so, harmlessly, does a sum that overflows.
+    The finiteness test reads the buffer's sum (one pass): a NaN or an infinity makes it non-finite, and so,
+    harmlessly, does a sum that overflows. On a device it is decided there, without waiting for the device; on
+    the host it is read at once, which saves the small tensor operations that dominate short steps.
     """
-    finite = torch.isfinite(buffer.sum())
     contribution = torch.empty(buffer.numel() + FLAG_SLOTS, dtype=buffer.dtype, device=buffer.device)
-    if _on_host(buffer) and bool(finite):  # the flag is readable for free: a plain copy
-        contribution[:-2].copy_(buffer)
-    elif _on_host(buffer):
-        contribution[:-2].zero_()
-    else:  # decided on the device, without waiting for it
-        zero = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
-        torch.where(finite, buffer, zero, out=contribution[:-2])
+    if _on_host(buffer):
+        if math.isfinite(buffer.sum().item()):
+            contribution[:-2].copy_(buffer)
+            contribution[-2:] = torch.tensor([share, 0.0], dtype=buffer.dtype)
+        else:
+            contribution.zero_()
+            contribution[-1] = 1.0
+        return contribution
+    finite = torch.isfinite(buffer.sum())
+    zero = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
+    torch.where(finite, buffer, zero, out=contribution[:-2])
     contribution[-2:] = torch.stack([finite * share, ~finite]).to(buffer.dtype)
     return contribution
 
@@ -47,10 +53,13 @@ def renormalised(summed: Tensor) -> Tensor:
     Returns a view of ``summed`` without its flags (scaled in place); the flags stay readable as
     ``summed[-2:]`` (:func:`flags_of`).
     """
-    total, finite_share, left_out = summed[:-2], summed[-2], summed[-1]
-    if _on_host(summed) and not bool(left_out > 0):  # every replica finite: the sum as it is, no pass over it
+    total = summed[:-2]
+    if _on_host(summed):  # the flags are readable at once: scale only where a replica was left out
+        finite_share, left_out = summed[-2:].tolist()
+        if left_out > 0:
+            total.mul_(1.0 / finite_share if finite_share > 0 else 0.0)
         return total
-    total.mul_(renormalisation(finite_share, left_out))
+    total.mul_(renormalisation(summed[-2], summed[-1]))
     return total
 
 
@@ -80,16 +89,20 @@ class Exclusions:
         # [replica exclusions since the last read, current run of steps without a finite replica, longest run
         # since the last read]: a run is counted on the device, so that no step waits for the host.
         self._counts: Tensor | None = None
+        self._host_counts = (0.0, 0.0, 0.0)  # the same, where the flags live on the host
 
     def add_step(self, flags: list[Tensor], world_size: int) -> None:
         """Count one step's sums from their summed flags (one ``[Σ fᵢ·sᵢ, Σ (1 − fᵢ)]`` per bucket)."""
         if not flags:
             return
+        if _on_host(flags[0]):  # readable at once: a few float operations instead of a dozen tensor ones
+            self._host_counts = _counted(self._host_counts, max(float(flag[1]) for flag in flags), world_size)
+            return
         left_out = torch.stack([flag[1].to(torch.float64) for flag in flags]).max()
         none_finite = (left_out >= world_size).to(torch.float64)
-        counts = (
-            self._counts if self._counts is not None else torch.zeros(3, dtype=torch.float64, device=left_out.device)
-        )
+        counts = self._counts
+        if counts is None:
+            counts = torch.zeros(3, dtype=torch.float64, device=left_out.device)
         run = (counts[1] + 1) * none_finite  # back to 0 at a step with any finite replica
         self._counts = torch.stack([counts[0] + left_out, run, torch.maximum(counts[2], run)])
 
@@ -98,8 +111,17 @@ class Exclusions:
 
         One host read; the run in progress carries over to the next read.
         """
-        if self._counts is None:
-            return 0, 0
-        excluded, run, longest = self._counts.cpu().tolist()
-        self._counts = torch.tensor([0.0, run, run], dtype=torch.float64, device=self._counts.device)
+        if self._counts is not None:
+            excluded, run, longest = self._counts.cpu().tolist()
+            self._counts = torch.tensor([0.0, run, run], dtype=torch.float64, device=self._counts.device)
+        else:
+            excluded, run, longest = self._host_counts
+            self._host_counts = (0.0, run, run)
         return round(excluded), round(longest)
+
+
+def _counted(counts: tuple[float, float, float], left_out: float, world_size: int) -> tuple[float, float, float]:
+    """``counts`` (exclusions, current run, longest run) after a step with ``left_out`` replicas left out."""
+    excluded, run, longest = counts
+    run = run + 1 if left_out >= world_size else 0.0
+    return excluded + left_out, run, max(longest, run)

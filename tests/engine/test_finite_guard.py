@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_aesgd.engine import finite_guard
 from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
 
 
@@ -21,8 +23,15 @@ def _sum(contributions: list[torch.Tensor]) -> torch.Tensor:
     shares=st.lists(st.integers(1, 64), min_size=1, max_size=6),
     values=st.lists(st.floats(-10, 10), min_size=6, max_size=6),
     bad=st.lists(st.booleans(), min_size=6, max_size=6),
+    on_host=st.booleans(),
 )
-def test_the_sum_is_the_mean_gradient_of_the_finite_samples(shares, values, bad):
+def test_the_sum_is_the_mean_gradient_of_the_finite_samples(shares, values, bad, on_host):
+    """Both paths: read on the host (CPU tensors), and decided on the device without reading (as on CUDA)."""
+    with patch.object(finite_guard, "_on_host", lambda tensor: on_host):
+        _check_the_mean_gradient_of_the_finite_samples(shares, values, bad)
+
+
+def _check_the_mean_gradient_of_the_finite_samples(shares, values, bad):
     total = sum(shares)
     fractions = [size / total for size in shares]
     contributions, expected_num, expected_den = [], 0.0, 0.0
@@ -54,7 +63,11 @@ def test_a_contribution_carries_its_share_and_zeros_when_not_finite():
     assert infinite.tolist() == [0.0, 0.0, 0.0, 1.0]
 
 
-def test_exclusions_count_the_most_left_out_of_any_bucket_and_the_longest_run_without_a_finite_replica():
+@pytest.mark.parametrize("on_host", [True, False])
+def test_exclusions_count_the_most_left_out_of_any_bucket_and_the_longest_run_without_a_finite_replica(
+    on_host, monkeypatch
+):
+    monkeypatch.setattr(finite_guard, "_on_host", lambda tensor: on_host)
     exclusions, one, every, none = Exclusions(), torch.tensor([0.5, 1.0]), torch.tensor([0.0, 2.0]), torch.zeros(2)
     exclusions.add_step([one, one], world_size=2)  # one replica, in two buckets of the step
     for flags in ([every], [every], [none], [every]):
