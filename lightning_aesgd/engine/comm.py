@@ -7,7 +7,6 @@ Tests substitute their own implementation of the protocol to count calls or simu
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -18,6 +17,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_aesgd.engine.flat import to_host
+
+# `name as name`: the stall machinery's names stay importable from here, where the engine imports them.
+from lightning_aesgd.engine.stalls import ReplicaStalledError as ReplicaStalledError
+from lightning_aesgd.engine.stalls import default_store, entering, keep_alive
+from lightning_aesgd.engine.stalls import is_peer_failure as is_peer_failure
+from lightning_aesgd.engine.stalls import roll_call as roll_call
+from lightning_aesgd.engine.stalls import stalled_error as stalled_error
 
 T = TypeVar("T")
 
@@ -143,6 +149,8 @@ class TorchCommunicator:
                 "pass host_group=dist.new_group(ranks, backend='gloo') over the same ranks (every process of the "
                 "world must create it), or leave group unset for the world group."
             )
+        # Roll calls after a failed collective tell a late replica from a gone one by its heartbeat (once a process).
+        keep_alive(default_store(), dist.get_rank())
 
     @property
     def world_size(self) -> int:  # noqa: D102
@@ -204,9 +212,12 @@ class TorchCommunicator:
         """Run one collective; a timeout or a lost peer becomes a :class:`ReplicaStalledError` naming the absent.
 
         Collectives are numbered in call order, the same on every replica, so that the replicas that fail in the
-        same one can find each other in the store's roll call (which costs nothing until something fails).
+        same one can find each other in the store's roll call (:mod:`~lightning_aesgd.engine.stalls`). Until
+        something fails this costs a note in the heartbeat, which shows a late replica arriving to the roll call.
         """
         index, self._calls = self._calls, self._calls + 1
+        key = f"aesgd/roll_call/{index}"
+        entering(key)
         started = time.monotonic()
         try:
             run()
@@ -214,9 +225,13 @@ class TorchCommunicator:
             if not is_peer_failure(error):
                 raise
             stalled = stalled_error(
-                error, f"{name} #{index}", f"aesgd/roll_call/{index}", self.rank, self.world_size, started
+                error, f"{name} #{index}", key, self.rank, self.world_size, started, members=self._members()
             )
             raise stalled from error
+
+    def _members(self) -> list[int] | None:
+        """The world rank of each of the group's ranks (whose heartbeats a roll call reads); ``None`` for the world."""
+        return None if self.group is None else list(dist.get_process_group_ranks(self.group))
 
 
 class NoMergeWeightError(ValueError):
@@ -260,144 +275,6 @@ def _group_timeout(group: Any, device: torch.device) -> timedelta | None:
     except Exception:
         return None
     return timeout if isinstance(timeout, timedelta) else None
-
-
-_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
-_LOST_PEER = re.compile(r"connection (closed|reset|refused)|(closed|reset) by peer|broken pipe", re.IGNORECASE)
-ROLL_CALL_SECONDS = 2.0
-"""How long a failing replica waits for the others to answer the roll call."""
-
-
-class ReplicaStalledError(RuntimeError):
-    """A collective between replicas timed out or lost a peer: some replica did not arrive.
-
-    Attributes:
-        collective: which collective, numbered in call order (``"all-reduce #12"``).
-        rank: the replica that raised.
-        waited: seconds this replica waited in the collective.
-        answers: every replica that answered the roll call after the failure, with the seconds it had waited;
-            ``None`` where the store could not be reached.
-        missing: the replicas that did not answer: they had not arrived (stalled, or gone).
-        timed_out: whether the collective timed out (``False``: a peer's connection was lost).
-        where: what the replica was doing (``"the merge after global step 12"``), when the engine knows.
-    """
-
-    def __init__(
-        self,
-        *,
-        collective: str,
-        rank: int,
-        world_size: int,
-        waited: float,
-        answers: dict[int, float] | None,
-        cause: str,
-        where: str | None = None,
-    ) -> None:
-        self.collective, self.rank, self.world_size, self.waited = collective, rank, world_size, waited
-        self.answers, self.cause, self.where = answers, cause, where
-        self.timed_out = bool(_TIMEOUT.search(cause))
-        self.missing = None if answers is None else [r for r in range(world_size) if r not in answers]
-        super().__init__(self._message())
-
-    def during(self, where: str) -> ReplicaStalledError:
-        """The same error, saying what the replica was doing (the engine knows the step, the communicator not)."""
-        return ReplicaStalledError(
-            collective=self.collective,
-            rank=self.rank,
-            world_size=self.world_size,
-            waited=self.waited,
-            answers=self.answers,
-            cause=self.cause,
-            where=where,
-        )
-
-    def _message(self) -> str:
-        what = "timed out" if self.timed_out else "lost a peer's connection"
-        where = f" during {self.where}" if self.where else ""
-        head = f"Replica {self.rank}'s {self.collective}{where} {what} after waiting {self.waited:.1f} s"
-        if self.missing is None:
-            absent = "which replicas had not arrived is unknown (the store did not answer)"
-            suspects = "the other replicas"
-        elif not self.missing:
-            absent = "every replica answered the roll call afterwards (one arrived late, or the network failed)"
-            suspects = "the replicas that waited least"
-        elif self.timed_out:
-            absent = f"replica(s) {self.missing} had not arrived (they did not answer the roll call)"
-            suspects = f"replica(s) {self.missing}"
-        else:  # this replica may be the late one, waking after the others have gone
-            absent = f"replica(s) {self.missing} did not answer the roll call (exited, crashed or stalled)"
-            suspects = f"replica(s) {self.missing}"
-        waited = ""
-        if self.answers:
-            waited = "; waited: " + ", ".join(f"replica {r} {s:.1f} s" for r, s in sorted(self.answers.items()))
-        detail = self.cause.strip().splitlines()[0][:300] if self.cause.strip() else ""
-        hint = (
-            f"HINT: look at what {suspects} were doing (their own log and traceback, `py-spy dump --pid`); a replica "
-            "that exited shows its own error. If such pauses are expected (a long validation or checkpoint on one "
-            "replica, a slow data source, a debugger), raise the strategy's `timeout=` "
-            "(AdaptiveElasticStrategy(timeout=timedelta(minutes=...)))."
-        )
-        return f"{head}: {absent}{waited}. Backend: {detail}\n{hint}"
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """Whether a collective's error means a peer did not take part: a timeout or a lost connection.
-
-    >>> is_peer_failure(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv"))
-    True
-    >>> is_peer_failure(RuntimeError("Tensors must be contiguous"))
-    False
-    """
-    message = str(error)
-    return bool(_TIMEOUT.search(message) or _LOST_PEER.search(message))
-
-
-def stalled_error(
-    error: BaseException, collective: str, key: str, rank: int, world_size: int, started: float
-) -> ReplicaStalledError:
-    """The :class:`ReplicaStalledError` for a peer failure (:func:`is_peer_failure`) of a collective.
-
-    ``started``: when this replica began waiting (``time.monotonic()``); ``key``: the roll call's, the same on every
-    replica.
-    """
-    waited = time.monotonic() - started
-    answers = roll_call(_default_store(), key, rank, world_size, waited)
-    return ReplicaStalledError(
-        collective=collective, rank=rank, world_size=world_size, waited=waited, answers=answers, cause=str(error)
-    )
-
-
-def roll_call(
-    store: Any, key: str, rank: int, world_size: int, waited: float, seconds: float = ROLL_CALL_SECONDS
-) -> dict[int, float] | None:
-    """After a failed collective: which replicas reached it, with how long each waited; ``None`` without a store.
-
-    Every replica that fails in the same collective writes ``key/<rank>`` and waits up to ``seconds`` for the
-    others; a replica that never arrived cannot answer. The store's own timeout is cut to ``seconds``, as its host
-    may be the replica that is gone.
-    """
-    if store is None:
-        return None
-    try:
-        store.set_timeout(timedelta(seconds=seconds))
-        store.set(f"{key}/{rank}", f"{waited:.3f}")
-        deadline = time.monotonic() + seconds
-        while True:
-            present = [r for r in range(world_size) if store.check([f"{key}/{r}"])]
-            if len(present) == world_size or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        return {r: float(store.get(f"{key}/{r}")) for r in present}
-    except Exception:  # the store's host is gone: nothing more can be learnt
-        return None
-
-
-def _default_store() -> Any:
-    """The default process group's store, where torch exposes it (a private function, so guarded)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
 
 
 def default_communicator(device: torch.device) -> Communicator:

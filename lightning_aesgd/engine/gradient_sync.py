@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from lightning_aesgd.engine import stalls
 from lightning_aesgd.engine.comm import (
     Communicator,
     ReplicaStalledError,
@@ -206,7 +207,7 @@ class GradientSync(StepPipeline):
         """The error of a step whose sums a peer never joined, after the roll call (waited: since the arrival)."""
         comm, step = self._comm(), self._global_step
         stalled = stalled_error(
-            error, "gradient all-reduce", f"aesgd/roll_call/step_{step}", comm.rank, comm.world_size, self._arrived
+            error, "gradient all-reduce", _roll_call_key(step), comm.rank, comm.world_size, self._arrived
         )
         return stalled.during(f"the gradient sum of global step {step}")
 
@@ -219,6 +220,7 @@ class GradientSync(StepPipeline):
         """
         self.compute_spans.end(self._comm().rank, self._global_step)
         self._arrived = time.monotonic()
+        stalls.entering(_roll_call_key(self._global_step))  # a peer's roll call then sees this replica arrive
         if self.reports.due(self._global_step, self.plans):
             # The period's report travels beside the sums; the replica works on from its arrival (the time it then
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).
@@ -351,3 +353,8 @@ def _judge_exclusions(excluded: int, run: int, global_step: int, logs: bool) -> 
             "training cannot continue. HINT: lower the learning rate, clip gradients (gradient_clip_val) or check "
             "the loss for NaN; resume from the last checkpoint."
         )
+
+
+def _roll_call_key(global_step: int) -> str:
+    """The roll call's key for the gradient sum of ``global_step`` (the same on every replica)."""
+    return f"aesgd/roll_call/step_{global_step}"

@@ -1,54 +1,115 @@
-"""A replica that stalls: the error names who had not arrived and the fix, and the stalled process ends with the job."""
+"""Stalled replicas: the error tells the late from the absent and names the fix; a stalled process ends with the job."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lightning_aesgd import ReplicaStalledError
-from lightning_aesgd.engine.comm import TorchCommunicator, is_peer_failure, roll_call
+from lightning_aesgd.engine import stalls
+from lightning_aesgd.engine.comm import TorchCommunicator
+from lightning_aesgd.engine.stalls import (
+    GONE,
+    Heartbeat,
+    RollCall,
+    alive_key,
+    is_peer_failure,
+    keep_alive,
+    roll_call,
+    stop_heartbeat,
+)
 
 GLOO_TIMEOUT = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete"
 GLOO_RESET = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:20125: Connection reset by peer."
 
 
-def _error(answers, cause=GLOO_TIMEOUT, world_size=3) -> ReplicaStalledError:
+@pytest.fixture(autouse=True)
+def _no_heartbeat_left():
+    """A heartbeat a test started does not beat on into the next test's store."""
+    yield
+    stop_heartbeat()
+
+
+def _error(roll, cause=GLOO_TIMEOUT, world_size=3) -> ReplicaStalledError:
     return ReplicaStalledError(
-        collective="all-reduce #7", rank=0, world_size=world_size, waited=20.04, answers=answers, cause=cause
+        collective="all-reduce #7", rank=0, world_size=world_size, waited=20.04, roll=roll, cause=cause
     )
 
 
+# --- the message ----------------------------------------------------------------------------------------------
+
+
 def test_the_message_names_the_absent_replicas_how_long_the_others_waited_and_the_fix():
-    error = _error({0: 20.04, 2: 19.5}).during("the merge after global step 12")
+    roll = RollCall(waited={0: 20.04, 2: 19.5}, arrived={0: 100.0, 2: 100.5}, absent=(1,))
+    error = _error(roll).during("the merge after global step 12")
     message = str(error)
     assert error.missing == [1]
+    assert error.late == {}
     assert error.timed_out
     assert "all-reduce #7 during the merge after global step 12 timed out after waiting 20.0 s" in message
-    assert "replica(s) [1] had not arrived" in message
+    assert "replica(s) [1] had not arrived and show no sign of life (exited, crashed, or hung" in message
     assert "replica 0 20.0 s, replica 2 19.5 s" in message
     assert "Timed out waiting 20000ms" in message  # the backend's own words stay
     assert message.splitlines()[-1].startswith("HINT: look at what replica(s) [1] were doing")
     assert "`timeout=`" in message
 
 
+def test_the_message_names_a_late_replica_apart_with_how_late_it_was():
+    # Replicas 0-2 arrived together and gave up after 1 s; replica 3 came 3 s after the first.
+    roll = RollCall(waited={0: 1.0, 1: 1.0, 2: 1.0}, arrived={0: 100.0, 1: 100.1, 2: 100.05, 3: 103.0})
+    error = _error(roll, world_size=4)
+    message = str(error)
+    assert error.late == {3: 3.0}
+    assert error.missing == []
+    assert "replica(s) [3] arrived late (replica 3 3.0 s after the first)" in message
+    assert "had not arrived" not in message
+    assert message.splitlines()[-1].startswith("HINT: look at what replica(s) [3] were doing")
+    assert "`timeout=` well above the 3.0 s seen here" in message
+
+
+def test_the_message_tells_a_live_replica_that_never_came_from_one_that_is_gone():
+    roll = RollCall(waited={0: 20.0}, arrived={0: 100.0, 3: 126.0}, absent=(2,), stalled=(1,))
+    message = str(_error(roll, world_size=4))
+    assert "replica(s) [3] arrived late (replica 3 26.0 s after the first)" in message
+    assert "replica(s) [1] had not arrived although alive (heartbeat beating: stalled elsewhere)" in message
+    assert "replica(s) [2] had not arrived and show no sign of life" in message
+    assert "HINT: look at what replica(s) [1, 2] were doing" in message
+
+
 def test_a_lost_connection_does_not_claim_the_others_are_late():
-    error = _error({0: 0.01}, cause=GLOO_RESET, world_size=2)
+    error = _error(RollCall(waited={0: 0.01}, arrived={0: 100.0}, absent=(1,)), cause=GLOO_RESET, world_size=2)
     assert error.missing == [1]
-    assert "replica(s) [1] did not answer the roll call (exited, crashed or stalled)" in str(error)
+    assert "lost a peer's connection" in str(error)
+    assert "replica(s) [1] did not answer the roll call and show no sign of life" in str(error)
+    assert "had not arrived" not in str(error)
+
+
+def test_when_all_arrived_in_time_the_message_blames_the_connection():
+    error = _error(RollCall(waited={0: 20.0, 1: 0.5}, arrived={0: 100.0, 1: 100.2}), world_size=2)
+    assert error.missing == []
+    assert "every replica answered the roll call afterwards, none late" in str(error)
+    assert "HINT: look at what the replicas that waited least were doing" in str(error)
 
 
 def test_without_a_store_the_message_says_what_is_known():
     error = _error(None, cause=GLOO_RESET)
     assert error.missing is None
+    assert error.answers is None
+    assert error.late == {}
     assert not error.timed_out
     assert "lost a peer's connection" in str(error)
     assert "which replicas had not arrived is unknown" in str(error)
@@ -68,13 +129,92 @@ def test_peer_failures_are_told_from_other_errors(message, expected):
     assert is_peer_failure(RuntimeError(message)) is expected
 
 
-def test_the_roll_call_finds_who_answered_within_its_time():
+# --- the roll call's decisions, on one process's store ----------------------------------------------------------
+
+
+def _beating(store, rank: int) -> Heartbeat:
+    """Replica ``rank``'s heartbeat, beating fast (20 a second) so that the tests' waits stay short."""
+    return Heartbeat(store, rank, interval=0.05)
+
+
+def test_a_replica_that_answered_is_present_with_its_wait_and_arrival():
     store = dist.HashStore()
-    store.set("call/2", "4.5")  # replica 2 failed in the same collective; replica 1 never arrived
+    now = time.time()
+    store.set("call/2", f"4.500 {now - 5.5:.3f}")  # replica 2 failed in the same collective, arriving first
+    _beating(store, 1).enter("call")  # replica 1 is inside it still
+    roll = roll_call(store, "call", rank=0, world_size=3, waited=5.0, stale_after=0.5, patience=5.0)
+    assert roll is not None
+    assert roll.waited == {0: 5.0, 2: 4.5}
+    assert set(roll.arrived) == {0, 1, 2}
+    assert roll.late == {1: pytest.approx(5.5, abs=0.1)}  # it entered after replica 2 had given up
+    assert roll.missing == []
+
+
+def test_a_live_replica_is_waited_for_and_reported_late_by_how_late_it_arrived():
+    store = dist.HashStore()
+    late = _beating(store, 1)
+    threading.Timer(0.6, late.enter, args=("call",)).start()  # it arrives 0.6 s after the roll call begins
     started = time.monotonic()
-    answers = roll_call(store, "call", rank=0, world_size=3, waited=5.0, seconds=0.3)
-    assert answers == {0: 5.0, 2: 4.5}
-    assert 0.3 <= time.monotonic() - started < 5, "it waits for the absent, but no longer than asked"
+    roll = roll_call(store, "call", rank=0, world_size=2, waited=0.2, stale_after=0.3, patience=10.0)
+    elapsed = time.monotonic() - started
+    assert roll is not None
+    assert roll.absent == ()
+    assert roll.stalled == ()
+    # Arrived at +0.6 s, the first (this replica) at -0.2 s: 0.8 s after the first, and after it gave up.
+    assert roll.late == {1: pytest.approx(0.8, abs=0.15)}
+    assert 0.6 <= elapsed < 2, "it waits past the stale time for a live replica, and no longer than it takes"
+
+
+def test_a_replica_whose_heartbeat_stopped_or_never_began_is_absent_after_a_few_beats_not_the_whole_patience():
+    store = dist.HashStore()
+    store.set(alive_key(1), "1000.000")  # replica 1 beat once, then stopped; replica 2 never beat
+    started = time.monotonic()
+    roll = roll_call(store, "call", rank=0, world_size=3, waited=1.0, stale_after=0.3, patience=30.0)
+    elapsed = time.monotonic() - started
+    assert roll is not None
+    assert roll.absent == (1, 2)
+    assert roll.stalled == ()
+    assert 0.3 <= elapsed < 2
+
+
+def test_a_replica_that_said_it_is_gone_is_absent_at_once():
+    store = dist.HashStore()
+    store.set(alive_key(1), GONE)
+    started = time.monotonic()
+    roll = roll_call(store, "call", rank=0, world_size=2, waited=1.0, stale_after=5.0, patience=30.0)
+    assert roll is not None
+    assert roll.absent == (1,)
+    assert time.monotonic() - started < 1
+
+
+def test_a_live_replica_that_never_arrives_is_stalled_once_the_patience_runs_out():
+    store = dist.HashStore()
+    _beating(store, 1).enter("an earlier collective")
+    started = time.monotonic()
+    roll = roll_call(store, "call", rank=0, world_size=2, waited=1.0, stale_after=0.2, patience=0.6)
+    elapsed = time.monotonic() - started
+    assert roll is not None
+    assert roll.stalled == (1,)
+    assert roll.absent == ()
+    assert 0.6 <= elapsed < 2
+
+
+def test_the_roll_call_reads_the_heartbeats_of_a_groups_members_by_their_world_rank():
+    store = dist.HashStore()
+    _beating(store, 7).enter("call")  # the group's rank 1 is the world's rank 7
+    roll = roll_call(store, "call", rank=0, world_size=2, waited=1.0, stale_after=0.3, patience=5.0, members=[5, 7])
+    assert roll is not None
+    assert set(roll.arrived) == {0, 1}
+
+
+def test_an_answer_without_an_arrival_counts_as_present():
+    store = dist.HashStore()
+    store.set("call/1", "4.5")  # as a replica of an earlier version answers
+    roll = roll_call(store, "call", rank=0, world_size=2, waited=5.0, stale_after=0.3, patience=5.0)
+    assert roll is not None
+    assert roll.waited == {0: 5.0, 1: 4.5}
+    assert roll.missing == []
+    assert roll.late == {}
 
 
 def test_a_roll_call_without_a_store_knows_nothing():
@@ -82,7 +222,13 @@ def test_a_roll_call_without_a_store_knows_nothing():
 
 
 class _BrokenStore:
+    def clone(self):
+        raise RuntimeError("Connection refused")
+
     def set_timeout(self, timeout):
+        raise RuntimeError("Connection refused")
+
+    def set(self, key, value):
         raise RuntimeError("Connection refused")
 
 
@@ -90,8 +236,45 @@ def test_a_roll_call_whose_store_is_gone_knows_nothing():
     assert roll_call(_BrokenStore(), "call", rank=0, world_size=2, waited=1.0) is None
 
 
+# --- the heartbeat ----------------------------------------------------------------------------------------------
+
+
+def test_the_heartbeat_carries_the_collective_entered_last_and_says_gone_when_stopped():
+    store = dist.HashStore()
+    heartbeat = _beating(store, 3)
+    heartbeat.enter("aesgd/roll_call/4")
+    entered = time.time()
+    deadline = time.monotonic() + 2
+    while "aesgd/roll_call/4" not in store.get(alive_key(3)).decode() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    beat, since, key = store.get(alive_key(3)).decode().split()
+    assert key == "aesgd/roll_call/4"
+    assert float(since) == pytest.approx(entered, abs=0.1)
+    assert float(beat) >= float(since) - 0.01
+    heartbeat.stop(gone=True)
+    assert store.get(alive_key(3)).decode() == GONE
+
+
+def test_the_heartbeat_starts_once_a_process_and_never_raises_into_training(monkeypatch):
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda hook_args: raised.append(hook_args))
+    store = dist.HashStore()
+    first = keep_alive(store, 0)
+    assert first is not None
+    assert first._thread.daemon, "it never keeps the interpreter alive"
+    assert keep_alive(store, 0) is first
+    assert keep_alive(None, 0) is None
+    broken = keep_alive(_BrokenStore(), 0)  # a later group's store, gone: the thread ends quietly
+    assert broken is not None
+    assert broken is not first
+    broken._thread.join(2)
+    assert not broken._thread.is_alive()
+    assert raised == []
+
+
 def test_the_communicator_translates_a_timeout_and_leaves_other_errors_alone():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the conftest destroys it
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # the conftest destroys it
     comm = TorchCommunicator(torch.device("cpu"))
     comm.all_reduce_sum_(torch.ones(2))  # collective #0
 
@@ -101,7 +284,11 @@ def test_the_communicator_translates_a_timeout_and_leaves_other_errors_alone():
     with pytest.raises(ReplicaStalledError, match=r"all-reduce #1 timed out") as caught:
         comm._collective("all-reduce", timeout)
     assert caught.value.answers is not None
+    assert caught.value.missing == []
     assert isinstance(caught.value.__cause__, RuntimeError)
+    assert stalls._heartbeat is not None
+    assert stalls._heartbeat._position is not None
+    assert stalls._heartbeat._position[0] == "aesgd/roll_call/1", "the heartbeat shows the collective entered"
 
     def other():
         raise RuntimeError("Tensors must be CPU and dense")
@@ -110,6 +297,105 @@ def test_the_communicator_translates_a_timeout_and_leaves_other_errors_alone():
         comm._collective("broadcast", other)
     assert not isinstance(caught_other.value, ReplicaStalledError)
 
+
+# --- four real gloo processes: a late replica and an absent one ---------------------------------------------------
+
+WORLD = 4
+COLLECTIVE_TIMEOUT = 1.0  # seconds: the failing all-reduce's, far below the late replica's 3 s
+LATE_SECONDS = 3.0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _replica(rank: int, port: int, out: str, scenario: str) -> None:
+    """Replica ``rank`` of 4: after one collective in step, replica 3 comes 3 s late (``"late"``) or never, its
+    heartbeat stopped as a hung interpreter's (``"absent"``); each writes what its error said to ``out``."""
+    torch.set_num_threads(1)  # a forked worker can hang in its first OpenMP kernel otherwise
+    # Ample patience, so that a loaded machine cannot make the late replica stalled; it ends once replica 3 shows.
+    stalls.PATIENCE_MIN_SECONDS = 30.0
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+    )
+    results = Path(out)
+    try:
+        comm = TorchCommunicator(torch.device("cpu"))
+        comm.all_reduce_sum_(torch.ones(1))  # everyone is connected and in step
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=COLLECTIVE_TIMEOUT))
+        if rank == 3 and scenario == "absent":
+            stop_heartbeat()  # as a replica hung holding the interpreter: no more beats, and no collective
+            _await_results(results, count=WORLD - 1)
+            return
+        if rank == 3:
+            time.sleep(LATE_SECONDS)
+        started = time.monotonic()
+        try:
+            comm.all_reduce_sum_(torch.ones(1))
+            record = {"error": None}
+        except ReplicaStalledError as error:
+            record = {
+                "error": str(error),
+                "late": {str(r): s for r, s in error.late.items()},
+                "missing": error.missing,
+                "absent": None if error.roll is None else list(error.roll.absent),
+                "roll_call_seconds": time.monotonic() - started - error.waited,
+            }
+        (results / f"{rank}.json").write_text(json.dumps(record))
+        if rank == 0:  # the store's host stays until every roll call is over
+            _await_results(results, count=WORLD if scenario == "late" else WORLD - 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def _await_results(results: Path, count: int, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while len(list(results.glob("*.json"))) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _run_replicas(tmp_path: Path, scenario: str) -> dict[int, dict]:
+    port = _free_port()
+    mp.start_processes(_replica, args=(port, str(tmp_path), scenario), nprocs=WORLD, join=True, start_method="fork")
+    return {int(path.stem): json.loads(path.read_text()) for path in tmp_path.glob("*.json")}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_four_replicas_name_one_that_came_3_s_late_as_late_not_absent(tmp_path):
+    records = _run_replicas(tmp_path, "late")
+    assert set(records) == {0, 1, 2, 3}
+    for rank in (0, 1, 2):
+        record = records[rank]
+        assert record["error"] is not None, f"replica {rank}'s all-reduce did not fail"
+        assert record["missing"] == [], record["error"]
+        assert list(record["late"]) == ["3"], record["error"]
+        assert LATE_SECONDS - 0.5 < record["late"]["3"] < LATE_SECONDS + 3, record["error"]
+        assert "replica(s) [3] arrived late (replica 3 " in record["error"]
+        assert "had not arrived" not in record["error"]
+        assert "HINT:" in record["error"]
+    # The late replica's own error says that it is the late one, having read the others' answers.
+    assert records[3]["error"] is not None
+    assert "3" in records[3]["late"], records[3]["error"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_four_replicas_name_one_without_a_heartbeat_as_absent_after_a_few_beats(tmp_path):
+    records = _run_replicas(tmp_path, "absent")
+    assert set(records) == {0, 1, 2}
+    for record in records.values():
+        assert record["error"] is not None
+        assert record["absent"] == [3], record["error"]
+        assert record["late"] == {}, record["error"]
+        assert "replica(s) [3] had not arrived and show no sign of life" in record["error"]
+        # Decided by its stale heartbeat (3 s), not by the patience (30 s here).
+        assert record["roll_call_seconds"] < 15, record["error"]
+
+
+# --- a real training job -------------------------------------------------------------------------------------------
 
 STALL_SCRIPT = textwrap.dedent(
     """
@@ -204,7 +490,7 @@ def test_a_stalled_replica_fails_the_job_with_its_rank_and_does_not_outlive_it(t
     assert elapsed < 60, f"the job must fail near the timeout ({STALL_TIMEOUT} s), not when the replica wakes"
     assert "ReplicaStalledError" in output, output[-4000:]
     assert f"during {where} timed out" in output
-    assert "replica(s) [1] had not arrived" in output
+    assert "replica(s) [1] had not arrived although alive" in output  # asleep, its heartbeat beating
     assert "HINT:" in output
     assert "`timeout=`" in output
     pid = int((tmp_path / "stalled_pid").read_text())
