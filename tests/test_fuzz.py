@@ -14,6 +14,7 @@ own options to be refused.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import random
@@ -127,11 +128,36 @@ STRATEGY_OPTIONS: Table = {
     "checkpoint_replicas": (st.booleans(), (None,)),
     "telemetry": (st.booleans(), (None,)),
     "timeout": (_values(None, timedelta(seconds=60)), (-1,)),
+    "gradient_delay": (_values(0, 1), (2, -1, 1.5, "1")),
+    "compensate_momentum": (st.booleans(), ("yes",)),
+    "gradient_delay_warmup": (_values(0, 2), (-1, 1.5)),
+    "gradient_delay_lr_scale": (_values(1.0, 0.5), (0.0, -1.0, math.nan, "0.5")),
+    "find_unused_parameters": (st.booleans(), ("no",)),
+    "replicas_per_device": (_values(1), (0, -1, 1.5, "2")),
+    "process_group_backend": (_values(None, "gloo"), ()),
+    "start_method": (_values("popen"), ()),
     "perod": (st.nothing(), (2,)),  # a typo
     "alpha": (st.nothing(), (0.5,)),  # belongs to the merge rule
 }
 
 MERGE_OPTIONS = {"period", "merge_rule", "merge_weights", "l2_nudge", "merge_buffers", "optimizer_state", "lr_scaling"}
+GRADIENT_OPTIONS = {
+    "gradient_delay",
+    "compensate_momentum",
+    "gradient_delay_warmup",
+    "gradient_delay_lr_scale",
+    "find_unused_parameters",
+}
+CONNECTOR_ARGUMENTS = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+
+
+def test_every_option_of_the_strategy_is_fuzzed():
+    """An option added to the strategy joins the fuzz table (with its invalid values), or this fails."""
+    keywords = set(inspect.signature(AdaptiveElasticStrategy.__init__).parameters) - {"self", "unexpected"}
+    assert keywords - CONNECTOR_ARGUMENTS <= set(STRATEGY_OPTIONS), (
+        keywords - CONNECTOR_ARGUMENTS - set(STRATEGY_OPTIONS)
+    )
+
 
 TRAINER_SETTINGS: Table = {
     "max_steps": (_values(1, 2, 3, 5, -1), (-2,)),
@@ -376,6 +402,9 @@ def cases(draw: Callable[..., Any]) -> Case:
     options = drawn["options"]
     if set(options) & MERGE_OPTIONS and "sync" not in options:
         options["sync"] = "models"  # merge options are model merging's; with the default sync they are an error
+    if options.get("sync") == "models":  # the gradient options are sync="gradients"'s; with models an error
+        for name in GRADIENT_OPTIONS & set(options):
+            del options[name]
     if "shares" in options and "planner" not in options:
         options["planner"] = "static"  # shares are the static planner's; with another one they are an error
     return Case(options, drawn["trainer"], LoaderSpec(**drawn["loader"]), ModelSpec(**drawn["model"]))
