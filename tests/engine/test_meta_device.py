@@ -25,6 +25,7 @@ from lightning_aesgd.engine import comm as comm_module
 from lightning_aesgd.engine import model_merge as replica_module
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import WeightedAllReduce
+from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
 from lightning_aesgd.engine.flat import FlatView, to_host
 from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.pipeline import TrainerHooks
@@ -218,3 +219,14 @@ def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
             reads_per_merge.append(len(host_reads.tensors) - before)
     assert reads_per_merge == [2] * engine.averager.merges
     assert engine.averager.merges == 3
+
+
+def test_the_finite_guard_stays_on_the_device_without_reading_it():
+    """On a device the guard decides, renormalises and counts there: any read of a meta tensor would raise."""
+    buffer = torch.empty(5, device="meta")
+    contribution = guarded(buffer, 0.25)
+    assert (contribution.device.type, contribution.numel()) == ("meta", 7)
+    summed = renormalised(contribution)
+    assert (summed.device.type, summed.numel()) == ("meta", 5)
+    exclusions = Exclusions()
+    exclusions.add_step([flags_of(contribution), flags_of(contribution)], world_size=4)  # counted on the device
