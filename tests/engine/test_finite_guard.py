@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from unittest.mock import patch
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_aesgd.engine import finite_guard
 from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
+from lightning_aesgd.engine.gradients import GradientSum, gradient_sum_hook
 
 
 def _sum(contributions: list[torch.Tensor]) -> torch.Tensor:
@@ -87,3 +92,70 @@ def test_ten_steps_in_a_row_without_a_finite_replica_stop_training_with_a_hint()
     _judge_exclusions(excluded=3, run=NON_FINITE_STEPS_LIMIT - 1, global_step=42, logs=False)  # goes on
     with pytest.raises(NonFiniteReplicasError, match=r"in 10 consecutive steps before global step 42.*HINT"):
         _judge_exclusions(excluded=20, run=NON_FINITE_STEPS_LIMIT, global_step=42, logs=False)
+
+
+# --- two replicas through DDP's reducer ----------------------------------------------------------------------
+
+SHARES = (0.25, 0.75)  # the replicas' shares of every step's samples
+NAN_STEP = 1  # replica 1's loss is NaN at this step
+
+
+def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 3, generator=generator), torch.randn(6, 1, generator=generator)
+
+
+def _mean_gradient(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    """The mean gradient of replica ``rank``'s samples at ``step``, at ``model``'s weights (no communication)."""
+    x, y = _data(rank, step)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _guarded_sums(rank: int, world_size: int, init_file: str, delay: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        reference = torch.nn.Linear(3, 1)
+        reference.load_state_dict(model.state_dict())
+        ddp = DistributedDataParallel(model)
+        reduce = GradientSum(delay=delay)
+        ddp.register_comm_hook(reduce, gradient_sum_hook)
+        reduce.share = SHARES[rank]
+        handed = []
+        for step in range(3):
+            reduce.begin_step()
+            x, y = _data(rank, step)
+            loss = torch.nn.functional.mse_loss(ddp(x), y) * SHARES[rank]
+            if rank == 1 and step == NAN_STEP:
+                loss = loss * math.nan
+            loss.backward()
+            handed.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+            reduce.end_step()
+            model.zero_grad()
+        if delay:
+            pending = reduce.take_pending()
+            handed = [*handed[1:], torch.cat([pending[id(p)].reshape(-1) for p in model.parameters()])]
+        # The weights never move here: every step's sum is taken at the same weights.
+        expected = [
+            SHARES[0] * _mean_gradient(reference, 0, step) + SHARES[1] * _mean_gradient(reference, 1, step)
+            for step in range(3)
+        ]
+        expected[NAN_STEP] = _mean_gradient(reference, 0, NAN_STEP)  # replica 0's samples alone
+        for got, want in zip(handed, expected, strict=True):
+            torch.testing.assert_close(got, want)
+        assert reduce.exclusions.read() == (1, 0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0, 1])
+def test_through_ddp_a_nan_replica_leaves_the_mean_gradient_of_the_others_samples(tmp_path, delay):
+    mp.start_processes(_guarded_sums, args=(2, str(tmp_path / "pg"), delay), nprocs=2, join=True, start_method="fork")
