@@ -56,6 +56,8 @@ CASES: dict[str, Case] = {
         Case("data", "data", HETEROGENEOUS, workers=1),
         Case("hook", "hook", HETEROGENEOUS),
         Case("quota", "quota", HETEROGENEOUS, step_ms=0.0, network="cnn"),
+        # CPU quotas on the small MLP: real work of a few milliseconds a step, where fixed costs weigh most.
+        Case("quota-short", "quota", HETEROGENEOUS, step_ms=0.0),
         Case("step", "step", HETEROGENEOUS, step_ms=0.0, network="cnn", base=2.0),
         Case("short", "user", HETEROGENEOUS, step_ms=5.0),
         Case("equal-60ms", "user", HOMOGENEOUS, step_ms=60.0),
