@@ -36,10 +36,20 @@ class ArrivalClock:
             scripted one).
         timeline: where to stamp whatever the device (tests pass a scripted one); by default the device's own
             (:func:`~lightning_aesgd.engine.timing.timeline_for`).
+        throttle: the seconds this process has been frozen by a CPU quota so far
+            (:class:`~lightning_aesgd.engine.throttling.ThrottleMeter`); frozen time inside a wait for peers is
+            this replica's own (the peers waited for it) and counts as active. On the host's clock only.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, timeline: Timeline | None = None) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        timeline: Timeline | None = None,
+        throttle: Callable[[], float] | None = None,
+    ) -> None:
         self.clock = clock
+        self.throttle = throttle  # seconds this process was frozen by a CPU quota so far (see throttling)
+        self._frozen_at = 0.0  # the throttle's reading when the running wait began
         self._chosen_timeline = timeline
         self._timeline = timeline if timeline is not None else HostTimeline(clock)
         self._period = _Period(self._timeline)
@@ -110,7 +120,7 @@ class ArrivalClock:
         if self._release is None:  # already paused (validation, a checkpoint): the wait is part of that
             yield
             return
-        start = self._timeline.stamp()
+        start, frozen = self._timeline.stamp(), self._frozen()
         self._pause_at(start)
         try:
             yield
@@ -118,6 +128,7 @@ class ArrivalClock:
             end = self._timeline.stamp()
             self._resume_at(end)
             self._add_wait(start, end)
+            self._period.frozen += self._frozen() - frozen
 
     def begin_wait(self) -> None:
         """Start blocking on peers until :meth:`end_wait`: :meth:`waiting` split across two callbacks.
@@ -128,6 +139,7 @@ class ArrivalClock:
         self._wait_started = None
         if self._release is not None:  # not already paused
             self._wait_started = self._timeline.stamp()
+            self._frozen_at = self._frozen()
             self._pause_at(self._wait_started)
 
     def end_wait(self) -> None:
@@ -136,6 +148,7 @@ class ArrivalClock:
             released = self._timeline.stamp()
             self._resume_at(released)
             self._add_wait(self._wait_started, released)
+            self._period.frozen += self._frozen() - self._frozen_at
             self._wait_started = None
 
     def _add_wait(self, start: Any, end: Any) -> None:
@@ -157,6 +170,7 @@ class ArrivalClock:
         """
         period = self._period
         self._arrival = self._timeline.stamp()
+        self._frozen_at = self._frozen()
         period.reported_measured = period.measured and self._release is not None
         if self._release is not None:
             period.spans.add(_ACTIVE, self._release, self._arrival)
@@ -170,7 +184,7 @@ class ArrivalClock:
             work=shown.work,
             planned=shown.planned,
             steps=float(shown.steps) if shown.reported_measured else 0.0,
-            active=shown.spans.total(_ACTIVE),
+            active=shown.spans.total(_ACTIVE) + shown.frozen,
             loader=shown.loader,
             busy=shown.spans.total(_BUSY) - shown.spans.total(_WAITED_IN_STEP),
             wait_fraction=previous.wait_fraction() if previous is not None else 0.0,
@@ -186,6 +200,8 @@ class ArrivalClock:
             self._period.spans.add(_WAITED, self._arrival, released)
         self._release = released
         self._end_period()
+        # Frozen while its peers waited at this sync point: reported with the next period (this one's is sent).
+        self._period.frozen += self._frozen() - self._frozen_at
 
     def continue_after_arrival(self) -> None:
         """Start the next period at the arrival just stamped: the replica works on while the reports travel.
@@ -205,6 +221,10 @@ class ArrivalClock:
             empty.reported_measured = False
             return empty
         return self._previous
+
+    def _frozen(self) -> float:
+        """The throttle's reading; 0 without one, or on a device's deferred timeline."""
+        return self.throttle() if self.throttle is not None and not self._timeline.deferred else 0.0
 
     def _pause_at(self, stamp: Any) -> None:
         self._period.spans.add(_ACTIVE, self._release, stamp)
@@ -231,6 +251,7 @@ class _Period:
         self.planned = 0.0
         self.steps = 0
         self.loader = 0.0
+        self.frozen = 0.0  # seconds frozen by a CPU quota while waiting for peers: this replica's own time
         self.spans = SpanLedger(timeline)
         self.measured = True  # no interruption so far
         self.reported_measured = True  # whether its report measured it (not paused at the arrival)

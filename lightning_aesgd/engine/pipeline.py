@@ -41,6 +41,7 @@ from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.sampler import PlannedBatchSampler, StepRecord
 from lightning_aesgd.engine.telemetry import replica_metrics, summary_record, summary_table
+from lightning_aesgd.engine.throttling import ThrottleMeter
 from lightning_aesgd.engine.timing import ComputeSpans, NoComputeSpans
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class StepPipeline(ABC):
         check_step_options(step_batch_size, plan_lag)
         check_sample_costs(sample_costs)
         check_lr_schedule(lr_schedule)
-        self.arrivals = ArrivalClock()
+        self.arrivals = ArrivalClock(throttle=ThrottleMeter())
         self.plans = PlanLoop(planning)
         self.lr_schedule = lr_schedule
         self.step_batch_size = step_batch_size
