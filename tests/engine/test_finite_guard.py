@@ -158,5 +158,4 @@ def _guarded_sums(rank: int, world_size: int, init_file: str, delay: int) -> Non
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delay", [0])  # delayed sums: a hang after other tests in one process is under study
 def test_through_ddp_a_nan_replica_leaves_the_mean_gradient_of_the_others_samples(tmp_path, delay):
-    # A fresh interpreter per replica: a process forked after the tests before it may inherit their threads.
-    mp.start_processes(_guarded_sums, args=(2, str(tmp_path / "pg"), delay), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_guarded_sums, args=(2, str(tmp_path / "pg"), delay), nprocs=2, join=True, start_method="fork")
