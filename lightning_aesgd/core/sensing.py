@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_aesgd.core.apportion import apportion
+from lightning_aesgd.core.noise import StepNoise, is_level_shift
 from lightning_aesgd.core.speed import SpeedEstimator, StepTime, StepTimeEstimator
 
 __all__ = ["ArrivalModel", "PeriodReport", "batch_floor", "check_plan_damping", "damped_plan"]
@@ -106,9 +107,12 @@ _REPORT_SIZE = len(_REPORT_FIELDS)
 
 
 class ArrivalModel:
-    """Every replica's step-time model and speed, fitted from the arrival reports all ranks share.
+    """Every replica's step-time model, speed and noise, fitted from the arrival reports all ranks share.
 
-    Each rank updates its copy from the same reports in the same order, so all copies stay identical.
+    Each rank updates its copy from the same reports in the same order, so all copies stay identical. A replica
+    whose periods leave its model for a new level (:func:`~lightning_aesgd.core.noise.is_level_shift`: two in a
+    row, beyond its noise) has its estimates restarted there, so that a real change of speed is followed within a
+    few periods instead of the smoothing's dozen; :attr:`shifted` says which replicas did at the latest update.
 
     Args:
         num_replicas: replicas reporting.
@@ -121,6 +125,10 @@ class ArrivalModel:
         self.smoothing = smoothing
         self.step_time = [StepTimeEstimator(smoothing) for _ in range(num_replicas)]
         self.speed = [SpeedEstimator(smoothing) for _ in range(num_replicas)]
+        self.step_noise = [StepNoise() for _ in range(num_replicas)]
+        self._misses: list[list[float]] = [[] for _ in range(num_replicas)]  # the latest two log(measured/model)
+        self._sizes = [0.0] * num_replicas  # each replica's latest planned batch per step
+        self.shifted = [False] * num_replicas
 
     @property
     def num_replicas(self) -> int:
@@ -131,11 +139,33 @@ class ArrivalModel:
         """Account one merge's reports (one per replica, in rank order); unmeasured reports are skipped."""
         if len(reports) != self.num_replicas:
             raise ValueError(f"need one report per replica ({self.num_replicas}), got {len(reports)}")
-        for report, step_time, speed in zip(reports, self.step_time, self.speed, strict=True):
+        for rank, report in enumerate(reports):
+            self.shifted[rank] = False
             if report.measured:
-                step_time.update(report.planned / report.steps, report.seconds / report.steps)
                 # Per step, as reports may span several steps: the mean seconds are then a step's, not a period's.
-                speed.update(report.work / report.steps, report.seconds / report.steps)
+                self._account(
+                    rank, report.planned / report.steps, report.work / report.steps, report.seconds / report.steps
+                )
+
+    def _account(self, rank: int, size: float, work: float, seconds: float) -> None:
+        step_time, speed, noise = self.step_time[rank], self.speed[rank], self.step_noise[rank]
+        model, misses = step_time.model(), self._misses[rank]
+        if model is None or size != self._sizes[rank]:
+            # Only at an unchanged batch: a new plan moves the step time by design, and where the model's fixed
+            # cost is still unknown its prediction for the new batch may miss by far without any change of speed.
+            misses.clear()
+        else:
+            misses[:] = [*misses[-1:], math.log(seconds / model.seconds(size))]
+            self.shifted[rank] = is_level_shift(misses, noise.relative)
+        self._sizes[rank] = size
+        if self.shifted[rank]:
+            step_time.restart(size, seconds)
+            speed.restart(work, seconds)
+            misses.clear()
+        else:
+            step_time.update(size, seconds)
+            speed.update(work, seconds)
+        noise.update(size, seconds)
 
     def models(self) -> list[StepTime] | None:
         """Every replica's fitted step-time model, or ``None`` until every replica has been measured."""
@@ -150,11 +180,20 @@ class ArrivalModel:
         """Every replica's smoothed active seconds per step (0 where not measured yet)."""
         return [speed.mean_seconds or 0.0 for speed in self.speed]
 
+    def noise_known(self, periods: int) -> bool:
+        """Whether every replica's noise rests on at least ``periods`` comparable periods."""
+        return all(noise.count >= periods for noise in self.step_noise)
+
+    def noise(self) -> list[float]:
+        """Every replica's relative step-time noise ``σᵢ`` (:class:`~lightning_aesgd.core.noise.StepNoise`)."""
+        return [noise.relative for noise in self.step_noise]
+
     def state_dict(self) -> dict[str, Any]:
         """The estimators' state, for checkpoints."""
         return {
             "step_time": [estimator.state_dict() for estimator in self.step_time],
             "speed": [estimator.state_dict() for estimator in self.speed],
+            "noise": [noise.state_dict() for noise in self.step_noise],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -165,6 +204,8 @@ class ArrivalModel:
             estimator.load_state_dict(saved)
         for speed, saved in zip(self.speed, state["speed"], strict=True):
             speed.load_state_dict(saved)
+        for noise, saved in zip(self.step_noise, state.get("noise") or [], strict=False):
+            noise.load_state_dict(saved)
 
 
 def check_plan_damping(min_share: float, gain: float, dead_band: float) -> None:

@@ -81,6 +81,11 @@ class SpeedEstimator:
         self._mean_work = self._blend(self._mean_work, float(work))
         self._mean_seconds = self._blend(self._mean_seconds, float(seconds))
 
+    def restart(self, work: float, seconds: float) -> None:
+        """Forget the past and start again from this step (the replica's speed changed)."""
+        self._num_updates, self._mean_work, self._mean_seconds = 0, 0.0, 0.0
+        self.update(work, seconds)
+
     def _blend(self, mean: float, value: float) -> float:
         """One step of the corrected average: ``(1 − g_t)·mean + g_t·value``."""
         if value == mean:
@@ -179,6 +184,15 @@ class StepTimeEstimator:
         beta = self.smoothing
         self._moments = [beta * m + (1 - beta) * x for m, x in zip(self._moments, new, strict=True)]
         self._refit_fixed_cost()
+
+    def restart(self, size: float, seconds: float) -> None:
+        """Forget the averages and start again from this step, keeping the fixed cost ``k`` (the speed changed).
+
+        A device that slows down as a whole changes ``c``, not ``k``; the averages of the old speed would only
+        drag the new model back towards it.
+        """
+        self._moments = [0.0] * 6
+        self.update(size, seconds)
 
     def model(self) -> StepTime | None:
         """The fitted step-time model, or ``None`` before the first step."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_aesgd.core.apportion import apportion
+from lightning_aesgd.core.noise import noise_band
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
 from lightning_aesgd.core.speed import StepTime
@@ -24,6 +25,10 @@ from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.sampler import PlanBook
 
 log = logging.getLogger(__name__)
+
+NOISE_PERIODS = 3
+"""Comparable periods of every replica before the first plan: a first plan, which moves all the way, made before
+the noise is known would split equal replicas by their noise, and the band the noise then sets would keep it."""
 
 HISTORY_LENGTH = 4096
 """Sync points the loop remembers (step, speeds, plan) for plots: a ring, so memory stays flat over long runs."""
@@ -51,6 +56,8 @@ class ReplicaStats:
         step_seconds: smoothed active seconds per step (release of a sync point to arrival at the next).
         busy_seconds: seconds per step inside the optimizer step (forward, backward, update).
         finite: whether the replica's model was finite at the latest sync point (otherwise it was left out).
+        noise: relative standard deviation of its step time from period to period
+            (:class:`~lightning_aesgd.core.noise.StepNoise`), which widens the plans' dead band.
     """
 
     merge_weight: float
@@ -60,6 +67,7 @@ class ReplicaStats:
     step_seconds: float
     busy_seconds: float = 0.0
     finite: bool = True
+    noise: float = 0.0
 
 
 class PlanLoop:
@@ -84,6 +92,7 @@ class PlanLoop:
         self.history: deque[PlanRecord] = deque(maxlen=HISTORY_LENGTH)
         self._saved_state: dict[str, Any] | None = None
         self._next_plan = 0
+        self._speed_changed = False  # a replica's estimates restarted at a new speed since the latest plan
 
     def attach(self, num_replicas: int) -> None:
         """Start a fit of ``num_replicas`` replicas; the models of an earlier fit of as many are kept."""
@@ -122,6 +131,7 @@ class PlanLoop:
         self.merge_weights = [report.merge_weight for report in reports]
         models = self.arrival_model.models()
         settings = self.settings
+        self._speed_changed = self._speed_changed or any(self.arrival_model.shifted)
         if settings.adaptive and models is not None and step >= settings.hold_steps and self._plans_now(step, models):
             self._plan(step, models)
         self.latest_reports = reports
@@ -130,12 +140,15 @@ class PlanLoop:
     def _plan(self, step: int, models: Sequence[StepTime]) -> None:
         """Ask the planner for the next plan, damp it (a named planner's), and schedule it ``lag`` steps ahead."""
         assert self.plan_book is not None
+        assert self.arrival_model is not None
         settings, current = self.settings, self.plan_book.latest
         sizes = self.planner.plan(current, models, self.step_batch_size)
         if isinstance(settings.planner, str):  # a Planner object of the user's is obeyed as it is
-            # The initial split is a guess, not a measured plan: the first plan moves all the way to the target.
-            gain = settings.plan_gain if self.plan_book.revised else 1.0
-            sizes = damped_plan(current, sizes, gain, settings.plan_dead_band, self.floor, settings.max_batch)
+            # The initial split is a guess, not a measured plan, and a replica whose speed just changed has
+            # restarted its estimates at the new level: the plan then moves all the way to the target.
+            gain = 1.0 if not self.plan_book.revised or self._speed_changed else settings.plan_gain
+            sizes = damped_plan(current, sizes, gain, self.dead_band, self.floor, settings.max_batch)
+        self._speed_changed = False
         if tuple(sizes) != current:
             self.plan_book.schedule(step + self.lag, sizes)
 
@@ -149,10 +162,28 @@ class PlanLoop:
         """
         if not isinstance(self.settings.planner, str):
             return True
-        if step < self._next_plan or self._agree_within(models, self.settings.plan_dead_band):
+        assert self.arrival_model is not None
+        assert self.plan_book is not None
+        if not self.plan_book.revised and not self.arrival_model.noise_known(NOISE_PERIODS):
+            return False
+        # A replica's changed speed was measured at its current batch, so its new plan need not wait.
+        waiting = step < self._next_plan and not self._speed_changed
+        if waiting or self._agree_within(models, self.dead_band):
             return False
         self._next_plan = step + self.lag + 1
         return True
+
+    @property
+    def dead_band(self) -> float:
+        """The plans' dead band now: ``plan_dead_band``, widened to the replicas' measured step-time noise.
+
+        See :func:`~lightning_aesgd.core.noise.noise_band`: the band within which smoothed step times differ by
+        noise alone, so that equal replicas keep equal plans while noise jostles their estimates.
+        """
+        settings = self.settings
+        if self.arrival_model is None:
+            return settings.plan_dead_band
+        return noise_band(self.arrival_model.noise(), settings.speed_smoothing, settings.plan_dead_band)
 
     def balanced_within(self, spread: float) -> bool:
         """Whether the latest plan's predicted step times agree within ``spread`` (``max ≤ (1 + spread)·min``).
@@ -171,7 +202,8 @@ class PlanLoop:
         """Every replica as the latest sync point saw it (empty before the first)."""
         if self.arrival_model is None or not self.latest_reports:
             return []
-        rates, seconds = self.arrival_model.rates(), self.arrival_model.step_seconds()
+        model = self.arrival_model
+        rates, seconds, noise = model.rates(), model.step_seconds(), model.noise()
         return [
             ReplicaStats(
                 merge_weight=report.merge_weight,
@@ -181,8 +213,11 @@ class PlanLoop:
                 step_seconds=step_seconds,
                 busy_seconds=report.busy / report.steps if report.steps > 0 else 0.0,
                 finite=report.finite > 0,
+                noise=relative_noise,
             )
-            for report, rate, step_seconds in zip(self.latest_reports, rates, seconds, strict=True)
+            for report, rate, step_seconds, relative_noise in zip(
+                self.latest_reports, rates, seconds, noise, strict=True
+            )
         ]
 
     # --- checkpoints: identical on every replica ------------------------------------------------------------

@@ -28,9 +28,10 @@ class PlanSettings:
         min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``.
         speed_smoothing: smoothing β of the moving averages.
         plan_gain: fraction γ of the way to the planner's target that each new plan moves; the first plan, from the
-            initial (equal or static) split, moves all the way.
+            initial (equal or static) split, and the first after a replica's speed changed, move all the way.
         plan_dead_band: no plan is made while the predicted step times agree within this relative tolerance, and a
-            plan stays while every replica's relative move is below it.
+            plan stays while every replica's relative move is below it; the smallest band: the replicas' measured
+            step-time noise widens it (:func:`~lightning_aesgd.core.noise.noise_band`, at most 25%).
         planner_options: extra arguments of a named planner (e.g. ``step`` of the additive rule).
         hold_steps: no new plan for steps before this one (speeds are still measured): the authors' code keeps
             batches fixed through its warm-up and adapts only after it.

@@ -42,6 +42,7 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
         metrics[f"{prefix}/wait_fraction"] = replica.wait_fraction
         metrics[f"{prefix}/step_seconds"] = replica.step_seconds
         metrics[f"{prefix}/busy_seconds"] = replica.busy_seconds
+        metrics[f"{prefix}/step_noise"] = replica.noise
     speeds = [s.speed for s in stats]
     if all(speed > 0 for speed in speeds):
         metrics["aesgd/share_error"] = share_error(sizes, speeds)
@@ -61,8 +62,8 @@ def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
 def summary_table(record: dict[str, Any]) -> str:
     """A plain-text table of a :func:`summary_record`: whether the plan converged and what it gained."""
     unit, sync_name = record["unit"], record["sync_name"]
-    columns = ("replica", f"{unit}/s", "batch", "share", "target", "weight", "step ms", "busy ms", "waiting")
-    widths = (7, 12, 6, 6, 6, 6, 8, 8, 7)
+    columns = ("replica", f"{unit}/s", "batch", "share", "target", "weight", "step ms", "busy ms", "waiting", "noise")
+    widths = (7, 12, 6, 6, 6, 6, 8, 8, 7, 6)
     header = "  ".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True))
     lines = ["adaptive_elastic: replicas at the end of fit", header, "-" * len(header)]
     for replica in record["replicas"]:
@@ -70,7 +71,7 @@ def summary_table(record: dict[str, Any]) -> str:
         lines.append(
             f"{replica['rank']:>7}  {replica['speed']:>12.1f}  {replica['batch']:>6d}  {replica['share']:>6.3f}  "
             f"{target:>6.3f}  {replica['weight']:>6.3f}  {1000 * replica['step_seconds']:>8.1f}  "
-            f"{1000 * replica['busy_seconds']:>8.1f}  {replica['wait_fraction']:>7.1%}"
+            f"{1000 * replica['busy_seconds']:>8.1f}  {replica['wait_fraction']:>7.1%}  {replica['noise']:>6.1%}"
         )
     lines.append(f"{sync_name}: {record['syncs']}")
     if record["share_error"] is not None:
@@ -104,7 +105,7 @@ def summary_record(
     Returns:
         ``unit``, ``sync_name`` and ``syncs`` (what the sync points are, and how many passed), ``replicas``
         (per rank: ``speed`` in units per second, ``batch``, ``share``, ``target``, ``weight``, ``step_seconds``,
-        ``busy_seconds``, ``wait_fraction``), ``share_error`` and ``step_time_balance`` (``None`` until every
+        ``busy_seconds``, ``wait_fraction``, ``noise``), ``share_error`` and ``step_time_balance`` (``None`` until every
         replica has a speed) and ``starved`` (the warnings of :func:`starved_replicas`).
     """
     speeds = [s.speed for s in stats]
@@ -122,6 +123,7 @@ def summary_record(
             "step_seconds": replica.step_seconds,
             "busy_seconds": replica.busy_seconds,
             "wait_fraction": replica.wait_fraction,
+            "noise": replica.noise,
         }
         for rank, (replica, size, target) in enumerate(zip(stats, sizes, targets, strict=True))
     ]

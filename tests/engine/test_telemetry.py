@@ -76,6 +76,7 @@ def test_summary_table_lists_every_replica_and_the_balance():
         "busy",
         "ms",
         "waiting",
+        "noise",
     ]
     assert len([line for line in lines if line.strip().startswith(("0 ", "1 ", "2 "))]) == 3
     assert "merges: 7" in table
