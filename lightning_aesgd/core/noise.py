@@ -73,7 +73,7 @@ class StepNoise:
         self._previous = None if previous is None else (float(previous[0]), float(previous[1]))  # type: ignore[index]
 
 
-def noise_band(noise: Sequence[float], smoothing: float, floor: float, z: float = 3.0, cap: float = 0.25) -> float:
+def noise_band(noise: Sequence[float], smoothing: float, floor: float, z: float = 2.5, cap: float = 0.25) -> float:
     """The dead band of plans: how far two replicas' smoothed step times may differ by noise alone.
 
     An exponential moving average with weight ``β`` of the past keeps ``√((1 − β)/(1 + β))`` of a white noise's
@@ -87,7 +87,7 @@ def noise_band(noise: Sequence[float], smoothing: float, floor: float, z: float 
         >>> noise_band([0.0, 0.0], smoothing=0.8, floor=0.03)
         0.03
         >>> round(noise_band([0.05, 0.15], smoothing=0.8, floor=0.03), 3)
-        0.212
+        0.177
     """
     loudest = max(noise, default=0.0)
     band = z * math.sqrt(2.0 * (1.0 - smoothing) / (1.0 + smoothing)) * loudest
