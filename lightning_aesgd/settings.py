@@ -44,6 +44,7 @@ _SWITCHES = (
     "l2_nudge",
     "lr_scaling",
     "plan_after_warmup",
+    "leave_out_stragglers",
     "checkpoint_replicas",
     "telemetry",
     "find_unused_parameters",
@@ -92,6 +93,10 @@ class StrategySettings:
             plan, from the initial split, moves all the way.
         plan_after_warmup: keep the initial plan through the ``warmup_steps`` (speeds are still measured) and
             adapt only after them, as the authors' code does; otherwise plans adapt from the first measurements.
+        leave_out_stragglers: a replica whose step at the smallest batch outlasts the others' whole step gets no
+            work (batch 0: it skips its forward and backward and joins the sync points with nothing to add), and
+            is probed now and then at the smallest batch, re-admitted when it would help
+            (:mod:`~lightning_aesgd.engine.admission`); adaptive planners by name only.
         sample_costs: per-sample cost for cost-aware splitting: ``None`` (count samples), ``"dataset"`` (the
             dataset's ``sample_costs`` attribute), ``"auto"`` (those where the dataset has them) or a function of
             the dataset.
@@ -147,6 +152,7 @@ class StrategySettings:
     speed_smoothing: float = PlanSettings.speed_smoothing
     plan_gain: float = PlanSettings.plan_gain
     plan_after_warmup: bool = False
+    leave_out_stragglers: bool = PlanSettings.leave_out_stragglers
     sample_costs: SampleCosts = None
     lr_scaling: bool = False
     lr_schedule: Callable[[int], float] | None = None
@@ -205,6 +211,7 @@ class StrategySettings:
                 self.speed_smoothing,
                 self.plan_gain,
                 hold_steps=hold_steps,
+                leave_out_stragglers=self.leave_out_stragglers,
             ),
         )
         # What the engine checks when built, checked here too: settings that exist can build an engine.

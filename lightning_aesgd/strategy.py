@@ -28,9 +28,10 @@ from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.engine.averager import OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
-from lightning_aesgd.engine.loading import SampleCosts
+from lightning_aesgd.engine.loading import IdleBatch, SampleCosts
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
+from lightning_aesgd.idle_steps import idle_training_step
 from lightning_aesgd.placement import SharedDevices
 from lightning_aesgd.settings import StrategySettings, check_timeout, refuse_unknown_options
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
@@ -83,6 +84,7 @@ class AdaptiveElasticMixin(SharedDevices):
         speed_smoothing: float = StrategySettings.speed_smoothing,
         plan_gain: float = StrategySettings.plan_gain,
         plan_after_warmup: bool = StrategySettings.plan_after_warmup,
+        leave_out_stragglers: bool = StrategySettings.leave_out_stragglers,
         sample_costs: SampleCosts = StrategySettings.sample_costs,
         lr_scaling: bool = StrategySettings.lr_scaling,
         lr_schedule: Callable[[int], float] | None = StrategySettings.lr_schedule,
@@ -219,6 +221,15 @@ class AdaptiveElasticMixin(SharedDevices):
         trainer = self._module.trainer
         self.engine.begin_step(trainer.current_epoch, batch_idx, trainer.global_step)
         super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's training step; a replica left out of the step (an idle batch) computes a zero loss."""
+        batch = args[0] if args else kwargs.get("batch")
+        if not isinstance(batch, IdleBatch):
+            return super().training_step(*args, **kwargs)
+        with idle_training_step(self.lightning_module):
+            return super().training_step(*args, **kwargs)
 
     @override
     def optimizer_step(

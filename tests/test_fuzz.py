@@ -48,6 +48,7 @@ from torch.utils.data import (
 import lightning_aesgd
 from lightning_aesgd import EASGD, SMA, AdaptiveElasticStrategy, ElasticAverage, InverseTimeDecay, SlowdownProfile
 from lightning_aesgd.core.planners import ProportionalPlanner, StaticPlanner
+from lightning_aesgd.engine.loading import inspect_train_loader
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]  # a hang fails the test
 
@@ -118,6 +119,7 @@ STRATEGY_OPTIONS: Table = {
     "speed_smoothing": (_values(0.0, 0.5, 0.8, 0.99), (1.0, -0.1, 1.5, math.nan, "0.8")),
     "plan_gain": (_values(0.1, 0.5, 1.0), (0.0, -1.0, 2.0, math.nan)),
     "plan_after_warmup": (st.booleans(), ("yes",)),
+    "leave_out_stragglers": (st.booleans(), ("yes", 1)),
     "sample_costs": (_values(None, "auto", "dataset", _costs_per_sample), ("bogus", _one_cost, _negative_costs, 1.0)),
     "lr_scaling": (st.booleans(), ("no",)),
     "lr_schedule": (_values(None, InverseTimeDecay(decay=0.1, warmup_steps=2)), (0.05, "1/t")),
@@ -238,12 +240,26 @@ class LoaderSpec:
         options: dict[str, Any] = {"num_workers": self.num_workers, "drop_last": self.drop_last}
         if self.num_workers > 0:
             options.update(prefetch_factor=self.prefetch_factor, persistent_workers=self.prefetch_factor == 1)
-        if self.sampler == "batch":
-            sampler = BatchSampler(SequentialSampler(range(self.size)), batch_size=2, drop_last=False)
-            return DataLoader(dataset, batch_sampler=sampler, **options)
+        if self.sampler == "batch":  # batch_size, shuffle and drop_last given as a plain torch BatchSampler
+            indices = range(self.size)
+            order = RandomSampler(indices) if self.shuffle else SequentialSampler(indices)
+            batches = BatchSampler(order, batch_size=self.batch_size, drop_last=options.pop("drop_last"))
+            return DataLoader(dataset, batch_sampler=batches, **options)
         if self.sampler is not None:  # a sampler replaces `shuffle`
             return DataLoader(dataset, self.batch_size, sampler=_sampler(self.sampler, self.size), **options)
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=self.shuffle, **options)
+
+    def trained_batches(self, distributed_sampler: bool) -> tuple[int, bool]:
+        """The per-replica batch size and ``drop_last`` of the loader the strategy is given.
+
+        Lightning's distributed sampler injection (``use_distributed_sampler=True``, the default) rebuilds a loader
+        built from a plain ``BatchSampler`` with neither its batch size nor its ``drop_last``: torch's defaults, 1
+        and False, apply (under DDP too). Without the injection the strategy keeps the ``BatchSampler``'s.
+        """
+        assert self.batch_size is not None
+        if self.sampler == "batch" and distributed_sampler:
+            return 1, False
+        return self.batch_size, self.drop_last
 
 
 def _sampler(name: str, size: int) -> Any:
@@ -265,7 +281,7 @@ LOADER_SETTINGS: Table = {
     "drop_last": (st.booleans(), ()),
     "num_workers": (_values(0, 0, 0, 0, 0, 1), ()),  # a worker process costs a fraction of a second
     "prefetch_factor": (_values(1, 2), ()),
-    "sampler": (_values(None, None, None, None, "sequential", "random"), ("replacement", "subset", "batch")),
+    "sampler": (_values(None, None, None, None, "sequential", "random", "batch"), ("replacement", "subset")),
 }
 
 
@@ -427,9 +443,9 @@ def _expected_steps(trainer: pl.Trainer, case: Case) -> int:
     spec, options, limit = case.loader, case.options, trainer.limit_train_batches
     if limit == 0:
         return 0  # Lightning skips training without looking at the loader
-    assert spec.batch_size is not None
-    total = options.get("step_batch_size") or spec.batch_size  # one replica
-    per_epoch = spec.size // total if spec.drop_last else math.ceil(spec.size / total)
+    batch_size, drop_last = spec.trained_batches(case.trainer.get("use_distributed_sampler", True))
+    total = options.get("step_batch_size") or batch_size  # one replica
+    per_epoch = spec.size // total if drop_last else math.ceil(spec.size / total)
     batches = min(per_epoch, int(limit)) if isinstance(limit, int) else int(per_epoch * limit)
     max_steps = trainer.max_steps if trainer.max_steps >= 0 else math.inf
     return int(min(max_steps, (trainer.max_epochs or 1) * batches))
@@ -558,3 +574,44 @@ def test_every_invalid_setting_alone_trains_or_fails_before_training_with_a_hint
             _destroy_process_group()
     if table == "options":  # the strategy's own options: refused, never silently trained with
         assert failure is not None, f"{name}={value!r} trained"
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("distributed_sampler", [True, False])
+def test_a_plain_batch_sampler_trains_as_the_loader_lightning_hands_over(
+    distributed_sampler: bool, drop_last: bool, shuffle: bool
+) -> None:
+    """A torch ``BatchSampler`` is ``batch_size``, ``shuffle`` and ``drop_last``; the strategy trains what reaches it.
+
+    Lightning's sampler injection leaves a plain loader of batch size 1 (as under DDP); without it the strategy
+    keeps the BatchSampler's batch size and order, and refuses the ``drop_last=True`` it cannot keep.
+    """
+    spec = LoaderSpec(size=10, batch_size=3, shuffle=shuffle, drop_last=drop_last, sampler="batch")
+    if not drop_last:
+        facts = inspect_train_loader(spec.build())
+        assert (facts.dataset_size, facts.batch_size, facts.shuffle) == (10, 3, shuffle)
+    case = Case({}, {"max_epochs": 1, "use_distributed_sampler": distributed_sampler}, spec, ModelSpec())
+    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            failure = _fit(case, root)  # trained the steps of `LoaderSpec.trained_batches`, or failed early
+        finally:
+            _destroy_process_group()
+    if drop_last and not distributed_sampler:
+        assert isinstance(failure, TypeError), failure
+        assert "drop_last=True" in str(failure)
+    else:
+        assert failure is None, failure
+
+
+@pytest.mark.parametrize("batch_sampler", [False, True])
+def test_a_sampler_of_another_length_than_the_dataset_is_refused(batch_sampler: bool) -> None:
+    """A plain sampler over 8 indices of a 16-sample dataset would be trained as all 16: refused with the fix."""
+    order = SequentialSampler(range(8))
+    if batch_sampler:
+        loader = DataLoader(MapData(16), batch_sampler=BatchSampler(order, batch_size=2, drop_last=False))
+    else:
+        loader = DataLoader(MapData(16), batch_size=2, sampler=order)
+    with pytest.raises(TypeError, match=r"draws 8 indices of a dataset of 16 samples.*HINT"):
+        inspect_train_loader(loader)

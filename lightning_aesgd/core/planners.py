@@ -23,7 +23,9 @@ __all__ = [
     "Planner",
     "ProportionalPlanner",
     "StaticPlanner",
+    "admitted_replicas",
     "balance_step_times",
+    "balanced_step_time",
     "get_planner",
 ]
 
@@ -93,6 +95,48 @@ def balance_step_times(
         filled = sum(min(level, capacity) for capacity in capacities)
         low_level, high_level = (level, high_level) if filled < total else (low_level, level)
     return apportion(total, [min(high_level, capacity) for capacity in capacities], min_size, max_size)
+
+
+def balanced_step_time(
+    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None
+) -> float:
+    """The predicted step time of :func:`balance_step_times`' plan: its slowest replica's.
+
+    Example:
+        >>> balanced_step_time(100, [StepTime(0.0, 1.0), StepTime(0.0, 3.0)])
+        75.0
+    """
+    sizes = balance_step_times(total, step_times, min_size, max_size)
+    return max(time.seconds(size) for time, size in zip(step_times, sizes, strict=True))
+
+
+def admitted_replicas(
+    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None, margin: float = 0.03
+) -> list[bool]:
+    """Which replicas shorten the step: the others get no work (Adaptive Hogbatch's placement, issue 25).
+
+    Every replica of a synchronous step holds the others at the sync point, so one whose step at the smallest
+    batch outlasts what the others need for the whole step batch makes every step slower than leaving it out.
+    Greedily, the replica slowest at ``min_size`` is left out while the balanced step time of the rest
+    (:func:`balanced_step_time`) is shorter than with it by more than ``margin`` (relative, so that noise in the
+    models does not make a replica come and go); one replica always stays.
+
+    Example:
+        >>> admitted_replicas(96, [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 50.0)], min_size=4)
+        [True, True, False]
+        >>> admitted_replicas(96, [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 2.0)], min_size=4)
+        [True, True, True]
+    """
+    admitted = list(range(len(step_times)))
+    while len(admitted) > 1 and (max_size is None or max_size * (len(admitted) - 1) >= total):
+        kept_time = balanced_step_time(total, [step_times[i] for i in admitted], min_size, max_size)
+        slowest = max(admitted, key=lambda i: step_times[i].seconds(min_size))
+        rest = [i for i in admitted if i != slowest]
+        if balanced_step_time(total, [step_times[i] for i in rest], min_size, max_size) >= (1 - margin) * kept_time:
+            break
+        admitted = rest
+    chosen = set(admitted)
+    return [i in chosen for i in range(len(step_times))]
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,7 @@ class ArrivalModel:
         self.step_noise = [StepNoise() for _ in range(num_replicas)]
         self._misses: list[list[float]] = [[] for _ in range(num_replicas)]  # the latest two log(measured/model)
         self._sizes = [0.0] * num_replicas  # each replica's latest planned batch per step
+        self._stale: set[int] = set()  # replicas whose next measurement restarts their estimates
         self.shifted = [False] * num_replicas
 
     @property
@@ -158,7 +159,8 @@ class ArrivalModel:
             misses[:] = [*misses[-1:], math.log(seconds / model.seconds(size))]
             self.shifted[rank] = is_level_shift(misses, noise.relative)
         self._sizes[rank] = size
-        if self.shifted[rank]:
+        if self.shifted[rank] or rank in self._stale:
+            self._stale.discard(rank)
             step_time.restart(size, seconds)
             speed.restart(work, seconds)
             misses.clear()
@@ -166,6 +168,10 @@ class ArrivalModel:
             step_time.update(size, seconds)
             speed.update(work, seconds)
         noise.update(size, seconds)
+
+    def restart_next(self, rank: int) -> None:
+        """Start replica ``rank``'s estimates afresh at its next measured period (it was idle: they are stale)."""
+        self._stale.add(rank)
 
     def models(self) -> list[StepTime] | None:
         """Every replica's fitted step-time model, or ``None`` until every replica has been measured."""

@@ -118,6 +118,21 @@ class LoaderClock:
         return seconds
 
 
+class IdleBatch:
+    """The batch of a replica that the plan leaves out of a step (batch size 0).
+
+    Lightning's loop still runs the step, so that every replica takes part in its sync point; the strategy runs
+    no forward or backward on it (:mod:`lightning_aesgd.idle_steps`). The user's batch hooks see
+    this object.
+    """
+
+    def __repr__(self) -> str:
+        return "IdleBatch()"
+
+    def __len__(self) -> int:
+        return 0
+
+
 class TimedLoading(Dataset[Any]):
     """The user's dataset and collate function as one timed step: fetch every sample of a batch, then collate.
 
@@ -154,6 +169,8 @@ class TimedLoading(Dataset[Any]):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
+        if not indices:  # a replica left out of the step: nothing to fetch or collate
+            return [IdleBatch()]
         started = time.perf_counter()
         fetch = getattr(self.dataset, "__getitems__", None)
         samples = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
@@ -209,12 +226,19 @@ class TrainLoaderFacts:
 def inspect_train_loader(loader: DataLoader[Any]) -> TrainLoaderFacts:
     """Read what the planned loader needs from ``loader``.
 
+    A plain torch ``BatchSampler`` over a ``SequentialSampler`` or ``RandomSampler`` of the whole dataset (what
+    ``batch_size``, ``shuffle`` and ``drop_last=False`` build) is read as those options: its batch size and its
+    sampler's order. Lightning's distributed sampler injection (``use_distributed_sampler=True``, the default)
+    rebuilds such a loader before the strategy sees it, as ``batch_size=1`` (torch's default) and a
+    ``DistributedSampler``; DDP trains that loader too.
+
     Raises:
         TypeError: for loaders the strategy cannot partition (iterable datasets, datasets without length,
-            custom samplers or batch samplers, ``batch_size=None``), with the fix in the message.
+            custom samplers or batch samplers, a ``BatchSampler`` with ``drop_last=True``, ``batch_size=None``),
+            with the fix in the message.
     """
     size = _dataset_size(loader)
-    shuffle, seed = _ordering(loader)
+    shuffle, seed = _ordering(loader, size)
     return TrainLoaderFacts(size, _batch_size(loader), shuffle, seed)
 
 
@@ -311,9 +335,19 @@ def _dataset_size(loader: DataLoader[Any]) -> int:
     return len(loader.dataset)
 
 
-def _ordering(loader: DataLoader[Any]) -> tuple[bool, int]:
-    """Whether to shuffle, and the seed, as the loader's sampler implied."""
-    sampler = loader.sampler
+def _users_batch_sampler(loader: DataLoader[Any]) -> BatchSampler | None:
+    """The plain torch ``BatchSampler`` the user passed as ``batch_sampler`` (None where torch built it)."""
+    batch_sampler = loader.batch_sampler
+    if loader.batch_size is None and type(batch_sampler) is BatchSampler:
+        return batch_sampler
+    return None
+
+
+def _ordering(loader: DataLoader[Any], size: int) -> tuple[bool, int]:
+    """Whether to shuffle, and the seed, as the loader's sampler (or its batch sampler's) implied."""
+    users = _users_batch_sampler(loader)
+    # With a user's BatchSampler, `loader.sampler` is torch's unused default: the indices come from its sampler.
+    sampler = users.sampler if users is not None else loader.sampler
     if type(sampler) is DistributedSampler:  # injected by Lightning in place of a plain shuffle or sequence
         return sampler.shuffle, sampler.seed
     if isinstance(sampler, DistributedSampler):
@@ -327,8 +361,10 @@ def _ordering(loader: DataLoader[Any]) -> tuple[bool, int]:
             "train with strategy='ddp'."
         )
     if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+        _check_sampler_covers_dataset(type(sampler).__name__, len(sampler.data_source), size)
         return True, int(os.environ.get("PL_GLOBAL_SEED", 0))
     if isinstance(sampler, SequentialSampler):
+        _check_sampler_covers_dataset(type(sampler).__name__, len(sampler.data_source), size)
         return False, 0
     raise TypeError(
         f"adaptive_elastic draws and partitions indices itself and cannot keep the sampler "
@@ -337,7 +373,27 @@ def _ordering(loader: DataLoader[Any]) -> tuple[bool, int]:
     )
 
 
+def _check_sampler_covers_dataset(name: str, drawn: int, size: int) -> None:
+    """Raise unless a plain sampler of ``drawn`` indices draws every sample once, as the strategy's epoch does."""
+    if drawn != size:
+        raise TypeError(
+            f"The training DataLoader's {name} draws {drawn} indices of a dataset of {size} "
+            "samples; adaptive_elastic draws every sample once per epoch and cannot follow it. HINT: build the "
+            "loader with shuffle=True or shuffle=False and no sampler (for a subset, pass a Subset of the dataset)."
+        )
+
+
 def _batch_size(loader: DataLoader[Any]) -> int:
+    users = _users_batch_sampler(loader)
+    if users is not None:
+        if users.drop_last:
+            # The planned loader takes drop_last from the DataLoader, which torch keeps False beside a batch_sampler.
+            raise TypeError(
+                "adaptive_elastic cannot keep drop_last=True of the training DataLoader's BatchSampler. HINT: pass "
+                f"batch_size={users.batch_size}, shuffle=... and drop_last=True to the DataLoader instead of a "
+                "batch_sampler."
+            )
+        return users.batch_size
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         raise TypeError(
             "adaptive_elastic sizes every replica's batches itself and cannot keep a custom batch_sampler or "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -26,6 +27,7 @@ from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
+from lightning_aesgd.engine.gradients import update_skipped
 from lightning_aesgd.engine.pipeline import NonFiniteReplicasError, StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
@@ -126,11 +128,17 @@ class ModelMerge(StepPipeline):
         factor *= self._scheduled_lr_factor()
         grad_scaler = self.hooks.grad_scaler
         scale_before = _loss_scale(grad_scaler)
-        with scaled_learning_rate(optimizer, factor), self._timed_step(record):
+        # A replica left out of the step (batch 0) computed a zero gradient: it must not move its model (momentum,
+        # weight decay), and its step counts for nothing in its merge weight.
+        idle = record.num_samples == 0
+        keep_model = update_skipped(optimizer) if idle else nullcontext()
+        with scaled_learning_rate(optimizer, factor), self._timed_step(record), keep_model:
             self.compute_spans.begin()  # the whole local step is the device's compute, up to the merge
             output = run_step()
             self.compute_spans.end(averager.comm.rank, self._global_step)
         self.synced_last_step = averager.after_local_step(record.num_samples)
+        if idle:
+            averager.discount_skipped(0.0)
         if scale_before is not None:
             self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
         if self.synced_last_step:

@@ -21,14 +21,20 @@ from lightning_aesgd.core.noise import noise_band
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
 from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.admission import Admission
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.sampler import PlanBook
 
 log = logging.getLogger(__name__)
 
 NOISE_PERIODS = 3
-"""Comparable periods of every replica before the first plan: a first plan, which moves all the way, made before
-the noise is known would split equal replicas by their noise, and the band the noise then sets would keep it."""
+"""Comparable periods of every replica before the first plan, unless the imbalance exceeds :data:`CLEAR_IMBALANCE`:
+a first plan, which moves all the way, made before the noise is known would split equal replicas by their noise,
+and the band the noise then sets would keep it."""
+
+CLEAR_IMBALANCE = 1.0
+"""Predicted step times this far apart (the slowest twice the fastest) are planned for at once: step-time noise of a
+few tens of percent does not explain them, and a short run cannot afford to wait."""
 
 HISTORY_LENGTH = 4096
 """Sync points the loop remembers (step, speeds, plan) for plots: a ring, so memory stays flat over long runs."""
@@ -93,6 +99,7 @@ class PlanLoop:
         self._saved_state: dict[str, Any] | None = None
         self._next_plan = 0
         self._speed_changed = False  # a replica's estimates restarted at a new speed since the latest plan
+        self.admission = Admission()
 
     def attach(self, num_replicas: int) -> None:
         """Start a fit of ``num_replicas`` replicas; the models of an earlier fit of as many are kept."""
@@ -138,17 +145,35 @@ class PlanLoop:
         self.history.append(PlanRecord(step, tuple(self.arrival_model.rates()), self.plan_book.latest))
 
     def _plan(self, step: int, models: Sequence[StepTime]) -> None:
-        """Ask the planner for the next plan, damp it (a named planner's), and schedule it ``lag`` steps ahead."""
+        """Ask the planner for the next plan, damp it (a named planner's), and schedule it ``lag`` steps ahead.
+
+        With ``leave_out_stragglers``, replicas that cannot help (:mod:`~lightning_aesgd.engine.admission`) get 0
+        and the planner splits the step among the others.
+        """
         assert self.plan_book is not None
         assert self.arrival_model is not None
         settings, current = self.settings, self.plan_book.latest
-        sizes = self.planner.plan(current, models, self.step_batch_size)
-        if isinstance(settings.planner, str):  # a Planner object of the user's is obeyed as it is
+        named = isinstance(settings.planner, str)  # a Planner object of the user's is obeyed as it is
+        taking_part = [True] * len(current)
+        if named and settings.leave_out_stragglers and len(current) > 1:
+            taking_part = self.admission.decide(step, models, current, self.floor, settings.max_batch, self.lag)
+            for rank, takes_part in enumerate(taking_part):
+                if takes_part and current[rank] == 0:  # a probe, or back in: its model is from before it idled
+                    self.arrival_model.restart_next(rank)
+        ranks = [rank for rank, takes_part in enumerate(taking_part) if takes_part]
+        # A replica let back in starts from the floor, which the planner then revises from its measured speed.
+        part = [max(current[rank], self.floor) for rank in ranks]
+        part = apportion(self.step_batch_size, part, self.floor, settings.max_batch)
+        target = self.planner.plan(part, [models[rank] for rank in ranks], self.step_batch_size)
+        if named and taking_part == [size > 0 for size in current]:
             # The initial split is a guess, not a measured plan, and a replica whose speed just changed has
             # restarted its estimates at the new level: the plan then moves all the way to the target.
             gain = 1.0 if not self.plan_book.revised or self._speed_changed else settings.plan_gain
-            sizes = damped_plan(current, sizes, gain, self.dead_band, self.floor, settings.max_batch)
+            target = damped_plan(part, target, gain, self.dead_band, self.floor, settings.max_batch)
         self._speed_changed = False
+        sizes = [0] * len(current)
+        for rank, size in zip(ranks, target, strict=True):
+            sizes[rank] = size
         if tuple(sizes) != current:
             self.plan_book.schedule(step + self.lag, sizes)
 
@@ -164,8 +189,12 @@ class PlanLoop:
             return True
         assert self.arrival_model is not None
         assert self.plan_book is not None
-        if not self.plan_book.revised and not self.arrival_model.noise_known(NOISE_PERIODS):
+        noise_unknown = not self.arrival_model.noise_known(NOISE_PERIODS)
+        if not self.plan_book.revised and noise_unknown and self._agree_within(models, CLEAR_IMBALANCE):
             return False
+        if self.admission.probe_due(step):
+            self._next_plan = step + self.lag + 1
+            return True
         # A replica's changed speed was measured at its current batch, so its new plan need not wait.
         waiting = step < self._next_plan and not self._speed_changed
         if waiting or self._agree_within(models, self.dead_band):
@@ -194,8 +223,10 @@ class PlanLoop:
         return models is not None and self.plan_book is not None and self._agree_within(models, spread)
 
     def _agree_within(self, models: Sequence[StepTime], spread: float) -> bool:
+        """Whether the predicted step times of the replicas taking part agree within ``spread``."""
         assert self.plan_book is not None
-        times = [model.seconds(size) for model, size in zip(models, self.plan_book.latest, strict=True)]
+        sizes = self.plan_book.latest
+        times = [model.seconds(size) for model, size in zip(models, sizes, strict=True) if size > 0]
         return max(times) <= (1 + spread) * min(times)
 
     def stats(self) -> list[ReplicaStats]:

@@ -35,6 +35,8 @@ class PlanSettings:
         planner_options: extra arguments of a named planner (e.g. ``step`` of the additive rule).
         hold_steps: no new plan for steps before this one (speeds are still measured): the authors' code keeps
             batches fixed through its warm-up and adapts only after it.
+        leave_out_stragglers: a replica that lengthens the step whatever its batch gets none (a named adaptive
+            planner's plans; :mod:`~lightning_aesgd.engine.admission`), and is probed now and then.
     """
 
     planner: str | Planner = "proportional"
@@ -47,6 +49,7 @@ class PlanSettings:
     plan_dead_band: float = 0.03
     planner_options: Mapping[str, Any] = field(default_factory=dict)
     hold_steps: int = 0
+    leave_out_stragglers: bool = True
 
     def __post_init__(self) -> None:
         # Types first: a string from a config file would otherwise fail deep inside a comparison, or (a planner
@@ -55,6 +58,10 @@ class PlanSettings:
             value = getattr(self, name)
             if not (_is_whole(value) or (name == "max_batch" and value is None)):
                 raise TypeError(f"`{name}` is a batch size, got {value!r}. HINT: pass a whole number such as 4.")
+        if not isinstance(self.leave_out_stragglers, bool):
+            raise TypeError(
+                f"`leave_out_stragglers` is a switch, got {self.leave_out_stragglers!r}. HINT: pass True or False."
+            )
         if not _is_whole(self.hold_steps) or self.hold_steps < 0:
             raise ValueError(f"`hold_steps` counts steps, got {self.hold_steps!r}. HINT: pass a whole number >= 0.")
         for name in ("min_share", "speed_smoothing", "plan_gain", "plan_dead_band"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,13 +284,28 @@ class PlannedBatchSampler(Sampler[list[int]]):
         mine = step[begin : begin + counts[self.rank]]
         cost = float(self.costs[mine].sum()) if self.costs is not None else float(len(mine))
         # A short last step keeps the plan's proportions: count it at its apportioned size.
-        planned = sizes[self.rank] if len(step) == sum(sizes) else apportion(len(step), sizes)[self.rank]
+        planned = sizes[self.rank] if len(step) == sum(sizes) else _among_takers(len(step), sizes, apportion)[self.rank]
         self._records[key] = StepRecord(num_samples=len(mine), cost=cost, planned=planned, step_samples=len(step))
         return StepIndices(mine.tolist(), key)
 
     def _split(self, step: Tensor, sizes: Sequence[int]) -> list[int]:
         if self.costs is not None:
-            return split_by_cost(self.costs[step], sizes)
+            costs = self.costs[step]
+            return _among_takers(len(step), sizes, lambda _, shares: split_by_cost(costs, shares))
         if len(step) == sum(sizes):
             return list(sizes)
-        return apportion(len(step), sizes)  # the epoch's last, shorter step keeps the plan's proportions
+        # The epoch's last, shorter step keeps the plan's proportions.
+        return _among_takers(len(step), sizes, apportion)
+
+
+def _among_takers(total: int, sizes: Sequence[int], split: Callable[[int, list[int]], list[int]]) -> list[int]:
+    """``split(total, sizes)`` among the replicas whose planned size is not 0; a left-out replica keeps 0.
+
+    >>> _among_takers(10, [4, 0, 4], apportion)
+    [5, 0, 5]
+    """
+    takers = [rank for rank, size in enumerate(sizes) if size > 0]
+    counts = [0] * len(sizes)
+    for rank, count in zip(takers, split(total, [sizes[rank] for rank in takers]), strict=True):
+        counts[rank] = count
+    return counts

@@ -43,11 +43,19 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
         metrics[f"{prefix}/step_seconds"] = replica.step_seconds
         metrics[f"{prefix}/busy_seconds"] = replica.busy_seconds
         metrics[f"{prefix}/step_noise"] = replica.noise
+        metrics[f"{prefix}/left_out"] = float(size == 0)
+    stats, sizes = taking_part(stats, sizes)
     speeds = [s.speed for s in stats]
     if all(speed > 0 for speed in speeds):
         metrics["aesgd/share_error"] = share_error(sizes, speeds)
         metrics["aesgd/step_time_balance"] = step_time_balance(stats)
     return metrics
+
+
+def taking_part(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> tuple[list[ReplicaStats], list[int]]:
+    """The statistics and sizes of the replicas the plan gives work (a left-out replica's speed is stale)."""
+    kept = [(replica, size) for replica, size in zip(stats, sizes, strict=True) if size > 0]
+    return [replica for replica, _ in kept], [size for _, size in kept]
 
 
 def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
@@ -110,6 +118,7 @@ def summary_record(
     """
     speeds = [s.speed for s in stats]
     measured = all(speed > 0 for speed in speeds)
+    kept, kept_sizes = taking_part(stats, sizes)
     targets = ideal_shares(speeds) if measured else [math.nan] * len(stats)
     total, total_weight = sum(sizes) or 1, sum(s.merge_weight for s in stats) or 1.0
     replicas = [
@@ -132,8 +141,8 @@ def summary_record(
         "sync_name": sync_name,
         "syncs": syncs,
         "replicas": replicas,
-        "share_error": share_error(sizes, speeds) if measured else None,
-        "step_time_balance": step_time_balance(stats) if measured else None,
+        "share_error": share_error(kept_sizes, [s.speed for s in kept]) if measured else None,
+        "step_time_balance": step_time_balance(kept) if measured else None,
         "starved": starved_replicas(stats, sizes, floor) if measured else [],
     }
     finite: dict[str, Any] = _finite(record)
@@ -152,13 +161,22 @@ def _finite(value: Any) -> Any:
 
 
 def starved_replicas(stats: Sequence[ReplicaStats], sizes: Sequence[int], floor: int) -> list[str]:
-    """A line for every replica held at the floor batch whose steps still take 10% longer than the others'.
+    """A line for every replica left out of the steps, and for each one at the floor batch that is still late.
 
-    Such a device only slows the others down: training without it would be faster.
+    Late means its steps take 10% longer than the others'. Such a device only slows the others down: training
+    without it would be faster.
     """
     lines = []
     for rank, (replica, size) in enumerate(zip(stats, sizes, strict=True)):
-        others = [s.step_seconds for r, s in enumerate(stats) if r != rank and s.step_seconds > 0]
+        others = [s.step_seconds for r, s in enumerate(stats) if r != rank and s.step_seconds > 0 and sizes[r] > 0]
+        if size == 0:
+            lines.append(
+                f"replica {rank} is left out of the steps: at its latest measurement its steps took "
+                f"{1000 * replica.step_seconds:.1f} ms, longer than the others need for the whole step batch "
+                f"({1000 * max(others, default=0.0):.1f} ms a step); it is probed now and then and let back in when "
+                "it would help (leave_out_stragglers)."
+            )
+            continue
         if size > floor or not others or replica.step_seconds <= 1.1 * max(others):
             continue
         lines.append(

@@ -1,0 +1,101 @@
+"""Which replicas take part in the steps: a replica that cannot help gets no work, and is probed now and then.
+
+Every replica of a synchronous step holds the others at the sync point. A replica whose step at the smallest
+batch outlasts what the others need for the whole step batch (a CPU replica beside a GPU, a process under an
+eighth of a core, a GPU fifty times slower than its peers) makes every step slower than leaving it out, whatever
+its batch (:func:`~lightning_aesgd.core.planners.admitted_replicas`). It is then planned a batch of 0: it skips
+its forward and backward, joins the sync point with nothing to add, and no longer sits in the critical path.
+
+Its speed is no longer measured while it idles, so it is probed: given the smallest batch for one plan, after a
+number of steps chosen so that probing costs at most :data:`PROBE_BUDGET` of the training time, and re-admitted
+when the fresh measurement says it helps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from lightning_aesgd.core.planners import admitted_replicas, balanced_step_time
+from lightning_aesgd.core.speed import StepTime
+
+PROBE_BUDGET = 0.02
+"""Largest fraction of the training time that probing left-out replicas may cost."""
+
+MIN_PROBE_INTERVAL = 50
+"""Fewest steps between two probes of one replica."""
+
+
+class Admission:
+    """Decides, identically on every rank, which replicas the next plan gives work.
+
+    Args:
+        margin: a replica is left out only if the step without it is shorter by more than this fraction.
+    """
+
+    def __init__(self, margin: float = 0.03) -> None:
+        self.margin = margin
+        self.probe_at: dict[int, int] = {}  # left-out replica → the step of its next probe
+
+    def probe_due(self, step: int) -> bool:
+        """Whether a left-out replica is due to be probed at this sync point."""
+        return any(step >= due for due in self.probe_at.values())
+
+    def decide(
+        self, step: int, models: Sequence[StepTime], current: Sequence[int], floor: int, max_batch: int | None, lag: int
+    ) -> list[bool]:
+        """Which replicas the plan made at ``step`` gives work: those that help, and those due for a probe.
+
+        Args:
+            step: the sync point's step.
+            models: every replica's step-time model (a left-out replica's from its latest measured period).
+            current: the plan in force; 0 for a left-out replica.
+            floor: the smallest batch of a replica that takes part.
+            max_batch: the largest batch of any replica.
+            lag: steps before a plan applies: a probe lasts about ``lag + 1`` steps.
+        """
+        total = sum(current)
+        helping = admitted_replicas(total, models, floor, max_batch, self.margin)
+        chosen = list(helping)
+        for rank, helps in enumerate(helping):
+            if helps:
+                self.probe_at.pop(rank, None)
+            elif current[rank] == 0 and step >= self.probe_at.get(rank, step + 1):
+                chosen[rank] = True  # its probe: measured at the smallest batch, then judged again
+                del self.probe_at[rank]
+            elif rank not in self.probe_at:
+                self.probe_at[rank] = step + probe_interval(total, models, helping, rank, floor, max_batch, lag)
+        return chosen
+
+    def state_dict(self) -> dict[str, dict[int, int]]:
+        """The probe schedule, for checkpoints."""
+        return {"probe_at": dict(self.probe_at)}
+
+    def load_state_dict(self, state: dict[str, dict[int, int]]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.probe_at = {int(rank): int(due) for rank, due in state.get("probe_at", {}).items()}
+
+
+def probe_interval(
+    total: int,
+    models: Sequence[StepTime],
+    helping: Sequence[bool],
+    rank: int,
+    floor: int,
+    max_batch: int | None,
+    lag: int,
+) -> int:
+    """Steps between probes of a left-out replica, so that probing costs at most :data:`PROBE_BUDGET`.
+
+    A probe holds about ``lag + 1`` steps up by ``tᵣ(floor) − T``, where ``T`` is the step time without it:
+
+        ``interval = max(MIN_PROBE_INTERVAL, ⌈(lag + 1)·(tᵣ(floor)/T − 1) / PROBE_BUDGET⌉)``
+
+    Example:
+        >>> probe_interval(96, [StepTime(0.0, 1.0), StepTime(0.0, 50.0)], [True, False], 1, 4, None, 1)
+        109
+    """
+    others = [model for model, helps in zip(models, helping, strict=True) if helps]
+    without = balanced_step_time(total, others, floor, max_batch)
+    excess = max(models[rank].seconds(floor) / without - 1.0, 0.0) if without > 0 else 0.0
+    return max(MIN_PROBE_INTERVAL, math.ceil((lag + 1) * excess / PROBE_BUDGET))

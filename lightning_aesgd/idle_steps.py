@@ -1,0 +1,55 @@
+"""The step of a replica the plan leaves out: no forward or backward on data, and still its part in the sync.
+
+A replica planned a batch of 0 (:mod:`lightning_aesgd.engine.admission`) draws an
+:class:`~lightning_aesgd.engine.loading.IdleBatch`. Lightning's loop runs the step as any other, so that the
+replica joins the step's sync point (DDP's reducer under gradient sums, the merge under model merges), but the
+user's ``training_step`` is replaced, for that step only, by a zero loss that touches every trainable parameter:
+its backward gives each a zero gradient, which enters the weighted sum with the replica's share, 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional
+
+
+def zero_loss(module: nn.Module) -> Tensor:
+    """A loss of 0 whose gradient is 0 for every trainable parameter of ``module``, in each one's layout.
+
+    A sparse embedding's weight gets a sparse zero gradient (one looked-up row), as its own backward would give;
+    every other parameter a dense one. It costs a pass over the parameters, not a forward over data.
+    """
+    terms: list[Tensor] = []
+    sparse: set[int] = set()
+    for layer in module.modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse and layer.weight.requires_grad:
+            first_row = torch.zeros(1, dtype=torch.long, device=layer.weight.device)
+            terms.append(functional.embedding(first_row, layer.weight, sparse=True).sum())
+            sparse.add(id(layer.weight))
+    terms += [p.sum() for p in module.parameters() if p.requires_grad and id(p) not in sparse]
+    if not terms:
+        raise RuntimeError("The module has no trainable parameters: nothing to train.")
+    return torch.stack([term.float() for term in terms]).sum() * 0.0
+
+
+@contextmanager
+def idle_training_step(module: Any) -> Iterator[None]:
+    """Within it, ``module.training_step`` returns :func:`zero_loss`; whatever was there before comes back."""
+    own = vars(module).get("training_step")  # e.g. a callback's wrapper, set on the instance
+
+    def idle_step(*args: Any, **kwargs: Any) -> Tensor:
+        return zero_loss(module)
+
+    module.training_step = idle_step
+    try:
+        yield
+    finally:
+        if own is not None:
+            module.training_step = own
+        else:
+            del module.training_step

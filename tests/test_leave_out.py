@@ -1,0 +1,99 @@
+"""A replica that cannot help gets no work: 3 real gloo processes, one of them 50× slower per sample."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from helpers import RegressionModel, cpu_trainer, flat_parameters
+
+from lightning_aesgd import AdaptiveElasticStrategy, SlowdownCallback
+from lightning_aesgd.engine.loading import IdleBatch
+from lightning_aesgd.idle_steps import idle_training_step, zero_loss
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
+
+BATCH = 8  # the loader's batch: steps of 24 samples among 3 replicas
+
+
+class _EpochModel(RegressionModel):
+    """Records each training step's epoch and indices (a left-out replica's idle steps record nothing)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append([self.current_epoch, batch[2].tolist()])
+        return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+
+class _Record(pl.Callback):
+    def __init__(self, directory):
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        record = {
+            "seen": pl_module.seen,
+            "plans": strategy.plans.plan_book.state_dict(),
+            "summary": strategy.engine.summary_record(),
+            "parameters": flat_parameters(pl_module).tolist(),
+        }
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+def test_a_replica_50x_slower_is_left_out_and_every_sample_is_still_used_once(tmp_path, sync):
+    size, epochs = 480, 2
+    steps_per_epoch = size // (3 * BATCH)  # 20
+    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": 0.0003})
+    strategy = AdaptiveElasticStrategy(sync=sync, start_method="fork", timeout=timedelta(seconds=90))
+    pl.seed_everything(7)
+    model = _EpochModel(size=size, batch_size=BATCH)
+    cpu_trainer(strategy, devices=3, max_epochs=epochs, callbacks=[slow, _Record(tmp_path)]).fit(model)
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+
+    plans = records[0]["plans"]
+    assert all(record["plans"] == plans for record in records)
+    first_out = next(start for start, sizes in zip(plans["starts"], plans["sizes"], strict=True) if sizes[2] == 0)
+    assert first_out <= 20, f"the slow replica must be left out within 20 steps: {plans}"
+    later = [sizes for start, sizes in zip(plans["starts"], plans["sizes"], strict=True) if start >= first_out]
+    assert all(sizes[2] == 0 for sizes in later), f"out for the rest of this short run (no probe yet): {plans}"
+
+    for epoch in range(epochs):
+        used = [
+            i for record in records for seen_epoch, indices in record["seen"] if seen_epoch == epoch for i in indices
+        ]
+        assert sorted(used) == list(range(size)), f"epoch {epoch}: every sample exactly once"
+    assert len(records[2]["seen"]) < len(records[0]["seen"]) == epochs * steps_per_epoch  # it idled
+
+    summary = records[0]["summary"]
+    assert any("replica 2 is left out" in line for line in summary["starved"]), summary["starved"]
+    if sync == "gradients":  # one summed gradient: every replica, the idle one too, holds the same model
+        assert records[2]["parameters"] == pytest.approx(records[0]["parameters"], abs=1e-6)
+
+
+def test_an_idle_step_gives_every_parameter_a_zero_gradient_in_its_own_layout():
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    module[1].bias.requires_grad_(False)
+    zero_loss(module).backward()
+    embedding, weight = module[0].weight.grad, module[1].weight.grad
+    assert embedding.is_sparse
+    assert float(embedding.to_dense().abs().sum()) == 0.0
+    assert not weight.is_sparse
+    assert float(weight.abs().sum()) == 0.0
+    assert module[1].bias.grad is None
+
+
+def test_an_idle_step_brings_back_the_training_step_it_replaced():
+    model = RegressionModel()
+    wrapped = object()
+    model.training_step = wrapped
+    with idle_training_step(model):
+        assert float(model.training_step(IdleBatch(), 0).detach()) == 0.0
+    assert model.training_step is wrapped
+    del model.training_step
+    with idle_training_step(model):
+        pass
+    assert "training_step" not in vars(model)
