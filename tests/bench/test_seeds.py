@@ -15,6 +15,7 @@ from lightning_aesgd.bench import main
 from lightning_aesgd.bench.race.analysis import RunFigures
 from lightning_aesgd.bench.race.benchmark import BenchResult, BenchSettings
 from lightning_aesgd.bench.race.recorder import RunRecord, Validation
+from lightning_aesgd.bench.race.runner import compose_config
 from lightning_aesgd.bench.race.suites import WORKLOADS, Target
 from lightning_aesgd.bench.seeds import program
 from lightning_aesgd.bench.seeds.claims import CLAIMS, Claim, Entrant, algorithm_exists, get_claims, same_batch_ddp
@@ -333,6 +334,21 @@ def test_abs_sgd_lights_up_when_its_config_exists(tmp_path: Path):
     assert [e.name for e in left_out] == ["sync_adaptive"]
     (tmp_path / "algorithm" / "sync_adaptive.yaml").write_text("{}\n")
     assert [e.name for e in claim.present_entrants(tmp_path)[0]] == ["abs_sgd", "ddp", "sync_adaptive"]
+
+
+def test_abs_sgd_runs_its_delay_from_the_first_validation_on():
+    # XMC mini meets its target after 14 to 16 steps, inside abs_sgd.yaml's own warm-up: the race shortens it, so
+    # that the comparison with sync_adaptive (the same sums, undelayed) measures the delay.
+    claim = get_claims(["abs_sgd"])[0]
+    assert (claim.workload, claim.profile, claim.target, claim.epochs) == ("xmc_mini", "strong", None, None)
+    base = WORKLOADS[claim.workload].overrides()
+    composed = {e.name: compose_config([*base, *e.selection(), *claim.overrides]) for e in claim.entrants}
+    default = compose_config([*base, "algorithm=abs_sgd"]).algorithm.gradient_delay_warmup
+    warmup = composed["abs_sgd"].algorithm.gradient_delay_warmup
+    assert 0 < warmup < default
+    assert composed["sync_adaptive"].algorithm.gradient_delay == 0
+    for name, cfg in composed.items():  # every entrant validated alike, every `warmup` steps across epochs
+        assert (cfg.trainer.val_check_interval, cfg.trainer.check_val_every_n_epoch) == (warmup, None), name
 
 
 @pytest.mark.parametrize("key", ["crossbow_learners", "adaptive_hogbatch"])
