@@ -30,11 +30,11 @@ def test_cases_emulate_per_sample_slowness_only_where_it_lands_on_samples():
     assert MACHINERY.profile() is None
 
 
-def test_unknown_cases_are_refused_and_the_quota_case_is_skipped_where_quotas_are_missing(monkeypatch):
+def test_unknown_cases_are_refused_and_the_quota_cases_are_skipped_where_quotas_are_missing(monkeypatch):
     with pytest.raises(SystemExit, match="no_such_case"):
         runnable_cases(["user", "no_such_case"])
     monkeypatch.setattr("lightning_aesgd.bench.slowness.program.quota_unavailable", lambda: "no cgroup")
-    assert runnable_cases(["quota", "hook"]) == ["hook"]
+    assert runnable_cases(["quota", "hook", "quota-short"]) == ["hook"]
     monkeypatch.setattr("lightning_aesgd.bench.slowness.program.quota_unavailable", lambda: None)
     assert runnable_cases(["quota", "hook"]) == ["quota", "hook"]
 

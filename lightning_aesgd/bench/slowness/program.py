@@ -73,11 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def runnable_cases(names: list[str]) -> list[str]:
-    """``names`` without the quota case where this machine cannot set CPU quotas; unknown names end the program."""
+    """``names`` without the quota cases where this machine cannot set CPU quotas; unknown names end the program."""
     unknown = sorted(set(names) - set(CASES))
     if unknown:
         raise SystemExit(f"Unknown cases {unknown}; choose from {', '.join(CASES)}.")
-    if "quota" not in names or (reason := quota_unavailable()) is None:
+    quota_cases = [name for name in names if CASES[name].mode == "quota"]
+    if not quota_cases or (reason := quota_unavailable()) is None:
         return names
-    print(f"skipping the quota case: {reason}")
-    return [name for name in names if name != "quota"]
+    print(f"skipping the quota cases {', '.join(quota_cases)}: {reason}")
+    return [name for name in names if name not in quota_cases]
