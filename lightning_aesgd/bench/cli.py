@@ -8,12 +8,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from lightning_aesgd.bench import overhead, race, seeds, slowness
+from lightning_aesgd.bench import overhead, race, scale, seeds, slowness
 
 PROGRAMS: dict[str, Callable[[Sequence[str]], int]] = {
     "overhead": overhead.main,
     "slowness": slowness.main,
     "seeds": seeds.main,
+    "scale": scale.main,
 }
 """The programs run by name; the race is the default."""
 
