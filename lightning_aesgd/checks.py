@@ -5,6 +5,7 @@ The strategy's own options are checked where they are gathered, by :class:`~ligh
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -69,3 +70,24 @@ def check_gradient_settings(engine: Any, trainer: Any, precision_plugin: Any) ->
             "step's loss scale, which the scaler's unscale of the current step would get wrong. HINT: use "
             "precision='bf16-mixed' or '32-true', or gradient_delay=0."
         )
+
+
+def check_delayed_optimizers(engine: Any, optimizers: Any) -> None:
+    """Raise if a delayed gradient sum (ABS-SGD) would reach an optimizer whose step needs a closure (LBFGS).
+
+    Such an optimizer re-evaluates the loss within its step; a delayed sum is the gradient of an earlier step, which
+    no closure can recompute, and the end of fit applies the last sum without one.
+
+    Raises:
+        UnsupportedSettingError: naming the optimizer and the fix.
+    """
+    if not getattr(engine, "delay", 0):
+        return
+    for optimizer in optimizers:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise UnsupportedSettingError(
+                f"gradient_delay=1 with {type(optimizer).__name__}, whose step needs a closure (it evaluates the loss "
+                "again): a delayed sum is the gradient of an earlier step, which no closure can recompute. HINT: use "
+                "a first-order optimizer (SGD, Adam, Adagrad), or gradient_delay=0."
+            )

@@ -21,7 +21,12 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_aesgd.checks import check_fit_settings, check_gradient_settings, check_training_loader
+from lightning_aesgd.checks import (
+    check_delayed_optimizers,
+    check_fit_settings,
+    check_gradient_settings,
+    check_training_loader,
+)
 from lightning_aesgd.core.merge import MergeRule
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.weights import MergeWeights
@@ -196,6 +201,7 @@ class AdaptiveElasticMixin(SharedDevices):
         super().setup(trainer)
         if trainer.state.fn != "fit":
             return
+        check_delayed_optimizers(self.engine, self.optimizers)
         if self.slowdown is not None:  # emulated slower devices, told of each compute span by the engine
             self.slowdown.check_replicas(self.world_size)
             self.engine.compute_spans = StepStretcher(self.slowdown, self.root_device)
