@@ -223,11 +223,17 @@ class PlanLoop:
         return models is not None and self.plan_book is not None and self._agree_within(models, spread)
 
     def _agree_within(self, models: Sequence[StepTime], spread: float) -> bool:
-        """Whether the predicted step times of the replicas taking part agree within ``spread``."""
+        """Whether the predicted step times of the replicas taking part agree within ``spread``.
+
+        Batches are whole samples: one sample more or less moves a replica's step by about ``1/bᵢ``, so step times
+        closer than the smallest batch allows count as agreeing (else large fleets of small batches replan forever
+        for a plan that rounds back to the same sizes).
+        """
         assert self.plan_book is not None
         sizes = self.plan_book.latest
         times = [model.seconds(size) for model, size in zip(models, sizes, strict=True) if size > 0]
-        return max(times) <= (1 + spread) * min(times)
+        rounding = 1.0 / min(size for size in sizes if size > 0)
+        return max(times) <= (1 + spread + rounding) * min(times)
 
     def stats(self) -> list[ReplicaStats]:
         """Every replica as the latest sync point saw it (empty before the first)."""
