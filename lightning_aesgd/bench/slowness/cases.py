@@ -11,6 +11,7 @@ BATCH = 64  # per replica and step; the step batch is 256
 SMALL_BATCH = 16  # the solo runs' second batch size: tells a fixed cost per step from a per-sample cost
 HETEROGENEOUS = (1.0, 1.0, 2.0, 4.0)
 HOMOGENEOUS = (1.0, 1.0, 1.0, 1.0)
+STRAGGLER = (1.0, 1.0, 50.0)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ CASES: dict[str, Case] = {
         Case("short", "user", HETEROGENEOUS, step_ms=5.0),
         Case("equal-60ms", "user", HOMOGENEOUS, step_ms=60.0),
         Case("equal-5ms", "user", HOMOGENEOUS, step_ms=5.0),
+        # A replica 50x slower than two others (it cannot help: left out), and the two others alone, for the ratio.
+        Case("straggler", "user", STRAGGLER, step_ms=8.0),
+        Case("straggler-pair", "user", STRAGGLER[:2], step_ms=8.0),
     )
 }
 """The cases by ``--cases`` name; :data:`MACHINERY` is measured separately."""

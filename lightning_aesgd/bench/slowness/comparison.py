@@ -10,8 +10,10 @@ from torch.utils.data import TensorDataset
 from lightning_aesgd.bench.slowness.cases import BATCH, SMALL_BATCH, Case
 from lightning_aesgd.bench.slowness.runner import RunResult, run_once
 from lightning_aesgd.core.apportion import share_error
-from lightning_aesgd.core.planners import balance_step_times
+from lightning_aesgd.core.planners import admitted_replicas, balance_step_times
+from lightning_aesgd.core.sensing import batch_floor
 from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.plan_settings import PlanSettings
 
 ALGORITHMS = ("ddp", "adaptive_elastic")
 SOLO_BATCHES = (SMALL_BATCH, BATCH)
@@ -39,15 +41,22 @@ class CaseResult:
         """The split of the step batch ``M = BATCH·n`` under which the solo step times are equal.
 
         Speed-proportional where steps have no fixed cost; with one, a slow replica's small batch pays it on fewer
-        samples, so it gets less than its speed at ``BATCH`` would say (:func:`balance_step_times`).
+        samples, so it gets less than its speed at ``BATCH`` would say (:func:`balance_step_times`). A replica whose
+        step at the strategy's floor batch outlasts the others' balanced step gets none (:func:`admitted_replicas`,
+        as ``leave_out_stragglers`` decides).
         """
-        return balance_step_times(BATCH * len(self.factors), self.solo_step_times)
+        total = BATCH * len(self.factors)
+        floor = batch_floor(total, len(self.factors), 1, PlanSettings.min_share)
+        helping = admitted_replicas(total, self.solo_step_times, floor)
+        kept = [time for time, helps in zip(self.solo_step_times, helping, strict=True) if helps]
+        sizes = iter(balance_step_times(total, kept, floor))
+        return [next(sizes) if helps else 0 for helps in helping]
 
     @property
     def ideal(self) -> float:
         """The ideal throughput: ``M`` samples per step of the balanced plan (``Σᵢ 1/cᵢ`` without fixed costs)."""
         plan = self.balanced_plan
-        step = max(time.seconds(size) for time, size in zip(self.solo_step_times, plan, strict=True))
+        step = max(time.seconds(size) for time, size in zip(self.solo_step_times, plan, strict=True) if size > 0)
         return sum(plan) / step
 
     def ratio(self) -> float:
@@ -60,8 +69,13 @@ class CaseResult:
 
     def plan_error(self) -> float | None:
         """Largest relative share error of the plan at step 30 against :attr:`balanced_plan`."""
-        plan = self.runs["adaptive_elastic"].plan_at_check
-        return None if plan is None else share_error(plan, self.balanced_plan)
+        plan, target = self.runs["adaptive_elastic"].plan_at_check, self.balanced_plan
+        if plan is None:
+            return None
+        if [size > 0 for size in plan] != [size > 0 for size in target]:
+            return 1.0  # a replica in where the ideal leaves it out, or out where it helps: its whole share wrong
+        kept = [(size, goal) for size, goal in zip(plan, target, strict=True) if goal > 0]
+        return share_error([size for size, _ in kept], [goal for _, goal in kept])
 
     def nominal_plan_error(self) -> float | None:
         """The same against the nominal split ``∝ 1/fᵢ``, which counts only the slowness as work."""

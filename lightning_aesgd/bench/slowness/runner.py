@@ -20,7 +20,7 @@ from lightning_aesgd.bench.slowness.cases import BATCH, Case
 from lightning_aesgd.bench.slowness.model import Classifier
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.emulation.profiles import SlowdownProfile
-from lightning_aesgd.engine.telemetry import step_time_balance
+from lightning_aesgd.engine.telemetry import step_time_balance, taking_part
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
 
 WARMUP_STEPS = 10  # steps before the throughput clock starts (start-up, first plans)
@@ -67,6 +67,8 @@ class StepClock(pl.Callback):
         loop = getattr(trainer.strategy, "plans", None)
         plans = loop.plan_book.state_dict() if loop is not None and loop.plan_book is not None else None
         stats = loop.stats() if loop is not None else []
+        if stats and loop is not None and loop.plan_book is not None:
+            stats = taking_part(stats, loop.plan_book.latest)[0]  # a left-out replica's time is stale
         balance = step_time_balance(stats) if stats else None
         record = {"times": self.times, "cpu": self.cpu, "plans": plans, "step_time_balance": balance}
         self.path.write_text(json.dumps(record))
