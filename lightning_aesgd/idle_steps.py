@@ -1,10 +1,14 @@
-"""The step of a replica the plan leaves out: no forward or backward on data, and still its part in the sync.
+"""The step of a replica the plan leaves out: no forward over data, and still its part in the sync.
 
 A replica planned a batch of 0 (:mod:`lightning_aesgd.engine.admission`) draws an
 :class:`~lightning_aesgd.engine.loading.IdleBatch`. Lightning's loop runs the step as any other, so that the
 replica joins the step's sync point (DDP's reducer under gradient sums, the merge under model merges), but the
 user's ``training_step`` is replaced, for that step only, by a zero loss that touches every trainable parameter:
 its backward gives each a zero gradient, which enters the weighted sum with the replica's share, 0.
+
+A ``training_step`` that itself communicates cannot be skipped on one replica: the others would wait in its
+collective. :func:`collectives_in_training` finds the usual ones (``self.log(..., sync_dist=True)``, SyncBatchNorm)
+after the first step, and the strategy then keeps every replica in the steps.
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ def zero_loss(module: nn.Module) -> Tensor:
     for layer in module.modules():
         if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse and layer.weight.requires_grad:
             first_row = torch.zeros(1, dtype=torch.long, device=layer.weight.device)
-            terms.append(functional.embedding(first_row, layer.weight, sparse=True).sum())
+            terms.append(functional.embedding(first_row, layer.weight, sparse=True).sum(dtype=torch.float32))
             sparse.add(id(layer.weight))
-    terms += [p.sum() for p in module.parameters() if p.requires_grad and id(p) not in sparse]
+    terms += [p.sum(dtype=torch.float32) for p in module.parameters() if p.requires_grad and id(p) not in sparse]
     if not terms:
         raise RuntimeError("The module has no trainable parameters: nothing to train.")
-    return torch.stack([term.float() for term in terms]).sum() * 0.0
+    return torch.stack(terms).sum() * 0.0  # summed in float32: half-precision sums of large layers overflow
 
 
 @contextmanager
@@ -53,3 +57,19 @@ def idle_training_step(module: Any) -> Iterator[None]:
             module.training_step = own
         else:
             del module.training_step
+
+
+def collectives_in_training(trainer: Any, module: nn.Module) -> str | None:
+    """Why the user's training step communicates (so an idle replica may not skip it), or ``None``.
+
+    Read after a training step, on every rank alike: SyncBatchNorm layers all-gather in every forward, and a value
+    logged with ``sync_dist=True`` is all-reduced where it is logged (and at the epoch's end).
+    """
+    if any(isinstance(layer, nn.SyncBatchNorm) for layer in module.modules()):
+        return "the model has SyncBatchNorm layers, which communicate in every forward"
+    results = getattr(trainer, "_results", None) or {}
+    for key, result in results.items():
+        sync = getattr(getattr(result, "meta", None), "sync", None)
+        if sync is not None and sync.should and not sync.rank_zero_only:
+            return f"the training step logs {key!r} with sync_dist=True, which is all-reduced where it is logged"
+    return None

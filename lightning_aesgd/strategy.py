@@ -36,7 +36,7 @@ from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicato
 from lightning_aesgd.engine.loading import IdleBatch, SampleCosts
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
-from lightning_aesgd.idle_steps import idle_training_step
+from lightning_aesgd.idle_steps import collectives_in_training, idle_training_step
 from lightning_aesgd.placement import SharedDevices
 from lightning_aesgd.settings import StrategySettings, check_timeout, refuse_unknown_options
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
@@ -137,6 +137,7 @@ class AdaptiveElasticMixin(SharedDevices):
         self.telemetry = self.settings.telemetry
         self.engine: StepPipeline = self.settings.build_engine()
         self._checkpoint_extras: dict[str, Any] | None = None
+        self._idle_safety_checked = False  # whether the training step was checked for collectives (once per fit)
         self._stop_check: StopCheck | None = None
 
     # LightningCLI's help describes each argument from the docstrings: the training options' are the settings'.
@@ -196,6 +197,7 @@ class AdaptiveElasticMixin(SharedDevices):
     @override
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == "fit":
+            self._idle_safety_checked = False
             check_fit_settings(trainer, self._module)
             check_gradient_settings(self.engine, trainer, self.precision_plugin)
         super().setup(trainer)
@@ -232,10 +234,24 @@ class AdaptiveElasticMixin(SharedDevices):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's training step; a replica left out of the step (an idle batch) computes a zero loss."""
         batch = args[0] if args else kwargs.get("batch")
-        if not isinstance(batch, IdleBatch):
-            return super().training_step(*args, **kwargs)
-        with idle_training_step(self.lightning_module):
-            return super().training_step(*args, **kwargs)
+        if isinstance(batch, IdleBatch):
+            with idle_training_step(self.lightning_module):
+                return super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)
+        if self.engine.ready and not self._idle_safety_checked:
+            # After the first step, before its reports are taken in: every rank decides alike, before any plan.
+            self._idle_safety_checked = True
+            reason = collectives_in_training(self._module.trainer, self._module)
+            if reason is not None:
+                self.engine.plans.forbid_leaving_out(reason)
+        return output
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """An idle batch stays as it is: there is nothing to move, and the user's transfer hooks expect data."""
+        if isinstance(batch, IdleBatch):
+            return batch
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def optimizer_step(

@@ -43,6 +43,35 @@ class _Record(pl.Callback):
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+class _SyncLoggingModel(_EpochModel):
+    """Logs its loss with sync_dist=True: an all-reduce inside every training step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+
+def _fit_three(tmp_path, model, **options):
+    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": 0.0003})
+    strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=60), **options)
+    cpu_trainer(strategy, devices=3, max_epochs=1, callbacks=[slow, _Record(tmp_path)]).fit(model)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+
+
+def test_a_training_step_that_communicates_keeps_every_replica_in_the_steps(tmp_path):
+    pl.seed_everything(7)
+    records = _fit_three(tmp_path, _SyncLoggingModel(size=240, batch_size=BATCH))
+    assert all(min(sizes) > 0 for sizes in records[0]["plans"]["sizes"])  # no one left out, and no hang
+    assert records[0]["plans"]["sizes"][-1][2] < BATCH  # the slow replica still gets a smaller batch
+
+
+def test_lr_scaling_under_merges_lets_an_idle_replica_step(tmp_path):
+    pl.seed_everything(7)
+    records = _fit_three(tmp_path, _EpochModel(size=240, batch_size=BATCH), sync="models", lr_scaling=True)
+    assert records[0]["plans"]["sizes"][-1][2] == 0
+
+
 @pytest.mark.parametrize("sync", ["gradients", "models"])
 def test_a_replica_50x_slower_is_left_out_and_every_sample_is_still_used_once(tmp_path, sync):
     size, epochs = 480, 2

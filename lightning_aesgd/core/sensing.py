@@ -169,6 +169,10 @@ class ArrivalModel:
             speed.update(work, seconds)
         noise.update(size, seconds)
 
+    def restarts_pending(self) -> set[int]:
+        """The replicas whose next measured period restarts their estimates (probed, not measured yet)."""
+        return set(self._stale)
+
     def restart_next(self, rank: int) -> None:
         """Start replica ``rank``'s estimates afresh at its next measured period (it was idle: they are stale)."""
         self._stale.add(rank)
@@ -200,6 +204,7 @@ class ArrivalModel:
             "step_time": [estimator.state_dict() for estimator in self.step_time],
             "speed": [estimator.state_dict() for estimator in self.speed],
             "noise": [noise.state_dict() for noise in self.step_noise],
+            "stale": sorted(self._stale),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -212,6 +217,7 @@ class ArrivalModel:
             speed.load_state_dict(saved)
         for noise, saved in zip(self.step_noise, state.get("noise") or [], strict=False):
             noise.load_state_dict(saved)
+        self._stale = {int(rank) for rank in state.get("stale") or []}
 
 
 def check_plan_damping(min_share: float, gain: float, dead_band: float) -> None:

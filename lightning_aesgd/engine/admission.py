@@ -7,8 +7,9 @@ its batch (:func:`~lightning_aesgd.core.planners.admitted_replicas`). It is then
 its forward and backward, joins the sync point with nothing to add, and no longer sits in the critical path.
 
 Its speed is no longer measured while it idles, so it is probed: given the smallest batch for one plan, after a
-number of steps chosen so that probing costs at most :data:`PROBE_BUDGET` of the training time, and re-admitted
-when the fresh measurement says it helps.
+number of steps chosen so that probes lasting ``lag + 1`` steps cost :data:`PROBE_BUDGET` of the training time (a
+probe lasts until the next plan: longer where reports are spaced out), and re-admitted when the fresh
+measurement says it helps.
 """
 
 from __future__ import annotations
@@ -37,9 +38,15 @@ class Admission:
         self.margin = margin
         self.probe_at: dict[int, int] = {}  # left-out replica → the step of its next probe
 
-    def probe_due(self, step: int) -> bool:
-        """Whether a left-out replica is due to be probed at this sync point."""
-        return any(step >= due for due in self.probe_at.values())
+    def probe_due(self, step: int, current: Sequence[int]) -> bool:
+        """Whether a replica left out of the plan in force (``current``) is due to be probed at this sync point."""
+        return any(step >= due and current[rank] == 0 for rank, due in self.probe_at.items())
+
+    def schedule_missing_probes(self, current: Sequence[int], step: int) -> None:
+        """Give every left-out replica without one (a checkpoint that predates the schedule) a probe."""
+        for rank, size in enumerate(current):
+            if size == 0 and rank not in self.probe_at:
+                self.probe_at[rank] = step + MIN_PROBE_INTERVAL
 
     def decide(
         self, step: int, models: Sequence[StepTime], current: Sequence[int], floor: int, max_batch: int | None, lag: int

@@ -171,7 +171,9 @@ class ArrivalClock:
         period = self._period
         self._arrival = self._timeline.stamp()
         self._frozen_at = self._frozen()
-        period.reported_measured = period.measured and self._release is not None
+        # A period with idle steps (batch 0) beside working ones measures neither: an idle step pays no fixed cost,
+        # so the average would fall below the working steps' line (a probe's first period, with lag >= 2).
+        period.reported_measured = period.measured and self._release is not None and not period.mixes_idle_steps
         if self._release is not None:
             period.spans.add(_ACTIVE, self._release, self._arrival)
             self._release = self._arrival
@@ -250,6 +252,7 @@ class _Period:
         self.work = 0.0
         self.planned = 0.0
         self.steps = 0
+        self.idle_steps = 0
         self.loader = 0.0
         self.frozen = 0.0  # seconds frozen by a CPU quota while waiting for peers: this replica's own time
         self.spans = SpanLedger(timeline)
@@ -261,7 +264,13 @@ class _Period:
         active, waited = self.spans.total(_ACTIVE), self.spans.total(_WAITED)
         return waited / (active + waited) if active + waited > 0 else 0.0
 
+    @property
+    def mixes_idle_steps(self) -> bool:
+        """Whether some but not all of the period's steps were idle (planned 0)."""
+        return 0 < self.idle_steps < self.steps
+
     def add(self, work: float, planned: int) -> None:
         self.work += work
         self.planned += planned
         self.steps += 1
+        self.idle_steps += planned == 0

@@ -124,7 +124,8 @@ class ModelMerge(StepPipeline):
             averager.reset_to_center()
         averager.before_local_step()
         nominal = sampler.step_batch_size / averager.comm.world_size
-        factor = linear_lr_scale(record.num_samples, nominal) if self.lr_scaling else 1.0
+        # An idle step (batch 0) applies no update: its rate is not scaled (there is no batch to scale it by).
+        factor = linear_lr_scale(record.num_samples, nominal) if self.lr_scaling and record.num_samples else 1.0
         factor *= self._scheduled_lr_factor()
         grad_scaler = self.hooks.grad_scaler
         scale_before = _loss_scale(grad_scaler)

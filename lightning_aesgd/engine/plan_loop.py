@@ -100,12 +100,20 @@ class PlanLoop:
         self._next_plan = 0
         self._speed_changed = False  # a replica's estimates restarted at a new speed since the latest plan
         self.admission = Admission()
+        self.leaving_out_forbidden: str | None = None  # why no replica may be left out in this fit
 
     def attach(self, num_replicas: int) -> None:
         """Start a fit of ``num_replicas`` replicas; the models of an earlier fit of as many are kept."""
         if self.arrival_model is None or self.arrival_model.num_replicas != num_replicas:
             self.arrival_model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
         self.stop_requested = False
+        self.leaving_out_forbidden = None
+
+    def forbid_leaving_out(self, reason: str) -> None:
+        """Keep every replica in the steps for the rest of this fit (their training step communicates)."""
+        if self.leaving_out_forbidden is None and self.settings.leave_out_stragglers:
+            log.warning("Every replica stays in the steps (leave_out_stragglers is off for this fit): %s.", reason)
+        self.leaving_out_forbidden = reason
 
     def plan_book_for(self, step_batch_size: int, num_replicas: int, lag: int, cost_aware: bool = False) -> PlanBook:
         """The plan book for steps of ``step_batch_size`` samples, created on first use or restored from a checkpoint.
@@ -122,6 +130,7 @@ class PlanLoop:
         if book is None or len(book.latest) != num_replicas or sum(book.latest) != step_batch_size:
             shares = settings.shares if settings.shares is not None else [1.0] * num_replicas
             book = self.plan_book = PlanBook(apportion(step_batch_size, shares, self.floor, settings.max_batch))
+            self.admission = Admission()  # every replica takes part in a fresh book
         self._load_saved_state()
         return book
 
@@ -155,13 +164,16 @@ class PlanLoop:
         settings, current = self.settings, self.plan_book.latest
         named = isinstance(settings.planner, str)  # a Planner object of the user's is obeyed as it is
         taking_part = [True] * len(current)
-        if named and settings.leave_out_stragglers and len(current) > 1:
+        if named and settings.leave_out_stragglers and self.leaving_out_forbidden is None and len(current) > 1:
+            pending = self.arrival_model.restarts_pending()
             taking_part = self.admission.decide(step, models, current, self.floor, settings.max_batch, self.lag)
             for rank, takes_part in enumerate(taking_part):
                 if takes_part and current[rank] == 0:  # a probe, or back in: its model is from before it idled
                     self.arrival_model.restart_next(rank)
+                elif rank in pending and current[rank] > 0:
+                    taking_part[rank] = True  # a probe not measured yet: judged once its period is reported
         ranks = [rank for rank, takes_part in enumerate(taking_part) if takes_part]
-        # A replica let back in starts from the floor, which the planner then revises from its measured speed.
+        # A replica let back in enters at the floor batch of the planner's inputs (its model predates its idling).
         part = [max(current[rank], self.floor) for rank in ranks]
         part = apportion(self.step_batch_size, part, self.floor, settings.max_batch)
         target = self.planner.plan(part, [models[rank] for rank in ranks], self.step_batch_size)
@@ -192,12 +204,16 @@ class PlanLoop:
         noise_unknown = not self.arrival_model.noise_known(NOISE_PERIODS)
         if not self.plan_book.revised and noise_unknown and self._agree_within(models, CLEAR_IMBALANCE):
             return False
-        if self.admission.probe_due(step):
+        left_out = 0 in self.plan_book.latest
+        if self.admission.probe_due(step, self.plan_book.latest) or (left_out and self.leaving_out_forbidden):
             self._next_plan = step + self.lag + 1
             return True
         # A replica's changed speed was measured at its current batch, so its new plan need not wait.
         waiting = step < self._next_plan and not self._speed_changed
-        if waiting or self._agree_within(models, self.dead_band):
+        if waiting:
+            return False
+        if self._agree_within(models, self.dead_band):
+            self._speed_changed = False  # every replica changed alike: nothing to move
             return False
         self._next_plan = step + self.lag + 1
         return True
@@ -212,7 +228,10 @@ class PlanLoop:
         settings = self.settings
         if self.arrival_model is None:
             return settings.plan_dead_band
-        return noise_band(self.arrival_model.noise(), settings.speed_smoothing, settings.plan_dead_band)
+        noise = self.arrival_model.noise()
+        if self.plan_book is not None:  # a left-out replica's noise says nothing about the others' plans
+            noise = [sigma for sigma, size in zip(noise, self.plan_book.latest, strict=True) if size > 0]
+        return noise_band(noise, settings.speed_smoothing, settings.plan_dead_band)
 
     def balanced_within(self, spread: float) -> bool:
         """Whether the latest plan's predicted step times agree within ``spread`` (``max ≤ (1 + spread)·min``).
@@ -225,15 +244,22 @@ class PlanLoop:
     def _agree_within(self, models: Sequence[StepTime], spread: float) -> bool:
         """Whether the predicted step times of the replicas taking part agree within ``spread``.
 
-        Batches are whole samples: one sample more or less moves a replica's step by about ``1/bᵢ``, so step times
-        closer than the smallest batch allows count as agreeing (else large fleets of small batches replan forever
-        for a plan that rounds back to the same sizes).
+        Batches are whole samples, so the test is ``max tᵢ(bᵢ) ≤ (1 + spread)·min tⱼ(bⱼ + 1)``: times that one sample
+        more on the quickest replica would reverse count as agreeing (else large fleets of small batches replan
+        forever for a plan that rounds back to the same sizes). A probed replica not measured yet is left out.
         """
         assert self.plan_book is not None
-        sizes = self.plan_book.latest
-        times = [model.seconds(size) for model, size in zip(models, sizes, strict=True) if size > 0]
-        rounding = 1.0 / min(size for size in sizes if size > 0)
-        return max(times) <= (1 + spread + rounding) * min(times)
+        assert self.arrival_model is not None
+        pending = self.arrival_model.restarts_pending()
+        kept = [
+            (model, size)
+            for rank, (model, size) in enumerate(zip(models, self.plan_book.latest, strict=True))
+            if size > 0 and rank not in pending
+        ]
+        if not kept:
+            return True
+        slowest = max(model.seconds(size) for model, size in kept)
+        return slowest <= (1 + spread) * min(model.seconds(size + 1) for model, size in kept)
 
     def stats(self) -> list[ReplicaStats]:
         """Every replica as the latest sync point saw it (empty before the first)."""
@@ -265,6 +291,9 @@ class PlanLoop:
             "plans": None if self.plan_book is None else self.plan_book.state_dict(),
             "arrivals": None if self.arrival_model is None else self.arrival_model.state_dict(),
             "merge_weights": list(self.merge_weights),
+            "admission": self.admission.state_dict(),
+            "next_plan": self._next_plan,
+            "speed_changed": self._speed_changed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -280,6 +309,10 @@ class PlanLoop:
         if state.get("plans") is not None and self.plan_book is not None:
             if _plans_fit(state["plans"], len(self.plan_book.latest), self.step_batch_size):
                 self.plan_book.load_state_dict(state["plans"])
+                self.admission.load_state_dict(state.get("admission") or {})
+                self._next_plan = int(state.get("next_plan", 0))
+                self._speed_changed = bool(state.get("speed_changed", False))
+                self.admission.schedule_missing_probes(self.plan_book.latest, self._next_plan)
             else:
                 # Another number of replicas or another step batch (a resume across shapes): plan afresh.
                 log.info("The checkpoint's plans are for another number of replicas or step batch: planning afresh.")

@@ -273,12 +273,13 @@ class PlannedBatchSampler(Sampler[list[int]]):
 
     def _slice(self, order: Tensor, index: int) -> list[int]:
         step = order[index * self.step_batch_size : (index + 1) * self.step_batch_size]
-        if len(step) < self.num_replicas:
-            # A tail shorter than the number of replicas: wrap around, as DistributedSampler pads, so that
-            # no replica is left without a sample for the step all of them must take.
-            step = torch.cat([step, order[: self.num_replicas - len(step)]])
         key = self.step_key(self.epoch, index)
         sizes = self.plan_book.sizes_at(key)
+        takers = sum(1 for size in sizes if size > 0)
+        if len(step) < takers:
+            # A tail shorter than the number of replicas taking part: wrap around, as DistributedSampler pads, so
+            # that none of them is left without a sample for the step all of them must take.
+            step = torch.cat([step, order[: takers - len(step)]])
         counts = self._split(step, sizes)
         begin = sum(counts[: self.rank])
         mine = step[begin : begin + counts[self.rank]]

@@ -52,7 +52,7 @@ def _group(num_replicas: int, **settings) -> list[Replica]:
     return [Replica(num_replicas, **settings) for _ in range(num_replicas)]
 
 
-def _run(replicas, factors_at, steps, overhead=0.0, noise=0.0, seed=0):
+def _run(replicas, factors_at, steps, overhead=0.0, noise=0.0, seed=0, start=0):
     """Replica i arrives fᵢ·(overhead + size·t₁) after each release (t₁ the per-sample time); a sync every step.
 
     With ``noise`` σ, each arrival time is multiplied by a log-normal factor ``exp(N(0, σ²))``.
@@ -60,8 +60,8 @@ def _run(replicas, factors_at, steps, overhead=0.0, noise=0.0, seed=0):
     Nothing is timed inside the optimizer step (the busy regions are empty): the plan loops see the replicas'
     speeds only through their arrivals, as with slowness in data loading, hooks or CPU quotas.
     """
-    plans, now, rng = [], 0.0, random.Random(seed)
-    for step in range(steps):
+    plans, now, rng = [], replicas[0].clock.now, random.Random(seed)
+    for step in range(start, start + steps):
         sizes = replicas[0].plans.plan_book.sizes_at(step)
         for replica in replicas[1:]:
             assert replica.plans.plan_book.sizes_at(step) == sizes  # every replica slices the step the same way
@@ -220,6 +220,29 @@ def test_a_left_out_replica_that_becomes_fast_is_let_back_in_at_its_next_probe()
     back = next(step for step in range(60, 800) if plans[step][2] > 0)
     assert all(plan[2] > 0 for plan in plans[back:])
     assert max(plans[-1]) <= 1.1 * min(plans[-1])  # equal again
+
+
+def test_a_restored_plan_loop_keeps_probing_a_left_out_replica():
+    replicas = _group(3, planner="proportional")
+    _run(replicas, lambda step: (1, 1, 50), steps=40)
+    saved = replicas[0].plans.state_dict()
+    assert saved["admission"]["probe_at"]  # the left-out replica's probe is scheduled...
+    restored = PlanLoop(PlanSettings(planner="proportional"))
+    restored.attach(3)
+    restored.load_state_dict(saved)
+    restored.plan_book_for(STEP_BATCH, 3, lag=3)
+    assert restored.admission.probe_at == replicas[0].plans.admission.probe_at  # ...and survives a checkpoint
+    assert restored.plan_book.latest[2] == 0
+
+
+def test_a_loop_that_may_not_leave_replicas_out_lets_them_back_in():
+    replicas = _group(3, planner="proportional")
+    plans = _run(replicas, lambda step: (1, 1, 50), steps=30)
+    assert plans[-1][2] == 0
+    for replica in replicas:
+        replica.plans.forbid_leaving_out("a test")
+    later = _run(replicas, lambda step: (1, 1, 50), steps=20, start=30)
+    assert later[-1][2] > 0
 
 
 def test_a_static_plan_or_a_planner_object_never_leaves_a_replica_out():
