@@ -121,9 +121,9 @@ class LoaderClock:
 class IdleBatch:
     """The batch of a replica that the plan leaves out of a step (batch size 0).
 
-    Lightning's loop still runs the step, so that every replica takes part in its sync point; the strategy runs
-    no forward or backward on it (:mod:`lightning_aesgd.idle_steps`). The user's batch hooks see
-    this object.
+    Lightning's loop still runs the step, so that every replica takes part in its sync point; the strategy runs no
+    forward over data for it, only a zero loss's backward (:mod:`lightning_aesgd.idle_steps`). It is not moved to a
+    device; the user's ``on_before_batch_transfer`` and batch-start/end hooks see this object.
     """
 
     def __repr__(self) -> str:
