@@ -210,32 +210,30 @@ class GradientSum:
     def _sum_sparse(self, buffer: Tensor) -> tuple[torch.futures.Future[Tensor], Tensor]:
         """Launch the sum of a sparse gradient: all-reduced as it is, or by gathering its rows, or densified.
 
-        A small all-gather first tells every replica each one's stored rows (which the gather needs, and the
-        choice, which all must make alike) and whether it is finite, with its share: a non-finite gradient is sent
-        as no rows and the sum renormalised as dense buckets are (:mod:`~lightning_aesgd.engine.finite_guard`).
-        The hook blocks on this exchange until every replica has reached this bucket.
+        A non-finite gradient is sent as no rows and the sum renormalised as dense buckets are
+        (:mod:`~lightning_aesgd.engine.finite_guard`). Gloo's sparse all-reduce carries the finite flags in a small
+        all-reduce beside it, and nothing blocks. Without it, a small all-gather first tells every replica each
+        one's stored rows (which the gather needs, and the choice, which all must make alike) with the flags: the
+        hook blocks on this exchange until every replica has reached this bucket.
         """
         comm = self._comm(buffer.device)
         native = self._all_reduces_sparse(buffer.device)
         # An embedding's gradient repeats a row per occurrence: gathered or densified, each row travels once.
         local = buffer if native else buffer.coalesce()
-        # On the host: the exchange below reads it anyway.
-        finite = not self.guard or bool(torch.isfinite(local._values()).all())
+        # On the host: the exchange below reads it anyway. The values' sum, as for dense buckets (one pass): an
+        # embedding's gradient holds a row per occurrence, and isfinite().all() over them cost 35x the sum.
+        finite = not self.guard or math.isfinite(float(local._values().sum()))
         if not finite:
             local = _no_rows(local)
+        if native:
+            # A delayed sum outlives this backward and keeps the contribution's values (see _held_contribution).
+            contribution = _held_contribution(local) if self.delay and finite else local
+            return _native_sparse_sum(contribution, self.share if finite else 0.0, comm)
         with self.waiting():
             exchange = _exchange_rows(local, self.share if finite else 0.0, comm)
         counts, finite_share, left_out = exchange
         flags = torch.tensor([finite_share, float(left_out)], dtype=torch.float64, device=buffer.device)
-        if native:
-            # A delayed sum outlives this backward and keeps the contribution's values (see _held_contribution).
-            contribution = _held_contribution(local) if self.delay and finite else local
-            summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(contribution)
-            result = summed.then(lambda future: future.value()[0])
-        elif self._densifies(local, counts):
-            result = _densified_sum(local, comm)
-        else:
-            result = _gathered_sum(local, counts, comm)
+        result = _densified_sum(local, comm) if self._densifies(local, counts) else _gathered_sum(local, counts, comm)
         if left_out:
             scale = 1.0 / finite_share if finite_share > 0 else 0.0
             result = result.then(lambda future: future.value() * scale)
@@ -374,6 +372,31 @@ def sparse_sum_method(
     gather = world_size * rows * (row_width * element_size + 8 * sparse_dim)
     densify = numel * element_size
     return "gather" if gather <= densify else "densify"
+
+
+def _native_sparse_sum(
+    contribution: Tensor, share: float, comm: Communicator
+) -> tuple[torch.futures.Future[Tensor], Tensor]:
+    """A sparse all-reduce (gloo's), its finite flags summed beside it: nothing blocks the backward.
+
+    A ``share`` of 0 marks this replica's gradient as left out (sent as no rows). The returned flags are filled
+    when the sums complete, before the future's value is handed to DDP.
+    """
+    mine = torch.tensor([share, 1.0 if share == 0 else 0.0], dtype=torch.float64, device=contribution.device)
+    flags = torch.zeros(2, dtype=torch.float64, device=contribution.device)
+    both = torch.futures.collect_all([comm.all_reduce_sum_async(contribution), comm.all_reduce_sum_async(mine)])
+
+    def renormalised_sum(future: torch.futures.Future[list[torch.futures.Future[Any]]]) -> Tensor:
+        summed: Tensor
+        summed_flags: Tensor
+        summed, summed_flags = (done.value()[0] for done in future.value())
+        flags.copy_(summed_flags)
+        finite_share, left_out = summed_flags.tolist()
+        if left_out > 0:
+            summed = summed * (1.0 / finite_share if finite_share > 0 else 0.0)
+        return summed
+
+    return both.then(renormalised_sum), flags
 
 
 def _exchange_rows(sparse: Tensor, share: float, comm: Communicator) -> tuple[list[int], float, int]:
