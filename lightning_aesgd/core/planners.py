@@ -111,15 +111,16 @@ def balanced_step_time(
 
 
 def admitted_replicas(
-    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None, margin: float = 0.03
+    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None, margin: float = 0.1
 ) -> list[bool]:
-    """Which replicas shorten the step: the others get no work (Adaptive Hogbatch's placement, issue 25).
+    """Which replicas shorten the step: the others get no work (as Adaptive Hogbatch places work by speed).
 
     Every replica of a synchronous step holds the others at the sync point, so one whose step at the smallest
     batch outlasts what the others need for the whole step batch makes every step slower than leaving it out.
     Greedily, the replica slowest at ``min_size`` is left out while the balanced step time of the rest
-    (:func:`balanced_step_time`) is shorter than with it by more than ``margin`` (relative, so that noise in the
-    models does not make a replica come and go); one replica always stays.
+    (:func:`balanced_step_time`) is shorter than with it by more than ``margin`` (relative: 10%, so that noise in
+    the models, CPU quotas' above all, does not leave out a replica whose help is real but small); one replica
+    always stays.
 
     Example:
         >>> admitted_replicas(96, [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 50.0)], min_size=4)

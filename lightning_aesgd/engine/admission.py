@@ -34,7 +34,7 @@ class Admission:
         margin: a replica is left out only if the step without it is shorter by more than this fraction.
     """
 
-    def __init__(self, margin: float = 0.03) -> None:
+    def __init__(self, margin: float = 0.1) -> None:
         self.margin = margin
         self.probe_at: dict[int, int] = {}  # left-out replica → the step of its next probe
 
