@@ -239,7 +239,11 @@ class PlanLoop:
         From the models every rank updates alike, so every rank gives the same answer; ``False`` before any model.
         """
         models = self.arrival_model.models() if self.arrival_model is not None else None
-        return models is not None and self.plan_book is not None and self._agree_within(models, spread)
+        if models is None or self.plan_book is None:
+            return False
+        assert self.arrival_model is not None
+        # A probe waiting for its measurement is not settled: reports stay frequent, so the probe ends soon.
+        return not self.arrival_model.restarts_pending() and self._agree_within(models, spread)
 
     def _agree_within(self, models: Sequence[StepTime], spread: float) -> bool:
         """Whether the predicted step times of the replicas taking part agree within ``spread``.

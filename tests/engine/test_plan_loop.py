@@ -245,6 +245,16 @@ def test_a_loop_that_may_not_leave_replicas_out_lets_them_back_in():
     assert later[-1][2] > 0
 
 
+def test_a_probe_waiting_for_its_measurement_keeps_the_plan_unsettled():
+    replicas = _group(3, planner="proportional")
+    _run(replicas, lambda step: (1, 1, 50), steps=30)
+    loop = replicas[0].plans
+    assert loop.plan_book.latest[2] == 0
+    assert loop.balanced_within(0.1)  # the replicas taking part agree: reports may be spaced out
+    loop.arrival_model.restart_next(2)  # as a probe does
+    assert not loop.balanced_within(0.1)  # until it is measured, reports stay frequent
+
+
 def test_a_static_plan_or_a_planner_object_never_leaves_a_replica_out():
     factors = (1, 1, 50)
     static = _run(_group(3, planner="static"), lambda step: factors, steps=40)
