@@ -4,12 +4,13 @@ Every replica of a synchronous step holds the others at the sync point. A replic
 batch outlasts what the others need for the whole step batch (a CPU replica beside a GPU, a process under an
 eighth of a core, a GPU fifty times slower than its peers) makes every step slower than leaving it out, whatever
 its batch (:func:`~lightning_aesgd.core.planners.admitted_replicas`). It is then planned a batch of 0: it skips
-its forward and backward, joins the sync point with nothing to add, and no longer sits in the critical path.
+its forward over data (a zero loss's backward keeps it in the sums) and joins the sync point with nothing to add,
+so the others no longer wait for its compute; it still takes part in every step's collectives.
 
 Its speed is no longer measured while it idles, so it is probed: given the smallest batch for one plan, after a
 number of steps chosen so that probes lasting ``lag + 1`` steps cost :data:`PROBE_BUDGET` of the training time (a
-probe lasts until the next plan: longer where reports are spaced out), and re-admitted when the fresh
-measurement says it helps.
+probe lasts until its measurement is reported, and reports stay frequent meanwhile), and re-admitted when the
+fresh measurement says it helps.
 """
 
 from __future__ import annotations
