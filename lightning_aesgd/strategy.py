@@ -58,8 +58,12 @@ class AdaptiveElasticMixin(SharedDevices):
             :class:`~lightning_aesgd.settings.StrategySettings`, to which they are forwarded.
         replicas_per_device: replica processes on every device (e.g. 4 replicas sharing one GPU, over gloo, to
             run and measure several replicas on a single-GPU machine); 1, one per device, as DDP.
+        replica_devices: every replica's device on each node, in place of Lightning's devices: e.g.
+            ``["cuda:0", "cpu", "cpu"]`` (CPU replicas beside a GPU replica, as Adaptive Hogbatch), or ``"auto"``
+            (every GPU, then CPU replicas on the spare cores). Each rank sets up its own accelerator, precision
+            (32-bit on CPU) and threads; see :mod:`lightning_aesgd.placement`.
         process_group_backend: torch.distributed backend; gloo on CPU and nccl on CUDA by default (gloo where
-            replicas share a GPU).
+            replicas share a GPU or mix CPU and GPU).
         timeout: timeout of collectives.
         start_method: how processes are launched: ``"popen"`` (re-run the script), ``"spawn"`` or ``"fork"``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by Lightning's
@@ -103,6 +107,7 @@ class AdaptiveElasticMixin(SharedDevices):
         checkpoint_replicas: bool = StrategySettings.checkpoint_replicas,
         telemetry: bool = StrategySettings.telemetry,
         replicas_per_device: int = 1,
+        replica_devices: Sequence[str] | Literal["auto"] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -129,6 +134,7 @@ class AdaptiveElasticMixin(SharedDevices):
             timeout=timeout,
             start_method=start_method,
             replicas_per_device=replicas_per_device,
+            replica_devices=replica_devices,
             **self.settings.ddp_options(),
         )
         self.sync = self.settings.sync
@@ -170,6 +176,10 @@ class AdaptiveElasticMixin(SharedDevices):
         return module
 
     # --- set-up -------------------------------------------------------------------------------------------
+
+    @override
+    def _sums_gradients(self) -> bool:
+        return self.settings.sync == "gradients"
 
     @override
     def configure_ddp(self) -> None:

@@ -81,11 +81,12 @@ def _model_options(cfg: DictConfig, strategy: Any) -> dict[str, Any]:
     """Dense embedding gradients for a baseline (Lightning's DDP reducer) over NCCL, which has no sparse sum.
 
     This project's strategy sums sparse gradients itself on any backend; Lightning's reducer hands them to the
-    backend's all-reduce, which NCCL cannot do for sparse tensors (gloo can, replicas sharing a GPU included).
+    backend's all-reduce, which NCCL cannot do for sparse tensors (gloo can: replicas sharing a GPU, or CPU replicas
+    beside GPU replicas).
     """
     if isinstance(strategy, AdaptiveElasticMixin) or not cfg.model.get("sparse_gradients", False):
         return {}
-    if not _trains_on_cuda(cfg) or getattr(strategy, "replicas_per_device", 1) > 1:  # gloo sums sparse ones
+    if not _trains_on_cuda(cfg) or getattr(strategy, "connects_over_gloo", False):  # gloo sums sparse ones
         return {}
     log.info("Lightning's DDP on CUDA: the model uses dense embedding gradients (NCCL cannot sum sparse ones).")
     return {"sparse_gradients": False}

@@ -1,4 +1,4 @@
-"""Steps 1-3 of scripts/gpu_check.sh: the main job on the GPUs, one run per configuration, judged as a table.
+"""Steps 1-4 of scripts/gpu_check.sh: the main job on the GPUs, one run per configuration, judged as a table.
 
 Each run is ``python -m lightning_aesgd.train`` in a process of its own (what a user runs); its test metrics come
 from the job's ``results:`` line. Exits 1 if a package is missing, a run fails or an XMC config's test P@1 is more
@@ -75,6 +75,9 @@ def main(extra: list[str]) -> int:
         shared = ["experiment=gpu_shared", f"algorithm={algorithm}", "devices.num_replicas=2"]
         shared += ["devices.slowdown.factors=[1,2]", "trainer.max_epochs=1", *extra]
         failures += run(f"2 replicas on one GPU, {algorithm}", shared) is None
+    for algorithm in ("hogbatch", "adaptive_elastic", "ddp"):
+        placed = ["devices=gpu_cpu", f"algorithm={algorithm}", "trainer.max_epochs=1", *extra]
+        failures += run(f"GPU and CPU replicas (devices=gpu_cpu), {algorithm}", placed) is None
     reference = p_at_1.get("ddp")
     if reference is None:
         print("FAIL no P@1 from Lightning's DDP to compare with")

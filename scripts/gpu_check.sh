@@ -3,9 +3,10 @@
 #   1. every algorithm config trains XMC mini on the GPUs and tests it (P@1 within 0.01 of Lightning's DDP);
 #   2. the digits and Fashion-MNIST experiments;
 #   3. 2 replicas sharing one GPU under both sync modes (experiment=gpu_shared);
-#   4. the tests marked `cuda`.
+#   4. GPU and CPU replicas side by side (devices=gpu_cpu) under hogbatch, adaptive_elastic and ddp;
+#   5. the tests marked `cuda`.
 # Uses $AESGD_PYTHON (default python3) as it is: no install step, so it runs where no registry can be reached.
-# Extra arguments are Hydra overrides for every run of steps 1-3 (e.g. trainer.max_epochs=1 for a quick look).
+# Extra arguments are Hydra overrides for every run of steps 1-4 (e.g. trainer.max_epochs=1 for a quick look).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python="${AESGD_PYTHON:-python3}"

@@ -108,3 +108,12 @@ def fit_in_precision(precision: str, sync: str) -> None:
 def fit_replicas_sharing_the_gpu(sync: str) -> None:
     """Two replica processes on the first GPU, over gloo: plans, merges and the sampler on CUDA."""
     _fit_and_check(RegressionModel(), _strategy(sync, replicas_per_device=2, slowdown=[1, 3]))
+
+
+def fit_placed_replicas(sync: str, sparse: bool, devices: tuple[str, ...] = ("cuda:0", "cpu")) -> None:
+    """Replicas placed by ``replica_devices`` (by default a GPU replica and a CPU replica, over gloo), dense or sparse
+    gradients: each rank on its own accelerator, a CPU replica in 32-bit under a GPU replica's bf16 autocast."""
+    model = SparseModel() if sparse else RegressionModel()
+    strategy = _strategy(sync, replica_devices=list(devices))
+    precision = "bf16-mixed" if "cuda:0" in devices else "32-true"
+    _fit_and_check(model, strategy, accelerator="auto", precision=precision)

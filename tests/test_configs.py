@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -171,3 +172,30 @@ def test_the_paper_preset_trains_past_its_warm_up_end_to_end(tmp_path):
     output = result.stderr + result.stdout
     assert "results: " in output
     assert "replicas at the end of fit" in output
+
+
+def test_gpu_cpu_places_hogbatch_on_the_gpu_and_the_spare_cores(tmp_path, monkeypatch):
+    from pytorch_lightning.accelerators import CUDAAccelerator
+
+    from lightning_aesgd import placement
+
+    monkeypatch.setattr(placement, "num_cuda_devices", lambda: 1)
+    monkeypatch.setattr(placement, "available_cores", lambda: 16)
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr(CUDAAccelerator, "parse_devices", staticmethod(lambda devices: [0]))
+    trainer, _model, _datamodule = build(_compose(tmp_path, "devices=gpu_cpu", "algorithm=hogbatch"))
+    strategy = trainer.strategy
+    assert strategy.parallel_devices == [torch.device("cuda", 0), torch.device("cpu")]
+    assert strategy.connects_over_gloo
+    assert strategy._start_method == "spawn"
+    assert (strategy.sync, strategy.settings.planner, strategy.settings.merge_weights) == (
+        "models",
+        "proportional",
+        "samples",
+    )
+    assert not any(type(c).__name__ == "SlowdownCallback" for c in trainer.callbacks)  # real devices
+
+
+def test_gpu_cpu_without_a_gpu_is_cpu_replicas_alone(tmp_path):
+    trainer, _model, _datamodule = build(_compose(tmp_path, "devices=gpu_cpu", "algorithm=hogbatch"))
+    assert {device.type for device in trainer.strategy.parallel_devices} == {"cpu"}

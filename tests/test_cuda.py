@@ -33,3 +33,9 @@ def test_mixed_precision_fits(precision, sync):
 @pytest.mark.parametrize("sync", ["gradients", "models"])
 def test_two_replicas_share_one_gpu(sync):
     run_on_cuda("cuda_bodies:fit_replicas_sharing_the_gpu", sync)
+
+
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_cpu_replica_trains_beside_the_gpu(sync, sparse):
+    run_on_cuda("cuda_bodies:fit_placed_replicas", sync, sparse)

@@ -1,6 +1,8 @@
-"""Several replica processes per device: the placement rules, and fits with 2 replicas on one device."""
+"""Where replicas run: several per device, or each rank on its own device (``replica_devices``), and fits."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import pytorch_lightning as pl
@@ -8,13 +10,23 @@ import torch
 from helpers import RegressionModel, cpu_trainer
 from hypothesis import given
 from hypothesis import strategies as st
+from pytorch_lightning.accelerators import CUDAAccelerator
+from pytorch_lightning.plugins import precision as plugins_precision
+from pytorch_lightning.plugins.precision import DoublePrecision, MixedPrecision, Precision
 
-from lightning_aesgd import AdaptiveElasticStrategy
+from lightning_aesgd import AdaptiveElasticStrategy, placement
 from lightning_aesgd.baselines import PostLocalSGDStrategy, SharedDeviceDDPStrategy
 from lightning_aesgd.placement import (
+    GPU_FEEDER_CORES,
+    MIN_CPU_REPLICA_CORES,
+    auto_replica_devices,
+    available_cores,
     check_replicas_per_device,
+    parse_replica_devices,
+    precision_for,
     process_group_backend,
     repeat_devices,
+    replica_threads,
     shares_a_device,
 )
 
@@ -67,3 +79,159 @@ def test_two_replicas_train_on_one_device(sync):
     trainer.fit(model)
     assert trainer.world_size == 2
     assert trainer.state.finished
+
+
+# --- replica_devices: every rank's own device (CPU replicas beside GPU replicas) ----------------------------
+
+
+@given(st.integers(0, 8), st.integers(1, 128))
+def test_auto_places_every_gpu_first_and_leaves_their_cores_to_them(cuda_count, cores):
+    devices = auto_replica_devices(cuda_count, cores)
+    assert devices[:cuda_count] == [torch.device("cuda", i) for i in range(cuda_count)]
+    cpu_replicas = len(devices) - cuda_count
+    assert all(device.type == "cpu" for device in devices[cuda_count:])
+    assert cpu_replicas >= (1 if cuda_count == 0 else 0)
+    threads = [replica_threads(devices, rank, cores) for rank in range(len(devices))]
+    if cpu_replicas and cuda_count:  # CPU replicas stay off the cores that feed the GPUs
+        assert sum(threads[cuda_count:]) <= cores - GPU_FEEDER_CORES * cuda_count
+        assert min(threads[cuda_count:]) >= MIN_CPU_REPLICA_CORES // 2
+    if cuda_count and not cpu_replicas:
+        assert threads == [None] * cuda_count  # GPUs alone: torch's own thread count
+
+
+def test_a_one_gpu_machine_with_16_cores_gets_a_gpu_replica_and_a_cpu_replica_over_gloo(monkeypatch):
+    _one_gpu_machine(monkeypatch, cores=16)
+    for strategy_class in (AdaptiveElasticStrategy, SharedDeviceDDPStrategy):
+        strategy = strategy_class(replica_devices="auto")
+        assert strategy.parallel_devices == [torch.device("cuda", 0), torch.device("cpu")]
+        strategy.parallel_devices = [torch.device("cpu")]  # Lightning's connector: replica_devices stand
+        assert strategy.num_processes == 2
+        strategy.set_world_ranks()
+        assert strategy._get_process_group_backend() == "gloo"
+    assert [replica_threads(strategy.parallel_devices, rank, 16) for rank in (0, 1)] == [2, 14]
+
+
+def test_a_trainer_keeps_the_replica_devices(monkeypatch):
+    _one_gpu_machine(monkeypatch, cores=4)
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr(CUDAAccelerator, "parse_devices", staticmethod(lambda devices: [0]))
+    strategy = AdaptiveElasticStrategy(replica_devices=["cuda:0", "cpu", "cpu"])
+    trainer = pl.Trainer(accelerator="auto", devices=1, strategy=strategy, logger=False)
+    assert trainer.num_devices == 3
+    assert isinstance(trainer.accelerator, CUDAAccelerator)  # rank 0's; the CPU ranks take theirs at set-up
+    assert trainer.strategy.parallel_devices == [torch.device("cuda", 0), torch.device("cpu"), torch.device("cpu")]
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (["cuda:0", "cpu"], "has no CUDA GPU"),
+        (["cuda:1"], "has no CUDA GPU"),
+        (["cuda", "cpu"], "cuda:<index>"),
+        (["mps"], "cuda:<index>"),
+        (["cpu", None], "not a replica's device"),
+        ("cpu", "'auto' or a non-empty list"),
+        ([], "'auto' or a non-empty list"),
+    ],
+)
+def test_bad_replica_devices_fail_at_construction_with_a_hint(spec, match):
+    with pytest.raises(ValueError, match=match) as raised:
+        AdaptiveElasticStrategy(replica_devices=spec)
+    assert "HINT" in str(raised.value)
+
+
+def test_a_gpu_beyond_the_machines_count_is_refused(monkeypatch):
+    _one_gpu_machine(monkeypatch, cores=16)
+    with pytest.raises(ValueError, match="has 1 CUDA GPU"):
+        parse_replica_devices(["cuda:0", "cuda:1"], 1, 16)
+    assert parse_replica_devices(["cuda:0", "cuda:0", "cpu"], 1, 16)[:2] == [torch.device("cuda", 0)] * 2
+
+
+def test_replica_devices_and_replicas_per_device_are_exclusive():
+    with pytest.raises(ValueError, match="set one"):
+        AdaptiveElasticStrategy(replica_devices=["cpu", "cpu"], replicas_per_device=2)
+
+
+def test_nccl_cannot_connect_cpu_and_gpu_replicas():
+    with pytest.raises(ValueError, match="CPU and GPU replicas"):
+        process_group_backend([torch.device("cuda", 0), torch.device("cpu")], "nccl")
+
+
+@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
+def test_each_rank_takes_its_own_accelerator_precision_and_threads(monkeypatch, namespace):
+    accelerators = importlib.import_module(f"{namespace}.accelerators")
+    precision = importlib.import_module(f"{namespace}.plugins.precision")
+    strategy_class = (
+        importlib.import_module("lightning_aesgd.unified").AdaptiveElasticStrategy
+        if namespace == "lightning.pytorch"
+        else AdaptiveElasticStrategy
+    )
+    _one_gpu_machine(monkeypatch, cores=16)
+    strategy = strategy_class(replica_devices="auto", sync="models")
+    strategy.accelerator = accelerators.CUDAAccelerator()
+    strategy.precision_plugin = precision.MixedPrecision("16-mixed", device="cuda", scaler=torch.amp.GradScaler())
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    strategy.cluster_environment = importlib.import_module(f"{namespace}.plugins.environments").LightningEnvironment()
+    threads = torch.get_num_threads()
+    try:
+        strategy._take_own_device(strategy.parallel_devices)
+        assert torch.get_num_threads() == 14
+    finally:
+        torch.set_num_threads(threads)
+    assert strategy.root_device == torch.device("cpu")
+    assert type(strategy.accelerator) is accelerators.CPUAccelerator
+    assert type(strategy.precision_plugin) is precision.Precision  # 32-bit on the CPU replica
+
+
+def test_a_gpu_replica_of_a_cpu_trainer_autocasts_on_cuda():
+    cpu_mixed = MixedPrecision("bf16-mixed", device="cpu")
+    on_gpu = precision_for(torch.device("cuda", 0), cpu_mixed, plugins_precision)
+    assert isinstance(on_gpu, MixedPrecision)
+    assert (on_gpu.device, on_gpu.precision, on_gpu.scaler) == ("cuda", "bf16-mixed", None)
+    assert precision_for(torch.device("cpu"), cpu_mixed, plugins_precision).__class__ is Precision
+    double = DoublePrecision()
+    assert precision_for(torch.device("cpu"), double, plugins_precision) is double  # one dtype on every replica
+
+
+@pytest.mark.parametrize("strategy_class", [AdaptiveElasticStrategy, SharedDeviceDDPStrategy])
+def test_a_grad_scaler_cannot_sum_with_cpu_replicas(monkeypatch, strategy_class):
+    _one_gpu_machine(monkeypatch, cores=16)
+    strategy = strategy_class(replica_devices="auto")
+    strategy.precision_plugin = MixedPrecision("16-mixed", device="cuda", scaler=torch.amp.GradScaler())
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        strategy._take_own_device(strategy.parallel_devices)
+
+
+class _RecordThreads(pl.Callback):
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        (self.folder / f"rank{trainer.global_rank}").write_text(
+            f"{torch.get_num_threads()} {type(trainer.strategy.precision_plugin).__name__}"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy_class", [AdaptiveElasticStrategy, SharedDeviceDDPStrategy])
+def test_cpu_replicas_placed_by_replica_devices_split_the_cores(tmp_path, strategy_class):
+    pl.seed_everything(0)
+    threads = torch.get_num_threads()
+    try:
+        strategy = strategy_class(replica_devices=["cpu", "cpu"], start_method="fork")
+        trainer = cpu_trainer(strategy, devices=1, max_steps=4, callbacks=[_RecordThreads(tmp_path)])
+        trainer.fit(RegressionModel())
+    finally:
+        torch.set_num_threads(threads)
+    assert trainer.world_size == 2
+    assert trainer.state.finished
+    expected = f"{max(1, available_cores() // 2)} Precision"
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == [expected, expected]
+
+
+def _one_gpu_machine(monkeypatch, cores: int) -> None:
+    """What ``replica_devices`` sees of a machine with one CUDA GPU and ``cores`` cores."""
+    monkeypatch.setattr(placement, "num_cuda_devices", lambda: 1)
+    monkeypatch.setattr(placement, "available_cores", lambda: cores)
