@@ -1,4 +1,4 @@
-"""The project's benchmarks, four programs behind one command (``python -m lightning_aesgd.bench`` or ``aesgd-bench``).
+"""The project's benchmarks, six programs behind one command (``python -m lightning_aesgd.bench`` or ``aesgd-bench``).
 
 * :mod:`~lightning_aesgd.bench.race`, ``python -m lightning_aesgd.bench [options]``: trains one workload with
   every chosen algorithm under every chosen device profile (emulated heterogeneity) and reports per (profile,
@@ -14,6 +14,10 @@
 * :mod:`~lightning_aesgd.bench.seeds`, ``python -m lightning_aesgd.bench seeds [options]``: the seed papers'
   claims, each a small race with the paper's statement and a verdict ("claim | paper says | we measured |
   verdict").
+* :mod:`~lightning_aesgd.bench.scale`, ``python -m lightning_aesgd.bench scale [options]``: the speedup over
+  lockstep DDP as the replicas grow in number and spread, measured up to 8 replicas and simulated up to 256.
+* :mod:`~lightning_aesgd.bench.placement`, ``python -m lightning_aesgd.bench placement [options]``: the GPU
+  alone, GPU + CPU replicas (``devices=gpu_cpu``) and CPU replicas alone, each also with the GPU emulated slower.
 
 :mod:`~lightning_aesgd.bench.cli` dispatches on the first argument; :mod:`~lightning_aesgd.bench.common` holds
 what the programs share. Each program's ``--help`` lists its options.

@@ -1,6 +1,7 @@
 """Command line: ``python -m lightning_aesgd.bench [PROGRAM] [options]``, where PROGRAM picks the benchmark.
 
-``overhead``, ``slowness`` and ``seeds`` name their programs; without a program name, the arguments are the race's.
+``overhead``, ``slowness``, ``seeds``, ``scale`` and ``placement`` name their programs; without a program name, the
+arguments are the race's.
 """
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from lightning_aesgd.bench import overhead, race, scale, seeds, slowness
+from lightning_aesgd.bench import overhead, placement, race, scale, seeds, slowness
 
 PROGRAMS: dict[str, Callable[[Sequence[str]], int]] = {
     "overhead": overhead.main,
     "slowness": slowness.main,
     "seeds": seeds.main,
     "scale": scale.main,
+    "placement": placement.main,
 }
 """The programs run by name; the race is the default."""
 
