@@ -11,8 +11,9 @@ import pytorch_lightning as pl
 import torch
 from helpers import RegressionModel, cpu_trainer, flat_parameters
 
-from lightning_aesgd import AdaptiveElasticStrategy, SlowdownCallback
+from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
 from lightning_aesgd.engine.loading import IdleBatch
+from lightning_aesgd.engine.model_merge import MAX_STEPS_ALONE
 from lightning_aesgd.idle_steps import idle_training_step, zero_loss
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -126,3 +127,64 @@ def test_an_idle_step_brings_back_the_training_step_it_replaced():
     with idle_training_step(model):
         pass
     assert "training_step" not in vars(model)
+
+
+class _RecordFitted(pl.Callback):
+    """Each replica's parameters once fit is over (the strategy's end of fit has made the global model its own)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+
+    def teardown(self, trainer, pl_module, stage):
+        fitted = flat_parameters(pl_module).tolist()
+        (self.directory / f"fitted{trainer.global_rank}.json").write_text(json.dumps(fitted))
+
+
+def _fit_two(tmp_path, model, **options):
+    slow = SlowdownCallback({"factors": [1, 50], "mode": "user", "seconds_per_sample": 0.0003})
+    strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=90), **options)
+    callbacks = [slow, _Record(tmp_path), _RecordFitted(tmp_path)]
+    cpu_trainer(strategy, devices=2, max_epochs=2, callbacks=callbacks).fit(model)
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, record in enumerate(records):
+        record["fitted"] = json.loads((tmp_path / f"fitted{rank}.json").read_text())
+    return records
+
+
+def test_a_replica_training_alone_merges_only_when_another_is_planned_in(tmp_path):
+    size = 480  # 30 steps of 16 samples an epoch, 60 in all
+    pl.seed_everything(7)
+    averaging = {"merge_rule": ElasticAverage(alpha=1.0, momentum=0.0), "merge_weights": "samples", "period": 1}
+    records = _fit_two(tmp_path, _EpochModel(size=size, batch_size=BATCH), sync="models", **averaging)
+
+    plans = records[0]["plans"]
+    first_out = next(start for start, sizes in zip(plans["starts"], plans["sizes"], strict=True) if sizes[1] == 0)
+    assert first_out <= 20, plans
+    merges, steps = records[0]["summary"]["syncs"], 60
+    ends = [*plans["starts"][1:], steps]
+    shared = sum(
+        end - start for start, end, sizes in zip(plans["starts"], ends, plans["sizes"], strict=True) if min(sizes) > 0
+    )
+    probes = sum(1 for sizes in plans["sizes"][1:] if min(sizes) > 0)
+    # A merge after each step that both replicas share; alone, one before each probe, a few while the probe's
+    # measurement is on its way, and one every MAX_STEPS_ALONE steps: a few, where lockstep merges would be 60.
+    assert merges <= shared + 4 * probes + steps // MAX_STEPS_ALONE + 1, (merges, plans)
+    assert merges < steps // 4, (merges, plans)
+    for epoch in range(2):
+        used = [
+            i for record in records for seen_epoch, indices in record["seen"] if seen_epoch == epoch for i in indices
+        ]
+        assert sorted(used) == list(range(size)), f"epoch {epoch}: every sample exactly once"
+    # The end of fit makes the global model every replica's: the lone replica's own model (which the merge gives
+    # back unchanged), the idle one's stale copy carrying no weight.
+    assert records[0]["fitted"] == pytest.approx(records[0]["parameters"], abs=1e-6)
+    assert records[1]["fitted"] == pytest.approx(records[0]["parameters"], abs=1e-6)
+
+
+def test_a_rule_with_a_center_of_its_own_merges_on_schedule(tmp_path):
+    pl.seed_everything(7)
+    momentum = ElasticAverage(alpha=1.0, momentum=0.3)
+    model = _EpochModel(size=480, batch_size=BATCH)
+    records = _fit_two(tmp_path, model, sync="models", merge_rule=momentum, period=1, warmup_steps=0)
+    assert records[0]["plans"]["sizes"][-1][1] == 0  # left out ...
+    assert records[0]["summary"]["syncs"] == 60  # ... and still in every merge: outer momentum moves the model

@@ -26,6 +26,7 @@ LIGHTNING = ("pytorch_lightning", "lightning", "lightning_fabric")
 # sets them.
 LAUNCH_OPTIONS = {
     "replicas_per_device",
+    "replica_devices",
     "process_group_backend",
     "timeout",
     "start_method",

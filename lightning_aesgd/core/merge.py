@@ -248,6 +248,15 @@ class ElasticAverage:
         elastic_pull_(local, center, self.alpha)
         return center
 
+    @property
+    def replaces_replicas_with_mean(self) -> bool:
+        """Whether a merge gives every replica the weighted mean and keeps no state (``α = 1``, ``μ = 0``).
+
+        A merge in which one replica has all the weight then leaves that replica's model as it is, so it may wait
+        until another replica needs the model (:meth:`~lightning_aesgd.engine.model_merge.ModelMerge`).
+        """
+        return self.alpha == 1.0 and self.momentum == 0.0
+
     def center(self, mean: Tensor, state: dict[str, Tensor]) -> Tensor:
         """The replicas' mean: without a stored central model, that is the global model."""
         return mean.clone()

@@ -14,6 +14,7 @@ import logging
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +25,7 @@ from typing_extensions import Unpack
 from lightning_aesgd.core.schedule import LearningRateDrop
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
+from lightning_aesgd.engine.admission import MIN_PROBE_INTERVAL
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
@@ -81,6 +83,7 @@ class ModelMerge(StepPipeline):
         # next merge reads it back with its other numbers.
         self._center_norm: torch.Tensor | float = -1.0
         self._maybe_skipped: list[tuple[Any, float]] = []  # (skipped?, samples) of the steps since the last merge
+        self.alone = TrainingAlone()
         if lr_scaling and merging.weights == "samples":
             # Both favour large batches: together they count a sample of a large batch twice.
             warnings.warn(
@@ -104,6 +107,7 @@ class ModelMerge(StepPipeline):
         self.averager = ElasticAverager(module, comm, self.merging)
         self._center_norm = -1.0
         self._maybe_skipped.clear()
+        self.alone = TrainingAlone()
 
     def _stop(self) -> None:
         self.averager = None
@@ -142,9 +146,42 @@ class ModelMerge(StepPipeline):
             averager.discount_skipped(0.0)
         if scale_before is not None:
             self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
+        self.alone.observe(self.plans.lone_taker(self._step_key))
+        if self.synced_last_step and self._merge_can_wait(averager):
+            self.synced_last_step = False
+        elif self.alone.owes_merge and self.plans.lone_taker(self._step_key + 1) != self.alone.taker:
+            # Another replica is planned in next step (a probe, a plan without leave-out): it must start from the
+            # lone replica's model, so the merge that waited happens now, due or not.
+            self.synced_last_step = True
         if self.synced_last_step:
             self._merge(averager, optimizer, self.hooks.stop_requested())
+            self.alone.merged()
         return output
+
+    def _merge_can_wait(self, averager: ElasticAverager) -> bool:
+        """Whether the merge due now may wait: one replica trains alone, and a merge would leave its model as it is.
+
+        With one replica holding every sample since the last merge (the others left out, weight 0) and a rule
+        that replaces replicas by the weighted mean, the merge gives that replica its own model back; only the
+        left-out replicas' copies and the reports would move. So merges wait, and the replica trains with no
+        collective at all, until the next step plans another taker, a probe is due or waits for its measurement,
+        or ``MAX_STEPS_ALONE`` steps have passed (reports, and a SIGTERM in them, still travel that often).
+        Every rank decides from the same plan book and schedule, so all skip the same merges.
+        """
+        if averager.comm.world_size == 1:  # nobody is left out: merges keep their schedule (and their reports)
+            return False
+        if not getattr(averager.rule, "replaces_replicas_with_mean", False) or self.normalization.enabled:
+            return False
+        taker = self.alone.taker
+        if taker is None or self.alone.steps >= MAX_STEPS_ALONE:
+            return False
+        if self.plans.lone_taker(self._step_key + 1) != taker or not self.plans.reports_can_wait(self._step_key):
+            return False
+        if not self.alone.waited and averager.comm.rank == 0:
+            log.info("Replica %d takes every sample: merges wait until another replica is planned in.", taker)
+        self.alone.waited += 1
+        self.alone.owes_merge = True
+        return True
 
     def _read_before_merge(self, averager: ElasticAverager) -> tuple[float, list[float], float]:
         """What the merge's report needs from the device, read back in one host synchronisation.
@@ -255,6 +292,7 @@ class ModelMerge(StepPipeline):
         averager = self._running_averager()
         shared = self._plan_state()
         shared.update({"averager": averager.shared_state(), "l2_trend": self.normalization.state_dict()})
+        shared["alone"] = self.alone.state_dict()
         state: dict[str, Any] = {"world_size": averager.comm.world_size, "shared": shared, "replicas": None}
         if self.checkpoint_replicas:
             params, buffers = averager.local_model()
@@ -279,6 +317,7 @@ class ModelMerge(StepPipeline):
         if "averager" not in state["shared"]:  # a checkpoint of sync="gradients": only its plans carry over
             return
         averager.load_shared_state(state["shared"]["averager"])
+        self.alone.load_state_dict(state["shared"].get("alone") or {})
         self.normalization.load_state_dict(state["shared"]["l2_trend"])
         replicas, world_size = state["replicas"], averager.comm.world_size
         if replicas is None:
@@ -295,6 +334,43 @@ class ModelMerge(StepPipeline):
         averager.load_local_state(own["averager"])
         if optimizer is not None and own["optimizer"] is not None:
             optimizer.load_state_dict(own["optimizer"])
+
+
+MAX_STEPS_ALONE = MIN_PROBE_INTERVAL
+"""Most steps a replica training alone goes without a merge (as long as the shortest probe interval)."""
+
+
+@dataclass
+class TrainingAlone:
+    """Who has held every sample since the last merge, and for how many steps (the same on every rank).
+
+    Attributes:
+        taker: the one replica with samples in every step since the last merge, or ``None``.
+        steps: steps since the last merge.
+        waited: merges that waited in this fit.
+        owes_merge: whether a merge waited since the last one.
+    """
+
+    taker: int | None = None
+    steps: int = 0
+    waited: int = 0
+    owes_merge: bool = False
+
+    def observe(self, lone_taker: int | None) -> None:
+        """Count a step whose plan has ``lone_taker`` as its only replica with samples (``None``: several)."""
+        self.taker = lone_taker if self.steps == 0 or self.taker == lone_taker else None
+        self.steps += 1
+
+    def merged(self) -> None:
+        """A merge happened: the count starts anew."""
+        self.taker, self.steps, self.owes_merge = None, 0, False
+
+    def state_dict(self) -> dict[str, int | None]:  # noqa: D102
+        return {"taker": self.taker, "steps": self.steps, "owes_merge": int(self.owes_merge)}
+
+    def load_state_dict(self, state: dict[str, int | None]) -> None:  # noqa: D102
+        self.taker, self.steps = state.get("taker"), int(state.get("steps") or 0)
+        self.owes_merge = bool(state.get("owes_merge"))
 
 
 def _broadcast_module(module: nn.Module, comm: Communicator, with_buffers: bool) -> None:

@@ -218,6 +218,24 @@ class PlanLoop:
         self._next_plan = step + self.lag + 1
         return True
 
+    def lone_taker(self, step: int) -> int | None:
+        """The only replica with samples in step ``step``'s plan, or ``None`` (several, or no plan book yet)."""
+        if self.plan_book is None:
+            return None
+        takers = [rank for rank, size in enumerate(self.plan_book.sizes_at(step)) if size > 0]
+        return takers[0] if len(takers) == 1 else None
+
+    def reports_can_wait(self, step: int) -> bool:
+        """Whether the sync point after step ``step`` may pass without reports while one replica trains alone.
+
+        Not when a left-out replica is due for a probe (its probe is planned from reports), nor while a probe
+        waits for its measurement. Every rank holds the same plan book and probe schedule, so all agree.
+        """
+        assert self.plan_book is not None
+        assert self.arrival_model is not None
+        probing = self.admission.probe_due(step, self.plan_book.latest) or bool(self.arrival_model.restarts_pending())
+        return not probing
+
     @property
     def dead_band(self) -> float:
         """The plans' dead band now: ``plan_dead_band``, widened to the replicas' measured step-time noise.

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from lightning_aesgd.core.apportion import share_error
+from lightning_aesgd.core.merge import ElasticAverage
 from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.engine.arrivals import ArrivalClock
+from lightning_aesgd.engine.model_merge import TrainingAlone
 from lightning_aesgd.engine.plan_loop import HISTORY_LENGTH, PlanLoop, PlanRecord
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
@@ -348,3 +350,39 @@ class _WrongTotal:
 def test_a_planner_object_that_returns_a_wrong_plan_fails_before_training():
     with pytest.raises(ValueError, match=r"returned \[9\] for a trial plan of \[8\].*HINT"):
         PlanLoop(PlanSettings(planner=_WrongTotal())).plan_book_for(8, 1, lag=2)
+
+
+def test_a_lone_replica_is_named_and_its_reports_wait_until_a_probe_is_due():
+    replicas = _group(2, planner="proportional")
+    plans = _run(replicas, lambda step: (1, 50), steps=40)
+    loop = replicas[0].plans
+    assert plans[-1] == (STEP_BATCH, 0)
+    assert loop.lone_taker(39) == 0
+    assert loop.lone_taker(0) is None  # both replicas had samples in the first plan
+    due = loop.admission.probe_at[1]
+    assert loop.reports_can_wait(due - 1)
+    assert not loop.reports_can_wait(due)  # the probe is planned from the reports at this sync point
+
+
+def test_training_alone_follows_one_taker_from_merge_to_merge():
+    alone = TrainingAlone()
+    for taker in (0, 0, 0):
+        alone.observe(taker)
+    assert (alone.taker, alone.steps) == (0, 3)
+    alone.observe(1)  # another replica had every sample of this step: not the same lone replica
+    assert alone.taker is None
+    alone.merged()
+    alone.observe(None)  # several takers
+    assert alone.taker is None
+    alone.merged()
+    alone.observe(1)
+    alone.owes_merge = True
+    restored = TrainingAlone()
+    restored.load_state_dict(alone.state_dict())
+    assert (restored.taker, restored.steps, restored.owes_merge) == (1, 1, True)
+
+
+def test_only_a_plain_average_leaves_a_lone_replica_as_it_is():
+    assert ElasticAverage(alpha=1.0, momentum=0.0).replaces_replicas_with_mean
+    assert not ElasticAverage(alpha=1.0, momentum=0.3).replaces_replicas_with_mean
+    assert not ElasticAverage(alpha=0.5).replaces_replicas_with_mean
