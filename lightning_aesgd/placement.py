@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -261,6 +262,13 @@ class SharedDevices(_Base):
                 "precision='16-mixed' scales GPU replicas' losses by a GradScaler, while CPU replicas train in "
                 "32-bit without one: their summed gradients would mix scales. HINT: precision='bf16-mixed' (no "
                 "scaler) or '32-true', or sync='models' (each replica steps on its own gradients)."
+            )
+        if mixes_device_types(devices) and self._sums_gradients() and self.global_rank == 0:
+            warnings.warn(
+                "CPU and GPU replicas sum their gradients every step over gloo, through host memory, even while a "
+                "CPU replica is left out of the step. HINT: beside a fast GPU use sync='models' "
+                "(algorithm=hogbatch): merges then wait while the GPU replica trains alone.",
+                stacklevel=2,
             )
         accelerators = importlib.import_module(f"{lightning}.accelerators")
         self.accelerator = accelerators.CUDAAccelerator() if device.type == "cuda" else accelerators.CPUAccelerator()

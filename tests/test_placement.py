@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 import pytorch_lightning as pl
@@ -191,6 +192,23 @@ def test_a_gpu_replica_of_a_cpu_trainer_autocasts_on_cuda():
     assert precision_for(torch.device("cpu"), cpu_mixed, plugins_precision).__class__ is Precision
     double = DoublePrecision()
     assert precision_for(torch.device("cpu"), double, plugins_precision) is double  # one dtype on every replica
+
+
+def test_gradient_sums_across_cpu_and_gpu_replicas_warn_and_point_to_merges(monkeypatch):
+    _one_gpu_machine(monkeypatch, cores=16)
+    summing, merging = (
+        AdaptiveElasticStrategy(replica_devices="auto"),
+        AdaptiveElasticStrategy(replica_devices="auto", sync="models"),
+    )
+    threads = torch.get_num_threads()
+    try:
+        with pytest.warns(UserWarning, match="sync='models'"):
+            summing._take_own_device(summing.parallel_devices)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            merging._take_own_device(merging.parallel_devices)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("strategy_class", [AdaptiveElasticStrategy, SharedDeviceDDPStrategy])
