@@ -273,9 +273,20 @@ class SharedDevices(_Base):
         accelerators = importlib.import_module(f"{lightning}.accelerators")
         self.accelerator = accelerators.CUDAAccelerator() if device.type == "cuda" else accelerators.CPUAccelerator()
         self.precision_plugin = precision_for(device, plugin, importlib.import_module(f"{lightning}.plugins.precision"))
+        if device.type == "cpu" and self.lightning_module is not None:
+            # Lightning's spawn launcher gives each process private tensors only where the Trainer's accelerator
+            # is the CPU; beside a GPU rank the CPU ranks would otherwise all write the parent's shared memory.
+            unshare_tensors(self.lightning_module)
         threads = replica_threads(devices, self.local_rank, available_cores())
         if threads is not None:
             torch.set_num_threads(threads)
+
+
+def unshare_tensors(module: Any) -> None:
+    """Give every parameter and buffer of ``module`` held in shared memory (a spawned process's) a private copy."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_shared():
+            tensor.data = tensor.data.clone()
 
 
 def precision_for(device: torch.device, plugin: Any, precision: Any) -> Any:

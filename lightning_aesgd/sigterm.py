@@ -13,6 +13,9 @@ class _MergeOutcome(Protocol):
     @property
     def stop_requested(self) -> bool: ...
 
+    @property
+    def waited_last_step(self) -> bool: ...
+
 
 class StopCheck:
     """Stands in for the training epoch loop's ``_broadcast_sigterm_tensor``.
@@ -21,7 +24,9 @@ class StopCheck:
     a collective per step, and a synchronisation point where fast replicas would wait for slow ones outside
     the merge, hiding what the arrival sensing must see. Every replica's flag travels in the merge's report
     instead: after a step that merged, once any replica asked to stop, every replica stops before the next
-    step. After a step without a merge (``period > 1``) Lightning's own broadcast runs, as under DDP.
+    step. After a step without a merge (``period > 1``) Lightning's own broadcast runs, as under DDP, except
+    where a due merge waited while one replica trains alone: every rank skipped it alike, and the flag travels
+    with the next merge's reports (at most ``MAX_STEPS_ALONE`` steps later), so that replica runs no collective.
     """
 
     def __init__(self, loop: Any, outcome: _MergeOutcome) -> None:
@@ -33,6 +38,8 @@ class StopCheck:
         loop._broadcast_sigterm_tensor = self
 
     def __call__(self) -> None:  # noqa: D102
+        if self.outcome.waited_last_step:
+            return
         if not self.outcome.synced_last_step:
             self.broadcast()
         elif self.outcome.stop_requested:

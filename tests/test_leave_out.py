@@ -181,10 +181,16 @@ def test_a_replica_training_alone_merges_only_when_another_is_planned_in(tmp_pat
     assert records[1]["fitted"] == pytest.approx(records[0]["parameters"], abs=1e-6)
 
 
-def test_a_rule_with_a_center_of_its_own_merges_on_schedule(tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"merge_rule": ElasticAverage(alpha=1.0, momentum=0.3)},  # outer momentum moves even a lone model
+        {"merge_rule": ElasticAverage(alpha=1.0, momentum=0.0), "optimizer_state": "reset"},  # merges reset
+    ],
+)
+def test_a_merge_that_changes_a_lone_model_stays_on_schedule(tmp_path, options):
     pl.seed_everything(7)
-    momentum = ElasticAverage(alpha=1.0, momentum=0.3)
     model = _EpochModel(size=480, batch_size=BATCH)
-    records = _fit_two(tmp_path, model, sync="models", merge_rule=momentum, period=1, warmup_steps=0)
+    records = _fit_two(tmp_path, model, sync="models", period=1, warmup_steps=0, **options)
     assert records[0]["plans"]["sizes"][-1][1] == 0  # left out ...
     assert records[0]["summary"]["syncs"] == 60  # ... and still in every merge: outer momentum moves the model

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.plugins import precision as plugins_precision
+from pytorch_lightning.plugins.environments import LightningEnvironment
 from pytorch_lightning.plugins.precision import DoublePrecision, MixedPrecision, Precision
 
 from lightning_aesgd import AdaptiveElasticStrategy, placement
@@ -182,6 +183,25 @@ def test_each_rank_takes_its_own_accelerator_precision_and_threads(monkeypatch, 
     assert strategy.root_device == torch.device("cpu")
     assert type(strategy.accelerator) is accelerators.CPUAccelerator
     assert type(strategy.precision_plugin) is precision.Precision  # 32-bit on the CPU replica
+
+
+def test_a_cpu_rank_beside_a_gpu_gets_tensors_of_its_own_under_spawn(monkeypatch):
+    # Lightning's spawn launcher unshares a spawned process's model only when the Trainer's accelerator is the CPU.
+    _one_gpu_machine(monkeypatch, cores=4)
+    strategy = AdaptiveElasticStrategy(replica_devices=["cuda:0", "cpu", "cpu"], sync="models")
+    model = RegressionModel()
+    model.share_memory()
+    strategy._lightning_module = model
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    strategy.cluster_environment = LightningEnvironment()
+    before = [tensor.detach().clone() for tensor in model.parameters()]
+    threads = torch.get_num_threads()
+    try:
+        strategy._take_own_device(strategy.parallel_devices)
+    finally:
+        torch.set_num_threads(threads)
+    assert not any(tensor.is_shared() for tensor in model.parameters())
+    assert all(torch.equal(old, new) for old, new in zip(before, model.parameters(), strict=True))
 
 
 def test_a_gpu_replica_of_a_cpu_trainer_autocasts_on_cuda():

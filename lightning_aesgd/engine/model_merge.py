@@ -147,7 +147,8 @@ class ModelMerge(StepPipeline):
         if scale_before is not None:
             self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
         self.alone.observe(self.plans.lone_taker(self._step_key))
-        if self.synced_last_step and self._merge_can_wait(averager):
+        self.waited_last_step = self.synced_last_step and self._merge_can_wait(averager)
+        if self.waited_last_step:
             self.synced_last_step = False
         elif self.alone.owes_merge and self.plans.lone_taker(self._step_key + 1) != self.alone.taker:
             # Another replica is planned in next step (a probe, a plan without leave-out): it must start from the
@@ -165,12 +166,16 @@ class ModelMerge(StepPipeline):
         that replaces replicas by the weighted mean, the merge gives that replica its own model back; only the
         left-out replicas' copies and the reports would move. So merges wait, and the replica trains with no
         collective at all, until the next step plans another taker, a probe is due or waits for its measurement,
-        or ``MAX_STEPS_ALONE`` steps have passed (reports, and a SIGTERM in them, still travel that often).
-        Every rank decides from the same plan book and schedule, so all skip the same merges.
+        or ``MAX_STEPS_ALONE`` steps have passed (reports, and a SIGTERM in them, still travel that often; the
+        per-step SIGTERM broadcast is skipped too, see :mod:`lightning_aesgd.sigterm`). Every rank decides from the
+        same plan book and schedule, so all skip the same merges.
         """
         if averager.comm.world_size == 1:  # nobody is left out: merges keep their schedule (and their reports)
             return False
-        if not getattr(averager.rule, "replaces_replicas_with_mean", False) or self.normalization.enabled:
+        # Only where the merge is the weighted mean and nothing else: no outer momentum or center of the rule's
+        # own, no adaptive normalization, and the optimizer's state kept (a merge may reset or average it).
+        plain = getattr(averager.rule, "replaces_replicas_with_mean", False) and self.merging.optimizer_state == "keep"
+        if not plain or self.normalization.enabled:
             return False
         taker = self.alone.taker
         if taker is None or self.alone.steps >= MAX_STEPS_ALONE:
@@ -330,7 +335,10 @@ class ModelMerge(StepPipeline):
             )
             return
         own = replicas[averager.comm.rank]
-        averager.load_local_model(own["params"].to(device), own["buffers"].to(device))
+        if not self.alone.owes_merge or self.alone.taker == averager.comm.rank:
+            # A left-out replica whose merge was waiting holds a stale model: it keeps the checkpoint's global model
+            # (the lone replica's), which its owed merge would have given it.
+            averager.load_local_model(own["params"].to(device), own["buffers"].to(device))
         averager.load_local_state(own["averager"])
         if optimizer is not None and own["optimizer"] is not None:
             optimizer.load_state_dict(own["optimizer"])
