@@ -4,7 +4,9 @@ A replica planned a batch of 0 (:mod:`lightning_aesgd.engine.admission`) draws a
 :class:`~lightning_aesgd.engine.loading.IdleBatch`. Lightning's loop runs the step as any other, so that the
 replica joins the step's sync point (DDP's reducer under gradient sums, the merge under model merges), but the
 user's ``training_step`` is replaced, for that step only, by a zero loss that touches every trainable parameter:
-its backward gives each a zero gradient, which enters the weighted sum with the replica's share, 0.
+its backward gives each a zero gradient, which enters the weighted sum with the replica's share, 0. Under model
+merges nothing needs a gradient: the loss is then a bare zero (its backward costs nothing), so that an idle step,
+which the replica still runs in step with the others' loops, stays far shorter than theirs.
 
 A ``training_step`` that itself communicates cannot be skipped on one replica: the others would wait in its
 collective. :func:`collectives_in_training` finds the usual ones (``self.log(..., sync_dist=True)``, SyncBatchNorm)
@@ -41,13 +43,26 @@ def zero_loss(module: nn.Module) -> Tensor:
     return torch.stack(terms).sum() * 0.0  # summed in float32: half-precision sums of large layers overflow
 
 
+def bare_zero(module: nn.Module) -> Tensor:
+    """A loss of 0 that reaches no parameter: its backward gives no gradient and costs nothing."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return torch.zeros((), device=device, requires_grad=True)
+
+
 @contextmanager
-def idle_training_step(module: Any) -> Iterator[None]:
-    """Within it, ``module.training_step`` returns :func:`zero_loss`; whatever was there before comes back."""
+def idle_training_step(module: Any, every_parameter: bool = True) -> Iterator[None]:
+    """Within it, ``module.training_step`` returns a zero loss; whatever was there before comes back.
+
+    Args:
+        module: the LightningModule.
+        every_parameter: :func:`zero_loss` (a zero gradient for every parameter, for a gradient sum or a grad
+            scaler's inf checks), else :func:`bare_zero`.
+    """
     own = vars(module).get("training_step")  # e.g. a callback's wrapper, set on the instance
+    loss = zero_loss if every_parameter else bare_zero
 
     def idle_step(*args: Any, **kwargs: Any) -> Tensor:
-        return zero_loss(module)
+        return loss(module)
 
     module.training_step = idle_step
     try:

@@ -245,7 +245,9 @@ class AdaptiveElasticMixin(SharedDevices):
         """The module's training step; a replica left out of the step (an idle batch) computes a zero loss."""
         batch = args[0] if args else kwargs.get("batch")
         if isinstance(batch, IdleBatch):
-            with idle_training_step(self.lightning_module):
+            # Gradient sums need every parameter's zero gradient, and a grad scaler its inf checks; merges neither.
+            every_parameter = self.engine.wraps_model or getattr(self.precision_plugin, "scaler", None) is not None
+            with idle_training_step(self.lightning_module, every_parameter):
                 return super().training_step(*args, **kwargs)
         output = super().training_step(*args, **kwargs)
         if self.engine.ready and not self._idle_safety_checked:

@@ -14,7 +14,7 @@ from helpers import RegressionModel, cpu_trainer, flat_parameters
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
 from lightning_aesgd.engine.loading import IdleBatch
 from lightning_aesgd.engine.model_merge import MAX_STEPS_ALONE
-from lightning_aesgd.idle_steps import idle_training_step, zero_loss
+from lightning_aesgd.idle_steps import bare_zero, idle_training_step, zero_loss
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -194,3 +194,14 @@ def test_a_merge_that_changes_a_lone_model_stays_on_schedule(tmp_path, options):
     records = _fit_two(tmp_path, model, sync="models", period=1, warmup_steps=0, **options)
     assert records[0]["plans"]["sizes"][-1][1] == 0  # left out ...
     assert records[0]["summary"]["syncs"] == 60  # ... and still in every merge: outer momentum moves the model
+
+
+def test_an_idle_step_under_merges_reaches_no_parameter():
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    model = RegressionModel()
+    with idle_training_step(model, every_parameter=False):
+        loss = model.training_step(IdleBatch(), 0)
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+    assert bare_zero(module).device == module[1].weight.device
