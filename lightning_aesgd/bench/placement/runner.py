@@ -3,7 +3,7 @@
 The configuration is composed, logged and recorded exactly as a race run (:mod:`lightning_aesgd.bench.race.runner`);
 what this adds is the test pass the GPU targets are stated in ("test P@1 within 0.01"). Replicas are spawned, and
 Lightning hands rank zero's final weights back to this process's model, which one CPU process then tests: the
-test's figure does not depend on the placement's devices, and this process leaves CUDA to the replicas.
+test's figure does not depend on the placement's devices.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig
 
 from lightning_aesgd.bench.race.recorder import RunRecord
-from lightning_aesgd.bench.race.runner import RECORD_FILE, _add_bench_outputs, _fresh_launch_environment
-from lightning_aesgd.train import build
+from lightning_aesgd.bench.race.runner import fit_recorded
 
 
 def fit_and_test(
@@ -32,16 +31,8 @@ def fit_and_test(
     Returns:
         What rank zero recorded, and the test metrics.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record_path = run_dir / RECORD_FILE
-    record_path.unlink(missing_ok=True)
-    _add_bench_outputs(cfg, run_dir, record_path, threads)
-    trainer, model, datamodule = build(cfg)
-    with _fresh_launch_environment():
-        trainer.fit(model, datamodule=datamodule)
-    if not record_path.is_file():
-        raise RuntimeError(f"The run wrote no record ({RECORD_FILE}); did rank zero reach the end of training?")
-    return RunRecord.load(record_path), _test(model, datamodule, test_batches)
+    record, model, datamodule = fit_recorded(cfg, run_dir, threads)
+    return record, _test(model, datamodule, test_batches)
 
 
 def _test(model: pl.LightningModule, datamodule: pl.LightningDataModule, batches: int | None) -> dict[str, float]:

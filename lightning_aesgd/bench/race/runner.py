@@ -45,7 +45,14 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
 
 
 def run_once(cfg: DictConfig, run_dir: Path, threads: int | None = None) -> RunRecord:
-    """Fit ``cfg`` with its outputs in ``run_dir``; returns what rank zero recorded.
+    """Fit ``cfg`` with its outputs in ``run_dir``; returns what rank zero recorded (see :func:`fit_recorded`)."""
+    return fit_recorded(cfg, run_dir, threads)[0]
+
+
+def fit_recorded(
+    cfg: DictConfig, run_dir: Path, threads: int | None = None
+) -> tuple[RunRecord, pl.LightningModule, pl.LightningDataModule]:
+    """Fit ``cfg`` with its outputs in ``run_dir``; returns what rank zero recorded, the model and its data.
 
     Args:
         cfg: a composed configuration (modified in place: logger and recorder).
@@ -61,7 +68,7 @@ def run_once(cfg: DictConfig, run_dir: Path, threads: int | None = None) -> RunR
         trainer.fit(model, datamodule=datamodule)
     if not record_path.is_file():
         raise RuntimeError(f"The run wrote no record ({RECORD_FILE}); did rank zero reach the end of training?")
-    return RunRecord.load(record_path)
+    return RunRecord.load(record_path), model, datamodule
 
 
 def _add_bench_outputs(cfg: DictConfig, run_dir: Path, record_path: Path, threads: int | None) -> None:
