@@ -138,22 +138,28 @@ class ModelMerge(StepPipeline):
         idle = record.num_samples == 0
         keep_model = update_skipped(optimizer) if idle else nullcontext()
         with scaled_learning_rate(optimizer, factor), self._timed_step(record), keep_model:
-            self.compute_spans.begin()  # the whole local step is the device's compute, up to the merge
-            output = run_step()
-            self.compute_spans.end(averager.comm.rank, self._global_step)
+            if idle:  # no device work at all (its loss reaches no parameter): nothing for a slower device to stretch
+                output = run_step()
+            else:
+                self.compute_spans.begin()  # the whole local step is the device's compute, up to the merge
+                output = run_step()
+                self.compute_spans.end(averager.comm.rank, self._global_step)
         self.synced_last_step = averager.after_local_step(record.num_samples)
         if idle:
             averager.discount_skipped(0.0)
         if scale_before is not None:
             self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
         self.alone.observe(self.plans.lone_taker(self._step_key))
-        self.waited_last_step = self.synced_last_step and self._merge_can_wait(averager)
-        if self.waited_last_step:
+        waited = self.synced_last_step and self._merge_can_wait(averager)
+        if waited:
             self.synced_last_step = False
         elif self.alone.owes_merge and self.plans.lone_taker(self._step_key + 1) != self.alone.taker:
             # Another replica is planned in next step (a probe, a plan without leave-out): it must start from the
             # lone replica's model, so the merge that waited happens now, due or not.
             self.synced_last_step = True
+        # While a merge is owed, a step without one (waited, or not due) skips the SIGTERM broadcast too: every rank
+        # knows it alike, and the lone replica then runs no collective at all.
+        self.waited_last_step = not self.synced_last_step and self.alone.owes_merge
         if self.synced_last_step:
             self._merge(averager, optimizer, self.hooks.stop_requested())
             self.alone.merged()
