@@ -123,6 +123,23 @@ def test_training_state_round_trips_through_a_new_engine():
     torch.testing.assert_close(fresh.averager.local_model()[0], engine.averager.local_model()[0])
 
 
+@pytest.mark.parametrize(("taker", "keeps_checkpoint_model"), [(0, False), (1, True)])
+def test_resuming_while_a_merge_is_owed_gives_left_out_replicas_the_global_model(taker, keeps_checkpoint_model):
+    module = torch.nn.Linear(2, 1)
+    engine, loader = _started(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    _steps(engine, loader, optimizer, lambda: [p.data.add_(0.01) for p in module.parameters()])
+    state = engine.training_state(optimizer)
+    state["shared"]["alone"] = {"taker": taker, "steps": 3, "owes_merge": 1}  # replica `taker` trained alone
+    fresh_module = torch.nn.Linear(2, 1)
+    global_model = [p.detach().clone() for p in fresh_module.parameters()]  # what the checkpoint's state_dict loaded
+    fresh, _ = _started(fresh_module)
+    fresh.load_training_state(state, torch.optim.SGD(fresh_module.parameters(), lr=0.1), torch.device("cpu"))
+    assert fresh.alone.owes_merge
+    kept = all(torch.equal(old, new) for old, new in zip(global_model, fresh_module.parameters(), strict=True))
+    assert kept == keeps_checkpoint_model  # rank 0 is the lone replica (its own model) or a left-out one (global)
+
+
 def test_a_lone_replica_that_is_not_finite_stops_training_with_the_fix():
     module = torch.nn.Linear(2, 1)
     engine, loader = _started(module)
