@@ -21,14 +21,15 @@ _KNOWN_WARNINGS = (".*sync_dist=True.*", ".*LeafSpec.*", ".*does not have many w
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The race's options (the benchmark's default program, so its help names the other two)."""
+    """The race's options (the benchmark's default program, so its help names the others)."""
     parser = argparse.ArgumentParser(
         prog="aesgd-bench",
         description="Compare the algorithms on emulated heterogeneous devices: throughput, efficiency against "
         "the ideal, time to a target metric, ratios to DDP. Subcommand `overhead` measures merge, planner and "
         "sampler costs (see `aesgd-bench overhead --help`); `slowness` races both strategies against slowness "
         "in user code, data loading, hooks and CPU quotas (see `aesgd-bench slowness --help`); `seeds` measures "
-        "the seed papers' claims (see `aesgd-bench seeds --help`).",
+        "the seed papers' claims (see `aesgd-bench seeds --help`); `scale` the speedup as replicas grow in number "
+        "and spread; `placement` the GPU alone against GPU + CPU replicas and CPU replicas alone.",
     )
     parser.add_argument("--workload", default="xmc_mini", choices=sorted(WORKLOADS), help="what to train")
     parser.add_argument("--profiles", default=DEFAULT_PROFILES, help="comma list of configs/devices profiles")
