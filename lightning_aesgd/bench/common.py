@@ -1,12 +1,22 @@
-"""What the benchmark programs share: comma-separated options, JSON files and markdown tables."""
+"""What the benchmark programs share: run options, comma-separated options, JSON files and markdown tables."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of every program that trains through the main job's configs: overrides, ``--tiny``, ``--verbose``."""
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="extra Hydra override (repeatable)"
+    )
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long configuration (tests)")
+    parser.add_argument("--verbose", action="store_true", help="keep Lightning's and the strategy's messages")
 
 
 def comma_list(text: str) -> list[str]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
-from lightning_aesgd.bench.common import comma_list
+from lightning_aesgd.bench.common import add_run_options, comma_list
 from lightning_aesgd.bench.placement.benchmark import PlacementSettings, WorkloadResult, run_workload
 from lightning_aesgd.bench.placement.cases import PLACEMENTS, Machine
 from lightning_aesgd.bench.placement.report import workload_table, write_report
@@ -45,11 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a workload's target in place of its own, e.g. xmc_eurlex:val/p@1=0.8 (repeatable)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench_results") / "placement", help="output directory")
-    parser.add_argument(
-        "--override", action="append", default=[], metavar="KEY=VALUE", help="extra Hydra override (repeatable)"
-    )
-    parser.add_argument("--tiny", action="store_true", help="a seconds-long configuration (tests)")
-    parser.add_argument("--verbose", action="store_true", help="keep Lightning's and the strategy's messages")
+    add_run_options(parser)
     return parser
 
 

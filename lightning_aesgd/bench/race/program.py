@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from lightning_aesgd.bench.common import comma_list
+from lightning_aesgd.bench.common import add_run_options, comma_list
 from lightning_aesgd.bench.race.benchmark import BenchSettings, run_benchmark
 from lightning_aesgd.bench.race.suites import WORKLOADS, Target, get_workload
 
@@ -38,11 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="repeats of the whole matrix (medians reported)")
     parser.add_argument("--target", help="validation target '<metric>=<value>' (default: the workload's)")
     parser.add_argument("--out", type=Path, help="output directory (default: bench_results/<workload>)")
-    parser.add_argument(
-        "--override", action="append", default=[], metavar="KEY=VALUE", help="extra Hydra override (repeatable)"
-    )
-    parser.add_argument("--tiny", action="store_true", help="a seconds-long configuration (tests)")
-    parser.add_argument("--verbose", action="store_true", help="keep Lightning's and the strategy's messages")
+    add_run_options(parser)
     return parser
 
 
