@@ -33,11 +33,12 @@ from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.engine.averager import OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
+from lightning_aesgd.engine.gradient_sync import GradientSync
 from lightning_aesgd.engine.loading import IdleBatch, SampleCosts
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.idle_steps import collectives_in_training, idle_training_step
-from lightning_aesgd.placement import SharedDevices
+from lightning_aesgd.placement import SharedDevices, mixes_device_types
 from lightning_aesgd.settings import StrategySettings, check_timeout, refuse_unknown_options
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
 from lightning_aesgd.torchrun_store import destroy_group_at_exit, end_launched_replicas, init_attempt_group
@@ -223,6 +224,8 @@ class AdaptiveElasticMixin(SharedDevices):
             before_own_update=partial(clip_gradients, self._module),  # for a flushed delayed sum
         )
         self.engine.start(self._module, default_communicator(self.root_device), self.root_device, hooks)
+        if isinstance(self.engine, GradientSync):  # CPU and CUDA kernels may round the same update differently
+            self.engine.share_parameters = mixes_device_types(self.parallel_devices or [])
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
 
     @override

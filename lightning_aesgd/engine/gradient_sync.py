@@ -96,6 +96,9 @@ class GradientSync(StepPipeline):
         self._device = torch.device("cpu")
         self._module: nn.Module | None = None
         self._arrived = 0.0
+        # Replicas apply the same summed gradient, but CPU and CUDA kernels may round an update differently: where
+        # replicas run on different device types, rank zero's parameters travel with its buffers (set by the strategy).
+        self.share_parameters = False
 
     @property
     def delay(self) -> int:
@@ -272,23 +275,26 @@ class GradientSync(StepPipeline):
 
     # --- evaluation and the end of fit ----------------------------------------------------------------------
 
-    def _share_buffers(self) -> None:
+    def _share_state(self) -> None:
         """Give every replica rank zero's buffers (a collective), as DDP's broadcast at each forward would have.
 
         During training a BatchNorm layer normalises with its batch's statistics, so only evaluation, checkpoints
         and the final model read the running statistics: broadcasting them there gives what DDP gives (rank zero's
-        own running statistics) without a synchronisation point in every step.
+        own running statistics) without a synchronisation point in every step. With ``share_parameters`` (CPU and
+        GPU replicas) rank zero's parameters travel too, so that rounding differences never accumulate past an
+        evaluation and every replica evaluates, saves and ends with one model.
         """
         if self._module is None:
             return
-        for buffer in self._module.buffers():
-            self._comm().broadcast_(buffer, src=0)
+        shared = [*self._module.buffers(), *(self._module.parameters() if self.share_parameters else ())]
+        for tensor in shared:
+            self._comm().broadcast_(tensor.data, src=0)
 
     def begin_evaluation(self) -> None:
         """Apply what is in flight, then evaluate the model every replica shares."""
         self.arrivals.pause()
         self.flush()
-        self._share_buffers()
+        self._share_state()
 
     def end_evaluation(self) -> None:  # noqa: D102
         self.arrivals.resume()
@@ -296,14 +302,14 @@ class GradientSync(StepPipeline):
     def finish(self) -> None:
         """Apply the last delayed sum: the module leaves fit holding every update, and rank zero's buffers."""
         self.flush()
-        self._share_buffers()
+        self._share_state()
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
     def global_model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The module's state (a collective): every replica holds the same parameters, and gets rank zero's buffers."""
         self.arrivals.pause()
-        self._share_buffers()
+        self._share_state()
         return {name: tensor.clone() for name, tensor in module.state_dict().items()}
 
     def training_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

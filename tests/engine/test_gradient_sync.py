@@ -376,3 +376,36 @@ def test_delayed_sums_refuse_a_grad_scaler():
     with pytest.raises(UnsupportedSettingError, match="bf16-mixed"):
         check_gradient_settings(Delayed(), None, WithScaler())
     check_gradient_settings(Delayed(), None, object())  # no scaler: fine
+
+
+class _DriftAndRecord(pl.Callback):
+    """Nudges rank one's parameters after every step (as CPU and CUDA rounding might) and records them at evaluation."""
+
+    def __init__(self, path: Any, share_parameters: bool) -> None:
+        self.path = path
+        self.share_parameters = share_parameters
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.engine.share_parameters = self.share_parameters  # what CPU + GPU replicas set
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_rank == 1:
+            with torch.no_grad():
+                for parameter in pl_module.parameters():
+                    parameter.add_(1e-4)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(flat_parameters(pl_module).tolist()))
+
+
+@multiprocess
+@pytest.mark.parametrize("share_parameters", [True, False])
+def test_replicas_on_different_device_types_evaluate_rank_zeros_parameters(tmp_path, share_parameters):
+    pl.seed_everything(7)
+    callback = _DriftAndRecord(tmp_path, share_parameters)
+    strategy = _gradients(planner="static", shares=[3, 1])
+    cpu_trainer(strategy, max_steps=6, limit_val_batches=1, val_check_interval=5, callbacks=[callback]).fit(
+        AdamRegression(size=256, batch_size=8)
+    )
+    rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert (rank0 == rank1) == share_parameters  # without sharing, the nudges stay on rank one
