@@ -91,3 +91,34 @@ def check_delayed_optimizers(engine: Any, optimizers: Any) -> None:
                 "again): a delayed sum is the gradient of an earlier step, which no closure can recompute. HINT: use "
                 "a first-order optimizer (SGD, Adam, Adagrad), or gradient_delay=0."
             )
+
+
+def check_learner_settings(engine: Any, trainer: Any, module: Any) -> None:
+    """Raise for what several learners per device (one batched step over stacked models) cannot do.
+
+    Raises:
+        UnsupportedSettingError: naming the setting and the fix.
+    """
+    learners = "auto" if getattr(engine, "auto_learners", False) else getattr(engine, "learners", 1)
+    if learners == 1:
+        return
+    hint = f"learners_per_device={learners!r}"
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+        raise UnsupportedSettingError(
+            f"{hint} with gradient clipping by norm: one norm over the stacked learners would clip each by the "
+            "others' gradients. HINT: set gradient_clip_algorithm='value', or learners_per_device=1."
+        )
+    sparse = [name for name, layer in module.named_modules() if getattr(layer, "sparse", False) is True]
+    if sparse:
+        raise UnsupportedSettingError(
+            f"{hint} with sparse gradients ({sparse}): torch.func.vmap batches dense tensors only. HINT: build these "
+            "layers with sparse=False, or use learners_per_device=1."
+        )
+    for optimizer in trainer.optimizers:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise UnsupportedSettingError(
+                f"{hint} with {type(optimizer).__name__}, whose step treats all parameters as one vector: the learners "
+                "would share its line search. HINT: use an elementwise optimizer (SGD, Adam, Adagrad), or "
+                "learners_per_device=1."
+            )

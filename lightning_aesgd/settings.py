@@ -25,6 +25,7 @@ from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.emulation import SlowdownProfile, as_profile
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
 from lightning_aesgd.engine.gradient_sync import GradientSync
+from lightning_aesgd.engine.learner_tuning import LearnerTuning
 from lightning_aesgd.engine.loading import SampleCosts, check_sample_costs, check_step_options
 from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.pipeline import StepPipeline, check_lr_schedule
@@ -37,7 +38,18 @@ _NO_BUFFER_SYNC_AT_FORWARD = (
     else {"broadcast_buffers": False}
 )
 
-MERGE_OPTIONS = ("period", "merge_rule", "merge_weights", "l2_nudge", "merge_buffers", "optimizer_state", "lr_scaling")
+MERGE_OPTIONS = (
+    "period",
+    "merge_rule",
+    "merge_weights",
+    "l2_nudge",
+    "merge_buffers",
+    "optimizer_state",
+    "lr_scaling",
+    "learners_per_device",
+    "max_learners",
+    "learner_min_gain",
+)
 """The options only model merging uses: ``sync="gradients"`` refuses each one given a value other than its default."""
 
 _SWITCHES = (
@@ -127,6 +139,15 @@ class StrategySettings:
         checkpoint_replicas: save every replica's own model and optimizer state, so that resuming continues
             exactly; otherwise every replica resumes from the merged model.
         telemetry: log ``aesgd/...`` metrics at every merge and print a per-replica summary when fit ends.
+        learners_per_device: models each replica trains side by side, as Crossbow's learners: the replica's batch
+            is split equally among them, one batched step (``torch.func.vmap``) runs them all, and the merge
+            rule counts every learner (``sync="models"`` only; see :mod:`~lightning_aesgd.engine.learners`).
+            ``"auto"``: Crossbow's tuner measures 1, 2, ... learners before the first step and keeps each one that
+            raises the throughput by ``learner_min_gain``, up to ``max_learners`` or the device's memory
+            (:mod:`~lightning_aesgd.engine.learner_tuning`).
+        max_learners: with ``learners_per_device="auto"``, the most learners per replica.
+        learner_min_gain: with ``learners_per_device="auto"``, the smallest rise of throughput (a fraction) that a
+            learner more must bring.
 
     Raises:
         ValueError: for a value out of range, or an option that does not apply to the chosen ``sync``; the message
@@ -164,12 +185,17 @@ class StrategySettings:
     slowdown: SlowdownProfile | Sequence[float] | Mapping[str, Any] | None = None
     checkpoint_replicas: bool = True
     telemetry: bool = True
+    learners_per_device: int | Literal["auto"] = 1
+    max_learners: int = LearnerTuning.max_learners
+    learner_min_gain: float = LearnerTuning.min_gain
 
     # Derived from the options above when the settings are built (their checks run then).
     merging: MergeSettings = field(init=False, repr=False, compare=False)
     """Model merging's settings; built and checked in either sync mode."""
     planning: PlanSettings = field(init=False, repr=False, compare=False)
     """How batch sizes follow the measurements."""
+    learner_tuning: LearnerTuning = field(init=False, repr=False, compare=False)
+    """How ``learners_per_device="auto"`` chooses."""
     step_slowdown: SlowdownProfile | None = field(init=False, repr=False, compare=False)
     """The slowdown profile the strategy applies itself: ``slowdown`` in the ``step`` mode, otherwise None (the
     other modes are :class:`~lightning_aesgd.callbacks.SlowdownCallback`'s)."""
@@ -218,6 +244,8 @@ class StrategySettings:
         check_step_options(self.step_batch_size, self.plan_lag)
         check_sample_costs(self.sample_costs)
         check_lr_schedule(self.lr_schedule)
+        check_learners(self.learners_per_device, self.sample_costs, self.optimizer_state, self.merge_buffers)
+        self._derive("learner_tuning", LearnerTuning(self.max_learners, self.learner_min_gain))
 
     def _derive(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: derived fields are set once, here
@@ -265,6 +293,8 @@ class StrategySettings:
             plan_lag=self.plan_lag,
             sample_costs=self.sample_costs,
             checkpoint_replicas=self.checkpoint_replicas,
+            learners=self.learners_per_device,
+            learner_tuning=self.learner_tuning,
         )
 
 
@@ -386,6 +416,30 @@ def _check_delay_lr_scale(delay_lr_scale: Any, gradient_delay: Any) -> None:
             "gradient_delay_lr_scale scales the stale updates of gradient_delay=1, which is not set. HINT: add "
             "sync='gradients', gradient_delay=1 (ABS-SGD), or remove gradient_delay_lr_scale."
         )
+
+
+def check_learners(learners: Any, sample_costs: Any, optimizer_state: str, merge_buffers: bool) -> None:
+    """Raise, naming the fix, unless ``learners_per_device`` is a whole number >= 1 that the other options allow."""
+    whole = isinstance(learners, numbers.Integral) and not isinstance(learners, bool)
+    if learners != "auto" and not (whole and learners >= 1):
+        raise ValueError(
+            f"`learners_per_device` counts models per replica, got {learners!r}. HINT: pass a whole number >= 1, "
+            "or 'auto'."
+        )
+    if learners == 1:
+        return
+    # Each learner trains on an equal slice of its replica's batch, with its own optimizer state and statistics.
+    refused = {
+        "sample_costs": (sample_costs is not None, "cost-aware slices differ in length, learners need equal ones"),
+        "optimizer_state='average'": (optimizer_state == "average", "use optimizer_state='keep' or 'reset'"),
+        "merge_buffers=False": (not merge_buffers, "each learner's buffers are merged with its parameters"),
+    }
+    for option, (given, why) in refused.items():
+        if given:
+            raise ValueError(
+                f"learners_per_device={learners} does not support {option}: {why}. HINT: remove {option.split('=')[0]}"
+                f" or use learners_per_device=1."
+            )
 
 
 def _refuse_merge_options(given: list[str]) -> None:

@@ -25,6 +25,7 @@ from lightning_aesgd.checks import (
     check_delayed_optimizers,
     check_fit_settings,
     check_gradient_settings,
+    check_learner_settings,
     check_training_loader,
 )
 from lightning_aesgd.core.merge import MergeRule
@@ -34,7 +35,9 @@ from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.engine.averager import OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.gradient_sync import GradientSync
+from lightning_aesgd.engine.learner_tuning import measure_learners
 from lightning_aesgd.engine.loading import IdleBatch, SampleCosts
+from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.idle_steps import collectives_in_training, idle_training_step
@@ -107,6 +110,9 @@ class AdaptiveElasticMixin(SharedDevices):
         slowdown: Any = StrategySettings.slowdown,
         checkpoint_replicas: bool = StrategySettings.checkpoint_replicas,
         telemetry: bool = StrategySettings.telemetry,
+        learners_per_device: int | Literal["auto"] = StrategySettings.learners_per_device,
+        max_learners: int = StrategySettings.max_learners,
+        learner_min_gain: float = StrategySettings.learner_min_gain,
         replicas_per_device: int = 1,
         replica_devices: Sequence[str] | Literal["auto"] | None = None,
         process_group_backend: str | None = None,
@@ -215,6 +221,7 @@ class AdaptiveElasticMixin(SharedDevices):
         if trainer.state.fn != "fit":
             return
         check_delayed_optimizers(self.engine, self.optimizers)
+        check_learner_settings(self.engine, trainer, self._module)
         if self.slowdown is not None:  # emulated slower devices, told of each compute span by the engine
             self.slowdown.check_replicas(self.world_size)
             self.engine.compute_spans = StepStretcher(self.slowdown, self.root_device)
@@ -233,7 +240,18 @@ class AdaptiveElasticMixin(SharedDevices):
         if not self.engine.running or not self._module.trainer.training:
             return dataloader
         check_training_loader(dataloader)
+        if isinstance(self.engine, ModelMerge) and self.engine.learners_undecided:
+            self._choose_learners(self.engine, dataloader)
         return self.engine.training_loader(dataloader, resumed_position(self._module.trainer))
+
+    def _choose_learners(self, engine: ModelMerge, dataloader: Any) -> None:
+        """``learners_per_device="auto"``: time the training step of 1, 2, ... learners on the loader's first batch.
+
+        The step is Lightning's own (the precision's context, the module's ``training_step``), as training runs it.
+        """
+        batch = self.batch_to_device(next(iter(dataloader)))
+        run_step = super().training_step
+        engine.choose_learners(lambda learners: measure_learners(self._module, run_step, batch, learners))
 
     # --- training -----------------------------------------------------------------------------------------
 
@@ -252,7 +270,11 @@ class AdaptiveElasticMixin(SharedDevices):
             every_parameter = self.engine.wraps_model or getattr(self.precision_plugin, "scaler", None) is not None
             with idle_training_step(self.lightning_module, every_parameter):
                 return super().training_step(*args, **kwargs)
-        output = super().training_step(*args, **kwargs)
+        learner_step = self.engine.learner_step if self.engine.ready else None
+        if learner_step is not None:  # the replica's learners, batched: one call of the step for all of them
+            output = learner_step(partial(super().training_step, **kwargs), *args)
+        else:
+            output = super().training_step(*args, **kwargs)
         if self.engine.ready and not self._idle_safety_checked:
             # After the first step, before its reports are taken in: every rank decides alike, before any plan.
             self._idle_safety_checked = True

@@ -136,6 +136,9 @@ STRATEGY_OPTIONS: Table = {
     "gradient_delay_lr_scale": (_values(1.0, 0.5), (0.0, -1.0, math.nan, "0.5")),
     "find_unused_parameters": (st.booleans(), ("no",)),
     "replicas_per_device": (_values(1), (0, -1, 1.5, "2")),
+    "learners_per_device": (_values(1, 2, 3, "auto"), (0, -1, 1.5, "2", True, "many")),
+    "max_learners": (_values(8, 1, 3), (0, -1, 2.5, "4")),
+    "learner_min_gain": (_values(0.1, 0.0, 1.0), (-0.1, "0.1")),
     # One process: the fuzzed fits run in this one (more would relaunch the test runner).
     "replica_devices": (_values(None, ["cpu"]), ("cpu", [], ["cuda:99"], ["gpu"], [None])),
     "process_group_backend": (_values(None, "gloo"), ()),
@@ -446,7 +449,8 @@ def _expected_steps(trainer: pl.Trainer, case: Case) -> int:
     if limit == 0:
         return 0  # Lightning skips training without looking at the loader
     batch_size, drop_last = spec.trained_batches(case.trainer.get("use_distributed_sampler", True))
-    total = options.get("step_batch_size") or batch_size  # one replica
+    learners = trainer.strategy.engine.learners  # as chosen, where learners_per_device='auto'
+    total = options.get("step_batch_size") or batch_size * learners  # one replica
     per_epoch = spec.size // total if drop_last else math.ceil(spec.size / total)
     batches = min(per_epoch, int(limit)) if isinstance(limit, int) else int(per_epoch * limit)
     max_steps = trainer.max_steps if trainer.max_steps >= 0 else math.inf

@@ -46,6 +46,9 @@ MERGE_VALUES = {
     "merge_buffers": False,
     "optimizer_state": "reset",
     "lr_scaling": True,
+    "learners_per_device": 2,
+    "max_learners": 4,
+    "learner_min_gain": 0.2,
 }
 
 
@@ -86,6 +89,14 @@ def test_settings_are_frozen_and_compare_by_their_options():
         ({"merge_rule": None}, TypeError, "`merge_rule` must be a MergeRule object"),
         ({"merge_rule": ElasticAverage}, TypeError, "not the class"),
         ({"optimizer_state": "drop"}, ValueError, "keep"),
+        # several learners per replica
+        ({"sync": "models", "learners_per_device": 0}, ValueError, "counts models per replica"),
+        ({"sync": "models", "learners_per_device": 2.0}, ValueError, "whole number"),
+        ({"sync": "models", "learners_per_device": 2, "sample_costs": "auto"}, ValueError, "sample_costs"),
+        ({"sync": "models", "learners_per_device": 2, "optimizer_state": "average"}, ValueError, "'keep' or 'reset'"),
+        ({"sync": "models", "learners_per_device": 2, "merge_buffers": False}, ValueError, "buffers are merged"),
+        ({"sync": "models", "learners_per_device": "auto", "max_learners": 0}, ValueError, "`max_learners`"),
+        ({"sync": "models", "learners_per_device": "auto", "learner_min_gain": -0.1}, ValueError, "learner_min_gain"),
         # plans
         ({"planner": "greedy"}, ValueError, "proportional"),
         ({"planner": 3}, TypeError, "`planner` must be a name or a Planner"),
@@ -240,7 +251,13 @@ def test_model_merge_is_built_with_every_option_passed_through(monkeypatch):
         "plan_lag": 4,
         "sample_costs": "dataset",
         "checkpoint_replicas": False,
+        "learners": 1,
+        "learner_tuning": settings.learner_tuning,
     }
+
+
+def test_model_merge_is_built_with_the_learners_per_device():
+    assert StrategySettings(sync="models", learners_per_device=3).build_engine().learners == 3
 
 
 # --- the strategy's signature -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 from lightning_aesgd.core.weights import checked_weights
 
-__all__ = ["apportion", "ideal_shares", "share_error", "split_by_cost"]
+__all__ = ["apportion", "ideal_shares", "in_multiples", "share_error", "split_by_cost"]
 
 
 def apportion(total: int, shares: Sequence[float], min_size: int = 1, max_size: int | None = None) -> list[int]:
@@ -51,6 +51,50 @@ def apportion(total: int, shares: Sequence[float], min_size: int = 1, max_size: 
     weights = [Fraction(share) for share in checked_weights(shares)]
     _check_feasible(total, len(weights), min_size, max_size)
     return _largest_remainder(_bounded_quotas(total, weights, min_size, max_size))
+
+
+def in_multiples(sizes: Sequence[int], multiple: int, max_size: int | None = None) -> list[int]:
+    """Round a plan to multiples of ``multiple`` with the same total; 0 stays 0, and nothing else becomes 0.
+
+    A replica of ``k`` learners splits its batch equally among them, so its batch must be a multiple of ``k``.
+    Each size is rounded down, ``⌊b_i/k⌋·k`` (at least ``k`` for a replica that takes part). The blocks of
+    ``k`` left over go one each to the largest remainders (lower index on ties), skipping sizes at
+    ``max_size``; blocks taken too many (sizes raised to ``k``) come back from the largest sizes.
+
+    Args:
+        sizes: the plan, summing to a multiple of ``multiple``.
+        multiple: the block every size is made of (learners per replica).
+        max_size: the largest size, or ``None``.
+
+    Raises:
+        ValueError: if the total is not a multiple of ``multiple``, or the blocks do not fit the bounds.
+
+    Example:
+        >>> in_multiples([5, 7, 4], 4), in_multiples([7, 1], 2)
+        ([4, 8, 4], [6, 2])
+    """
+    total = sum(sizes)
+    if multiple < 1 or total % multiple:
+        raise ValueError(f"A plan of {total} samples cannot be cut into blocks of {multiple}.")
+    rounded = [0 if size == 0 else max(multiple, size - size % multiple) for size in sizes]
+    left = (total - sum(rounded)) // multiple
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(sizes[i] % multiple), i))
+    for i in by_remainder:
+        if left > 0 and sizes[i] % multiple and (max_size is None or rounded[i] + multiple <= max_size):
+            rounded[i] += multiple
+            left -= 1
+    while left < 0:
+        largest = max(range(len(rounded)), key=lambda i: (rounded[i], -i))
+        if rounded[largest] <= multiple:
+            break
+        rounded[largest] -= multiple
+        left += 1
+    if left:
+        raise ValueError(
+            f"A plan of {total} samples cannot give each of {sum(s > 0 for s in sizes)} replicas a multiple of "
+            f"{multiple} within max_batch={max_size}."
+        )
+    return rounded
 
 
 def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float], min_size: int = 1) -> list[int]:

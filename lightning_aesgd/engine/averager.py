@@ -100,12 +100,17 @@ class ElasticAverager:
         module: the replica's model; its trainable parameters (and floating buffers) are merged.
         comm: the collectives.
         settings: the rule, schedule, weights and what else is merged.
+        learners: models of this replica trained side by side in this process (``learners_per_device``): the
+            parameters and floating buffers become a row per learner (:class:`~lightning_aesgd.engine.flat.FlatView`),
+            each replica contributes its learners' mean, and the rule counts every learner of every replica.
     """
 
-    def __init__(self, module: nn.Module, comm: Communicator, settings: MergeSettings) -> None:
+    def __init__(self, module: nn.Module, comm: Communicator, settings: MergeSettings, learners: int = 1) -> None:
         self.rule = settings.rule
         self.comm = comm
-        overshoot = self.rule.overshoot_warning(comm.world_size) if isinstance(self.rule, CentralElastic) else None
+        self.learners = learners
+        self.num_models = comm.world_size * learners  # the rule's n: every learner is a model that merges
+        overshoot = self.rule.overshoot_warning(self.num_models) if isinstance(self.rule, CentralElastic) else None
         if overshoot is not None and comm.rank == 0:
             warnings.warn(overshoot, stacklevel=2)
         self.period = settings.period
@@ -115,10 +120,12 @@ class ElasticAverager:
         # Every flat lives on the model's device, an empty one too (a model without buffers, or none merged).
         self.device = module_device(module)
         # Parameters become views of one flat buffer: merges then work on the model in place.
-        self.params = FlatView(trainable_parameters(module), bind=True, device=self.device)
-        self.buffers = FlatView(floating_buffers(module) if settings.merge_buffers else [], device=self.device)
+        self.params = FlatView(trainable_parameters(module), bind=True, device=self.device, learners=learners)
+        # Learners keep buffers of their own (BatchNorm statistics): a block per buffer (FlatView says why).
+        buffers = floating_buffers(module) if settings.merge_buffers else []
+        self.buffers = FlatView(buffers, device=self.device, learners=learners)
         self._mean = WeightedAllReduce(comm, self.device)
-        self.rule_state = self.rule.init_state(self.params.read())
+        self.rule_state = self.rule.init_state(_learner_mean(self.params.read()))
         self.local_steps = 0
         self.merges = 0
         self.samples_since_merge = 0.0
@@ -180,7 +187,8 @@ class ElasticAverager:
         """
         local = self.params.current()
         contributed = local if self._snapshot is None else self._snapshot
-        flats = [contributed, self.buffers.read()]
+        # A replica's learners trained on equal batches: its contribution is their plain mean.
+        flats = [_learner_mean(contributed), _learner_mean(self.buffers.read())]
         moments = optimizer_state_tensors(optimizer) if optimizer and self.optimizer_state == "average" else []
         moment_view = FlatView(moments, device=self.device)
         if self.optimizer_state == "average":
@@ -188,7 +196,7 @@ class ElasticAverager:
         if moment_view:
             flats.append(moment_view.read())
         means, reports = self._mean(flats, weight, report)
-        center = self.rule.merge_(local, contributed, means[0], self.comm.world_size, self.rule_state)
+        center = self.rule.merge_(local, contributed, means[0], self.num_models, self.rule_state)
         self.params.write_(local)  # a no-op when the parameters are views of `local`
         self.buffers.write_(means[1])
         if moment_view:
@@ -207,7 +215,8 @@ class ElasticAverager:
 
         Nothing changes: training continues from the replicas as they were.
         """
-        means, _ = self._mean([self.params.current(), self.buffers.read()], self.own_weight())
+        flats = [self.params.learner_mean(), _learner_mean(self.buffers.read())]
+        means, _ = self._mean(flats, self.own_weight())
         return self.rule.center(means[0], self.rule_state), means[1].clone()
 
     def swap_in_global_model(self) -> None:
@@ -216,16 +225,30 @@ class ElasticAverager:
             return
         params, buffers = self.global_model()
         self._stash = (self.params.read(), self.buffers.read())
-        self.params.write_(params)
-        self.buffers.write_(buffers)
+        self._show(params, buffers)
+
+    def _show(self, params: Tensor, buffers: Tensor) -> None:
+        """Put one model in the module: into its tensors, or, with several learners, as its tensors (unstacked)."""
+        if self.learners == 1:
+            self.params.write_(params)
+            self.buffers.write_(buffers)
+            return
+        self.params.show_(params)
+        if self.buffers:
+            self.buffers.show_(buffers)
 
     def swap_out(self) -> None:
         """Restore the replica's own model after :meth:`swap_in_global_model`."""
         if self._stash is None:
             return
         params, buffers = self._stash
-        self.params.write_(params)
-        self.buffers.write_(buffers)
+        if self.learners > 1:  # the learners' rows were never written: the module only showed another model
+            self.params.restack_()
+            if self.buffers:
+                self.buffers.restack_()
+        else:
+            self.params.write_(params)
+            self.buffers.write_(buffers)
         self._stash = None
 
     @property
@@ -275,15 +298,29 @@ class ElasticAverager:
 
     def reset_to_center(self) -> None:
         """Reset the replica to the rule's stored central model (Crossbow does this when the learning rate drops)."""
-        center = self.rule.center(self.params.read(), self.rule_state)
+        center = self.rule.center(self.params.learner_mean(), self.rule_state)
         self.params.write_(center)
 
     def adopt_global_model(self) -> None:
-        """Make the global model the replica's own (a collective); used when training ends."""
-        params, buffers = self.global_model() if self._stash is None else (self.params.read(), self.buffers.read())
+        """Make the global model the replica's own (a collective); used when training ends.
+
+        With several learners the module keeps one model from then on: the global one, unstacked.
+        """
+        if self._stash is not None:  # the module holds the global model already
+            self._stash = None
+            return
+        self._show(*self.global_model())
         self._stash = None
-        self.params.write_(params)
-        self.buffers.write_(buffers)
+
+    def unstack(self) -> None:
+        """Leave the module one model, the mean of this replica's learners, unless it holds one already.
+
+        For a fit that ends without :meth:`adopt_global_model` (it failed): before any step that is the model
+        the fit started from. Local: no collective, as the peers may be gone.
+        """
+        if self.learners == 1 or self.params.showing:
+            return
+        self._show(self.params.learner_mean(), _learner_mean(self.buffers.read()))
 
     def shared_state(self) -> dict[str, Any]:
         """State that is identical on every replica: the schedule position and the rule's buffers."""
@@ -310,6 +347,11 @@ class ElasticAverager:
         self.samples_since_merge = state["samples_since_merge"]
         self.updates_since_merge = state["updates_since_merge"]
         self.last_weight = state["last_weight"]
+
+
+def _learner_mean(flat: Tensor) -> Tensor:
+    """One flat model from a flat that holds a row per learner; a flat of one model as it is."""
+    return flat if flat.dim() == 1 else flat.mean(dim=0)
 
 
 class MomentLayoutError(ValueError):

@@ -22,19 +22,45 @@ class FlatView:
     Flat copies live on :attr:`device`, an empty view's too: a merge puts every flat into one bucket, where an
     empty flat on another device than the model's fails as surely as a full one.
 
+    With ``learners=k > 1`` the view holds ``k`` copies of the tensors (several learners of one model in one
+    process, :mod:`lightning_aesgd.engine.learners`), and each tensor becomes ``k × shape``, so that a batched
+    (``torch.func.vmap``) step updates every learner at once. Reads return a row per learner (``k × numel``);
+    writes take rows, or one flat model that every learner takes. Bound, :attr:`live` holds the rows and each
+    tensor is a view of its columns (parameters: merges then work in place). Unbound, each tensor is a
+    contiguous block of its own (buffers: BatchNorm's batched update of its running statistics writes through a
+    reshape, which a strided view would turn into a copy). :meth:`show_` makes the tensors views of one flat
+    model instead (the merged model, for evaluation), and :meth:`restack_` gives them back their learners.
+
     Args:
         tensors: the tensors to view, e.g. a module's trainable parameters; their order is the flat layout.
         bind: make the tensors views of one flat buffer where possible.
         device: where the flats of a view without tensors live: give the model's device wherever a view may be
             empty (a model without buffers); the CPU by default. A view of tensors uses its first tensor's device.
+        learners: copies of the tensors, one per learner; bound, more than one needs bindable tensors.
     """
 
-    def __init__(self, tensors: Iterable[Tensor], bind: bool = False, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Iterable[Tensor],
+        bind: bool = False,
+        device: torch.device | str | None = None,
+        learners: int = 1,
+    ) -> None:
         self.tensors = list(tensors)
         self.device = self.tensors[0].device if self.tensors else torch.device(device or "cpu")
         self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in self.tensors) else torch.float32
-        self.numel = sum(t.numel() for t in self.tensors)
+        self.numel = sum(t.numel() for t in self.tensors)  # per learner
+        self.learners = learners
+        self._sizes = [t.numel() for t in self.tensors]
+        self._shapes = [t.shape for t in self.tensors]
+        if learners > 1 and bind and self.tensors and not self._bindable():
+            raise ValueError(
+                "Several learners per device need every parameter on one device in float32 or float64. HINT: use "
+                "learners_per_device=1 with this model or precision (a '*-mixed' precision keeps float32 weights)."
+            )
         self.live: Tensor | None = self._bind() if bind and self._bindable() else None
+        self._blocks = self._stack() if learners > 1 and self.live is None else []
+        self.showing = False  # whether the tensors show one model (show_) rather than their learners
 
     def __bool__(self) -> bool:
         return bool(self.tensors)
@@ -46,27 +72,69 @@ class FlatView:
     @torch.no_grad()
     def _bind(self) -> Tensor:
         flat = torch.cat([t.detach().reshape(-1) for t in self.tensors])
-        for tensor, chunk in zip(self.tensors, torch.split(flat, [t.numel() for t in self.tensors]), strict=True):
-            tensor.data = chunk.view_as(tensor)
+        if self.learners > 1:
+            flat = flat.unsqueeze(0).repeat(self.learners, 1)
+        self._rebind(flat)
         return flat
+
+    @torch.no_grad()
+    def _stack(self) -> list[Tensor]:
+        blocks = [t.detach().unsqueeze(0).repeat(self.learners, *[1] * t.dim()) for t in self.tensors]
+        for tensor, block in zip(self.tensors, blocks, strict=True):
+            tensor.data = block
+        return blocks
+
+    def _rebind(self, flat: Tensor) -> None:
+        """Make the tensors views of ``flat``: one model (``numel``), or a row per learner (``k × numel``)."""
+        lead = flat.shape[:-1]
+        for tensor, chunk, shape in zip(
+            self.tensors, torch.split(flat, self._sizes, dim=-1), self._shapes, strict=True
+        ):
+            tensor.data = chunk.view(*lead, *shape)
+
+    @torch.no_grad()
+    def show_(self, flat: Tensor) -> None:
+        """Make the tensors views of ``flat``, one model of :attr:`numel` elements; the learners stay as they are.
+
+        The tensors then hold ``flat`` (kept alive by them until :meth:`restack_`); for several learners only.
+        """
+        assert self.learners > 1, "only a view of several learners shows another model"
+        self._rebind(flat.reshape(-1).to(self.dtype))
+        self.showing = True
+
+    def restack_(self) -> None:
+        """Give the tensors back their learners after :meth:`show_`."""
+        self.showing = False
+        if self.live is not None:
+            self._rebind(self.live)
+            return
+        for tensor, block in zip(self.tensors, self._blocks, strict=True):
+            tensor.data = block
+
+    def learner_mean(self) -> Tensor:
+        """The mean of the learners' models, one flat model (the current values themselves for one learner)."""
+        return self.current() if self.learners == 1 else self.current().mean(dim=0)
 
     def current(self) -> Tensor:
         """The current values: the live buffer itself when bound (do not keep it), otherwise a new copy."""
         return self.live if self.live is not None else self.read()
 
     def read(self) -> Tensor:
-        """A new flat tensor holding the current values."""
+        """A new flat tensor holding the current values (a row per learner with several)."""
         if self.live is not None:
             return self.live.clone()
         if not self.tensors:
             return torch.empty(0, dtype=self.dtype, device=self.device)
+        if self._blocks:
+            rows = [block.detach().reshape(self.learners, -1) for block in self._blocks]
+            return torch.cat(rows, dim=1).to(self.device, self.dtype)
         return torch.cat([t.detach().reshape(-1).to(self.device, self.dtype) for t in self.tensors])
 
     @torch.no_grad()
     def read_into(self, out: Tensor) -> Tensor:
-        """Copy the current values into ``out`` (a flat tensor of :attr:`numel` elements) and return it."""
-        if self.live is not None:
-            return out.copy_(self.live)
+        """Copy the current values into ``out`` (shaped as :meth:`read`'s result) and return it."""
+        if self.live is not None or self._blocks:
+            return out.copy_(self.current())
         offset = 0
         for tensor in self.tensors:
             out[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
@@ -75,14 +143,24 @@ class FlatView:
 
     @torch.no_grad()
     def write_(self, flat: Tensor) -> None:
-        """Copy ``flat`` back into the viewed tensors (casting to each tensor's dtype)."""
-        if flat.numel() != self.numel:
+        """Copy ``flat`` back into the viewed tensors (casting to each tensor's dtype).
+
+        With several learners ``flat`` holds a row per learner, or one model that every learner takes.
+        """
+        if flat.numel() not in (self.numel, self.numel * self.learners):
             raise ValueError(f"A flat tensor of {flat.numel()} elements cannot fill {self.numel} elements.")
+        if not self.tensors:
+            return
+        rows = flat.reshape(-1) if self.learners == 1 else flat.reshape(-1, self.numel)
         if self.live is not None:
             if flat.data_ptr() != self.live.data_ptr():
-                self.live.copy_(flat)
+                self.live.copy_(rows)
             return
-        for tensor, chunk in zip(self.tensors, torch.split(flat, [t.numel() for t in self.tensors]), strict=True):
+        if self._blocks:
+            for block, chunk in zip(self._blocks, torch.split(rows, self._sizes, dim=-1), strict=True):
+                block.reshape(self.learners, -1).copy_(chunk)
+            return
+        for tensor, chunk in zip(self.tensors, torch.split(flat, self._sizes), strict=True):
             tensor.copy_(chunk.view_as(tensor))
 
 

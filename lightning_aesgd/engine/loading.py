@@ -279,6 +279,7 @@ def build_planned_loader(
     plan_book: PlanBook,
     step_batch_size: int,
     costs: Tensor | None = None,
+    learners: int = 1,
 ) -> PlannedDataLoader:
     """Return a copy of ``loader`` whose batches follow the plans in ``plan_book``.
 
@@ -290,6 +291,7 @@ def build_planned_loader(
         plan_book: the plans, shared with the strategy.
         step_batch_size: indices per step over all replicas.
         costs: optional per-sample costs for cost-aware splitting.
+        learners: models each replica trains side by side (each needs a sample of the epoch's last step).
     """
     check_step_fits(facts.dataset_size, step_batch_size, loader.drop_last)
     batch_sampler = PlannedBatchSampler(
@@ -302,6 +304,7 @@ def build_planned_loader(
         seed=facts.seed,
         drop_last=loader.drop_last,
         costs=costs,
+        learners=learners,
     )
     options: dict[str, Any] = {name: getattr(loader, name) for name in _KEPT_OPTIONS if hasattr(loader, name)}
     if loader.num_workers > 0:

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -30,6 +30,8 @@ from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
 from lightning_aesgd.engine.gradients import update_skipped
+from lightning_aesgd.engine.learner_tuning import LearnerTuning, tune_learners
+from lightning_aesgd.engine.learners import LearnerStep
 from lightning_aesgd.engine.pipeline import NonFiniteReplicasError, StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
@@ -49,6 +51,9 @@ class ModelMerge(StepPipeline):
         l2_nudge: Adaptive SGD's adaptive normalization of merge weights.
         lr_scaling: scale the replica's learning rate by its batch over the nominal one during its step.
         checkpoint_replicas: save every replica's own model and optimizer state in checkpoints.
+        learners: models this replica trains side by side (:mod:`~lightning_aesgd.engine.learners`), or ``"auto"``
+            to choose them by measurement before the first step (:meth:`choose_learners`).
+        learner_tuning: how ``"auto"`` chooses.
         **step_options: the pipeline's own options (:class:`~lightning_aesgd.engine.pipeline.StepPipeline`).
     """
 
@@ -67,9 +72,17 @@ class ModelMerge(StepPipeline):
         l2_nudge: bool,
         lr_scaling: bool,
         checkpoint_replicas: bool,
+        learners: int | Literal["auto"] = 1,
+        learner_tuning: LearnerTuning | None = None,
         **step_options: Unpack[StepOptions],
     ) -> None:
         super().__init__(planning, **step_options)
+        self.auto_learners = learners == "auto"
+        self.learners = 1 if learners == "auto" else int(learners)
+        self.learner_tuning = learner_tuning or LearnerTuning()
+        self.learner_rates: list[float] = []  # the job's samples/s at 1, 2, ... learners, when "auto" measured them
+        self._learners_chosen = not self.auto_learners
+        self._module: nn.Module | None = None
         self.merging = merging
         self.normalization = AdaptiveNormalization(l2_nudge, merging.warmup_steps)
         self.lr_scaling = lr_scaling
@@ -104,13 +117,55 @@ class ModelMerge(StepPipeline):
     def _start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
         """Replicas start from rank zero's model, as DDP's do."""
         _broadcast_module(module, comm, self.merging.merge_buffers)
-        self.averager = ElasticAverager(module, comm, self.merging)
+        self._module = module
+        if self.auto_learners:  # chosen anew in each fit, before its first step (or taken from its checkpoint)
+            self.learners, self.learner_rates, self._learners_chosen = 1, [], False
+        self._use_learners(self.learners)
         self._center_norm = -1.0
         self._maybe_skipped.clear()
         self.alone = TrainingAlone()
 
+    def _use_learners(self, learners: int) -> None:
+        """Train ``learners`` learners from now on: before the first step, as merges hold no state of theirs yet."""
+        assert self._module is not None, "the pipeline is not running: call start() first"
+        if self.averager is not None:
+            self.averager.unstack()
+        self.learners = self.plans.learners = learners
+        self.averager = ElasticAverager(self._module, self._comm(), self.merging, learners)
+        self.learner_step = None
+        if learners > 1:
+            stacked = [*self.averager.params.tensors, *self.averager.buffers.tensors]
+            self.learner_step = LearnerStep(self._module, stacked, learners)
+
+    @property
+    def learners_undecided(self) -> bool:
+        """Whether ``learners_per_device="auto"`` has yet to measure and choose, before the fit's first step."""
+        return self.running and not self._learners_chosen
+
+    def choose_learners(self, measure: Callable[[int], float]) -> int:
+        """Crossbow's tuner (a collective): measure 1, 2, ... learners (``measure(k)``: samples/s), keep what pays.
+
+        Returns:
+            The number of learners this fit trains, the same on every replica.
+        """
+        learners, self.learner_rates = tune_learners(measure, self._comm(), self.learner_tuning)
+        if self._comm().rank == 0:
+            rates = ", ".join(f"{k}: {rate:,.0f}" for k, rate in enumerate(self.learner_rates, start=1))
+            log.info("learners_per_device='auto': samples/s by learners per replica {%s}; trains %d.", rates, learners)
+        self._use_learners(learners)
+        self._learners_chosen = True
+        return learners
+
     def _stop(self) -> None:
-        self.averager = None
+        if self.averager is not None:  # a fit that failed leaves one model too, not a stack of learners
+            self.averager.unstack()
+        self.averager = self._module = None
+        self.learner_step = None
+
+    @property
+    def loss_weight(self) -> float:
+        """``k`` with ``k`` learners: their batched step returns the mean of their losses, each learner's own."""
+        return float(self.learners)
 
     def configure_model(self, model: nn.Module) -> None:
         """The model stays unwrapped: replicas synchronise by merges, not through DistributedDataParallel."""
@@ -176,7 +231,7 @@ class ModelMerge(StepPipeline):
         per-step SIGTERM broadcast is skipped too, see :mod:`lightning_aesgd.sigterm`). Every rank decides from the
         same plan book and schedule, so all skip the same merges.
         """
-        if averager.comm.world_size == 1:  # nobody is left out: merges keep their schedule (and their reports)
+        if averager.comm.world_size == 1 or self.learners > 1:  # several models to merge, even on a lone replica
             return False
         # Only where the merge is the weighted mean and nothing else: no outer momentum or center of the rule's
         # own, no adaptive normalization, and the optimizer's state kept (a merge may reset or average it).
@@ -304,6 +359,7 @@ class ModelMerge(StepPipeline):
         shared = self._plan_state()
         shared.update({"averager": averager.shared_state(), "l2_trend": self.normalization.state_dict()})
         shared["alone"] = self.alone.state_dict()
+        shared["learners"] = self.learners
         state: dict[str, Any] = {"world_size": averager.comm.world_size, "shared": shared, "replicas": None}
         if self.checkpoint_replicas:
             params, buffers = averager.local_model()
@@ -323,6 +379,10 @@ class ModelMerge(StepPipeline):
 
         Every rank reads the checkpoint file that rank zero wrote, so every rank finds every replica's part there.
         """
+        saved_learners = state["shared"].get("learners", 1)
+        if self.auto_learners and not self._learners_chosen:  # the fit that saved it measured already
+            self._use_learners(saved_learners)
+            self._learners_chosen = True
         averager = self._running_averager()
         self._load_plan_state(state["shared"])
         if "averager" not in state["shared"]:  # a checkpoint of sync="gradients": only its plans carry over
@@ -331,6 +391,16 @@ class ModelMerge(StepPipeline):
         self.alone.load_state_dict(state["shared"].get("alone") or {})
         self.normalization.load_state_dict(state["shared"]["l2_trend"])
         replicas, world_size = state["replicas"], averager.comm.world_size
+        if saved_learners != self.learners:
+            log.warning(
+                "The checkpoint's replicas trained %d learners each, this run trains %d: all start from the merged "
+                "model, with a fresh optimizer state.",
+                saved_learners,
+                self.learners,
+            )
+            if optimizer is not None:  # its moments have the checkpoint's learners' shapes
+                optimizer.state.clear()
+            return
         if replicas is None:
             return
         if state["world_size"] != world_size:

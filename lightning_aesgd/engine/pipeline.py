@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.comm import Communicator
+from lightning_aesgd.engine.learners import LearnerStep
 from lightning_aesgd.engine.loading import (
     LoaderClock,
     PlannedDataLoader,
@@ -106,6 +107,12 @@ class StepPipeline(ABC):
 
     wraps_model = False
     """Whether the strategy wraps the model in DistributedDataParallel for this sync mode."""
+
+    learners = 1
+    """Models each replica trains side by side (``learners_per_device``); batches are multiples of it."""
+
+    learner_step: LearnerStep | None = None
+    """Runs the training step of several learners batched (model merging with ``learners_per_device > 1``)."""
 
     sync_name = "sync points"
     """What this sync mode's sync points are called in the summary (``"merges"``, ``"gradient sums"``)."""
@@ -220,6 +227,7 @@ class StepPipeline(ABC):
     ) -> None:
         """Begin a fit of ``module`` on ``device``, with the other replicas behind ``comm`` and the Trainer's hooks."""
         self._comm_in_use = comm
+        self.plans.learners = self.learners
         self.hooks = hooks if hooks is not None else TrainerHooks()
         self.arrivals.attach(device)
         self.plans.attach(comm.world_size)
@@ -257,7 +265,7 @@ class StepPipeline(ABC):
             )
         lag = self.plan_lag if self.plan_lag is not None else depth + 1
         costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
-        step_batch_size = self._step_batch_size(facts.batch_size * comm.world_size, position)
+        step_batch_size = self._step_batch_size(facts.batch_size * comm.world_size * self.learners, position)
         plan_book = self.plans.plan_book_for(step_batch_size, comm.world_size, lag, cost_aware=costs is not None)
         loader = build_planned_loader(
             dataloader,
@@ -267,6 +275,7 @@ class StepPipeline(ABC):
             plan_book=plan_book,
             step_batch_size=step_batch_size,
             costs=costs,
+            learners=self.learners,
         )
         self.sampler, self.loader_clock = loader.batch_sampler, loader.loader_clock
         if position is not None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_aesgd.core.apportion import apportion
+from lightning_aesgd.core.apportion import apportion, in_multiples
 from lightning_aesgd.core.noise import noise_band
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
@@ -92,6 +92,7 @@ class PlanLoop:
         self.lag = 1
         self.step_batch_size = 0
         self.cost_aware = False
+        self.learners = 1  # learners per replica: every batch is a multiple of it (set by the engine)
         self.stop_requested = False
         self.merge_weights: list[float] = []  # every replica's weight at the latest sync point
         self.latest_reports: list[PeriodReport] = []
@@ -124,12 +125,15 @@ class PlanLoop:
         settings = self.settings
         settings.check_step(step_batch_size, num_replicas)
         min_share = settings.min_share if settings.adaptive else 0.0
-        self.floor = batch_floor(step_batch_size, num_replicas, settings.min_batch, min_share)
+        check_learner_blocks(step_batch_size, num_replicas, self.learners)
+        floor = batch_floor(step_batch_size, num_replicas, settings.min_batch, min_share)
+        self.floor = -(-floor // self.learners) * self.learners  # one sample per learner at least
         self.planner = settings.build_planner(self.floor)
         book = self.plan_book
         if book is None or len(book.latest) != num_replicas or sum(book.latest) != step_batch_size:
             shares = settings.shares if settings.shares is not None else [1.0] * num_replicas
-            book = self.plan_book = PlanBook(apportion(step_batch_size, shares, self.floor, settings.max_batch))
+            sizes = apportion(step_batch_size, shares, self.floor, settings.max_batch)
+            book = self.plan_book = PlanBook(in_multiples(sizes, self.learners, settings.max_batch))
             self.admission = Admission()  # every replica takes part in a fresh book
         self._load_saved_state()
         return book
@@ -186,6 +190,7 @@ class PlanLoop:
         sizes = [0] * len(current)
         for rank, size in zip(ranks, target, strict=True):
             sizes[rank] = size
+        sizes = in_multiples(sizes, self.learners, settings.max_batch)
         if tuple(sizes) != current:
             self.plan_book.schedule(step + self.lag, sizes)
 
@@ -348,3 +353,13 @@ class PlanLoop:
 def _plans_fit(plans: dict[str, Any], num_replicas: int, step_batch_size: int) -> bool:
     """Whether saved plans (:meth:`PlanBook.state_dict`) split steps of ``step_batch_size`` among ``num_replicas``."""
     return all(len(sizes) == num_replicas and sum(sizes) == step_batch_size for sizes in plans["sizes"])
+
+
+def check_learner_blocks(step_batch_size: int, num_replicas: int, learners: int) -> None:
+    """Raise, naming the fix, unless steps of ``step_batch_size`` samples give every learner the same batch."""
+    if learners > 1 and step_batch_size % learners:
+        raise ValueError(
+            f"Steps of {step_batch_size} samples cannot be split equally among the {learners} learners of a "
+            f"replica. HINT: set step_batch_size to a multiple of {learners} (by default it is the DataLoader's "
+            f"batch_size × {num_replicas} replicas × {learners} learners)."
+        )

@@ -164,6 +164,8 @@ class PlannedBatchSampler(Sampler[list[int]]):
         drop_last: drop the last, incomplete step instead of splitting what is left.
         costs: optional cost per sample (e.g. non-zeros of a sparse row); the plan then splits every step by
             cumulative cost instead of by count.
+        learners: models each replica trains side by side: the epoch's last, shorter step still gives each of
+            them a sample (plans of full steps are multiples of it already).
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = False,
         costs: Tensor | None = None,
+        learners: int = 1,
     ) -> None:
         if step_batch_size < num_replicas:
             raise ValueError(
@@ -197,6 +200,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         self.plan_book = plan_book
         self.drop_last = drop_last
         self.costs = None if costs is None else torch.as_tensor(costs, dtype=torch.float64)
+        self.learners = learners
         self.steps_done = 0
         self._resume: tuple[int, int] | None = None
         self._records: dict[int, StepRecord] = {}
@@ -275,17 +279,17 @@ class PlannedBatchSampler(Sampler[list[int]]):
         step = order[index * self.step_batch_size : (index + 1) * self.step_batch_size]
         key = self.step_key(self.epoch, index)
         sizes = self.plan_book.sizes_at(key)
-        takers = sum(1 for size in sizes if size > 0)
+        takers = sum(1 for size in sizes if size > 0) * self.learners
         if len(step) < takers:
-            # A tail shorter than the number of replicas taking part: wrap around, as DistributedSampler pads, so
-            # that none of them is left without a sample for the step all of them must take.
+            # A tail shorter than the number of replicas (learners) taking part: wrap around, as DistributedSampler
+            # pads, so that none of them is left without a sample for the step all of them must take.
             step = torch.cat([step, order[: takers - len(step)]])
         counts = self._split(step, sizes)
         begin = sum(counts[: self.rank])
         mine = step[begin : begin + counts[self.rank]]
         cost = float(self.costs[mine].sum()) if self.costs is not None else float(len(mine))
         # A short last step keeps the plan's proportions: count it at its apportioned size.
-        planned = sizes[self.rank] if len(step) == sum(sizes) else _among_takers(len(step), sizes, apportion)[self.rank]
+        planned = sizes[self.rank] if len(step) == sum(sizes) else self._split_tail(len(step), sizes)[self.rank]
         self._records[key] = StepRecord(num_samples=len(mine), cost=cost, planned=planned, step_samples=len(step))
         return StepIndices(mine.tolist(), key)
 
@@ -295,8 +299,11 @@ class PlannedBatchSampler(Sampler[list[int]]):
             return _among_takers(len(step), sizes, lambda _, shares: split_by_cost(costs, shares))
         if len(step) == sum(sizes):
             return list(sizes)
-        # The epoch's last, shorter step keeps the plan's proportions.
-        return _among_takers(len(step), sizes, apportion)
+        return self._split_tail(len(step), sizes)
+
+    def _split_tail(self, total: int, sizes: Sequence[int]) -> list[int]:
+        """The epoch's last, shorter step keeps the plan's proportions, and a sample for each learner."""
+        return _among_takers(total, sizes, lambda count, shares: apportion(count, shares, min_size=self.learners))
 
 
 def _among_takers(total: int, sizes: Sequence[int], split: Callable[[int, list[int]], list[int]]) -> list[int]:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from lightning_aesgd.core.apportion import apportion, ideal_shares, share_error, split_by_cost
+from lightning_aesgd.core.apportion import apportion, ideal_shares, in_multiples, share_error, split_by_cost
 
 share_values = st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False)
 positive_shares = st.lists(st.floats(min_value=1e-3, max_value=1e3), min_size=1, max_size=12)
@@ -220,3 +220,29 @@ def test_ideal_shares_and_share_error() -> None:
         share_error([1, 1], [1.0, 0.0])
     with pytest.raises(ValueError, match="positive sum"):
         share_error([0, 0], [1.0, 1.0])
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    multiple=st.integers(1, 5),
+)
+def test_in_multiples_keeps_the_total_and_who_takes_part(sizes, multiple):
+    sizes[0] += (-sum(sizes)) % multiple  # a total the blocks can make
+    if sum(sizes) == 0 or sum(size > 0 for size in sizes) * multiple > sum(sizes):
+        return
+    rounded = in_multiples(sizes, multiple)
+    assert sum(rounded) == sum(sizes)
+    assert all(size % multiple == 0 for size in rounded)
+    assert [size > 0 for size in rounded] == [size > 0 for size in sizes]
+    if all(size == 0 or size >= multiple for size in sizes):  # nothing raised to a block: a rounding, no more
+        assert all(abs(new - old) < multiple for new, old in zip(rounded, sizes, strict=True))
+    if all(size % multiple == 0 for size in sizes):
+        assert rounded == sizes
+
+
+def test_in_multiples_respects_max_size_and_names_an_impossible_plan():
+    assert in_multiples([3, 5], 2, max_size=4) == [4, 4]
+    with pytest.raises(ValueError, match="blocks of 3"):
+        in_multiples([4, 4], 3)
+    with pytest.raises(ValueError, match="max_batch=4"):
+        in_multiples([6, 6], 4, max_size=4)

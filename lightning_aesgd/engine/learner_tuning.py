@@ -1,0 +1,155 @@
+"""Choosing ``learners_per_device="auto"``: measure the batched step of 1, 2, ... learners, keep what pays.
+
+Before the first training step, each replica times the forward and backward of its training step on one real
+batch per learner (the loader's first batch, repeated), for ``k = 1, 2, ...`` learners. The replicas sum their
+rates at each ``k`` on the host group, so every replica takes the same decision
+(:func:`~lightning_aesgd.core.tuning.learners_to_keep`). Measuring leaves the module as it was: its tensors,
+values and gradients are put back, and nothing is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_aesgd.core.tuning import learners_to_keep, measures_more
+from lightning_aesgd.engine.comm import Communicator
+from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, trainable_parameters
+from lightning_aesgd.engine.learners import LearnerStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LearnerTuning:
+    """How ``learners_per_device="auto"`` chooses.
+
+    Args:
+        max_learners: the most learners per replica (Crossbow's bound is the device's memory; a learner that does
+            not fit also ends the search).
+        min_gain: the smallest rise of throughput, as a fraction, that a learner more must bring.
+        repeats: timed steps per measurement, after one untimed.
+    """
+
+    max_learners: int = 8
+    min_gain: float = 0.1
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_learners, int) or isinstance(self.max_learners, bool) or self.max_learners < 1:
+            raise ValueError(f"`max_learners` is a whole number >= 1, got {self.max_learners!r}. HINT: e.g. 8.")
+        if not isinstance(self.min_gain, int | float) or isinstance(self.min_gain, bool) or not self.min_gain >= 0:
+            raise ValueError(
+                f"`learner_min_gain` is a fraction of throughput >= 0, got {self.min_gain!r}. HINT: e.g. 0.1 (a "
+                "learner more must add 10%)."
+            )
+
+
+def tune_learners(
+    measure: Callable[[int], float], comm: Communicator, tuning: LearnerTuning
+) -> tuple[int, list[float]]:
+    """Measure ``k = 1, 2, ...`` learners (``measure(k)``: this replica's samples per second) and choose.
+
+    A collective: every replica measures the same ``k`` and sums its rate into the job's, on the host group. A
+    replica whose measurement failed (its device out of memory) makes the job's rate 0, which ends the search.
+
+    Returns:
+        The number of learners to keep, and the job's rate at each ``k`` measured.
+    """
+    rates: list[float] = []
+    while not rates or measures_more(rates, tuning.min_gain, tuning.max_learners):
+        learners = len(rates) + 1
+        rate = measure(learners)
+        job = torch.tensor([rate, float(rate <= 0.0)], dtype=torch.float64)
+        comm.host_all_reduce_sum_(job)
+        total, failed = job.tolist()
+        rates.append(0.0 if failed else total)
+    return learners_to_keep(rates, tuning.min_gain), rates
+
+
+def measure_learners(
+    module: nn.Module, run_step: Callable[..., Any], batch: Any, learners: int, repeats: int = 3
+) -> float:
+    """Samples per second of ``learners`` learners' forward and backward, each on ``batch``; 0 if out of memory.
+
+    One learner runs the step as it is (no batching), as ``learners_per_device=1`` trains.
+    """
+    device = module_device(module)
+    with _module_kept(module):
+        try:
+            step = _stacked_step(module, learners) if learners > 1 else None
+            rows_each, stacked = _rows(batch), _repeated(batch, learners)
+            for index in range(repeats + 1):
+                if index == 1:  # the first step warms caches and kernels up; the others are timed
+                    _synchronize(device)
+                    start = time.perf_counter()
+                output = step(run_step, stacked, 0) if step is not None else run_step(batch, 0)
+                loss = output["loss"] if isinstance(output, dict) else output
+                (loss * learners).backward()
+                module.zero_grad(set_to_none=True)
+            _synchronize(device)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return 0.0
+    return learners * rows_each * repeats / max(time.perf_counter() - start, 1e-9)
+
+
+def _stacked_step(module: nn.Module, learners: int) -> LearnerStep:
+    params = FlatView(trainable_parameters(module), bind=True, learners=learners)
+    buffers = FlatView(floating_buffers(module), learners=learners)
+    return LearnerStep(module, [*params.tensors, *buffers.tensors], learners)
+
+
+@contextmanager
+def _module_kept(module: nn.Module) -> Iterator[None]:
+    """Put every parameter and buffer back as it was (its storage, its values, no gradient), and log nothing."""
+    tensors = [*module.parameters(), *module.buffers()]
+    kept = [(tensor, tensor.data, tensor.data.clone()) for tensor in tensors]
+    has_log = hasattr(module, "log")
+    if has_log:
+        module.log = _no_log  # type: ignore[assignment]  # a measurement is not training
+    try:
+        yield
+    finally:
+        if has_log:
+            del module.log
+        with torch.no_grad():
+            for tensor, data, values in kept:
+                tensor.data = data
+                data.copy_(values)
+        module.zero_grad(set_to_none=True)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """What ``self.log`` does while the learners are measured."""
+
+
+def _rows(batch: Any) -> int:
+    rows = [t.shape[0] for t in _tensors(batch) if t.dim() > 0]
+    if not rows:
+        raise ValueError("learners_per_device='auto' measures on a batch of tensors; this one has none.")
+    return rows[0]
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, found.append)
+    return found
+
+
+def _repeated(batch: Any, learners: int) -> Any:
+    """The batch once per learner, along the first dimension."""
+    return apply_to_collection(batch, Tensor, lambda t: t.repeat(learners, *[1] * (t.dim() - 1)) if t.dim() else t)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,234 @@
+"""Several learners of one model in one process (Crossbow's learners per device), as one batched step.
+
+Crossbow (Koliousis et al., PVLDB 2019) trains several small-batch learners on each GPU: small batches keep
+their statistical efficiency, and together the learners keep the device busy. Here the ``k`` learners of a
+replica are one module whose trainable parameters and floating buffers hold a row per learner (``k × shape``,
+bound by :class:`~lightning_aesgd.engine.flat.FlatView`). One Lightning step runs the user's ``training_step``
+once under :func:`torch.func.vmap`: every layer is one batched kernel over the ``k`` learners, each with its
+own parameters, buffers and a ``1/k`` slice of the replica's batch. The learners' losses are summed, so one
+backward gives each learner the gradient of its own loss, and one step of the user's optimizer (elementwise:
+SGD, Adam, Adagrad, ...) updates each learner as its own optimizer would.
+
+What the user's ``training_step`` may do under the batched step:
+
+* log with ``self.log`` / ``self.log_dict``: each value is logged once, the mean over the learners;
+* use BatchNorm in training mode (each learner keeps its own statistics), dropout (drawn per learner);
+* return a loss, or a dict holding ``"loss"``; other returned tensors come back with a leading learner axis.
+
+It may not read values to the host (``.item()``, ``float(tensor)``, data-dependent Python control flow),
+return ``None`` to skip a step, or run collectives; the first step then fails with a HINT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+UNSUPPORTED_STEP_HINT = (
+    "HINT: with learners_per_device > 1 the training step runs once for all learners, batched by torch.func.vmap: "
+    "it may not read tensors to the host (.item(), float(), data-dependent `if`), return None, or run "
+    "collectives. Keep such code out of training_step, or use learners_per_device=1."
+)
+
+
+class LearnerStepError(RuntimeError):
+    """The user's training step cannot run batched over several learners."""
+
+
+class _Call(nn.Module):
+    """A module whose forward is ``run(*args)``, around any code such as Lightning's training step.
+
+    :func:`~torch.func.functional_call` of it swaps in a learner's tensors of ``module`` (``module.<name>``).
+    """
+
+    def __init__(self, module: nn.Module, run: Callable[..., Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._run = run
+
+    def forward(self, *args: Any) -> Any:
+        return self._run(*args)
+
+
+def learner_rows(batch_rows: int, learners: int) -> list[tuple[int, int, int]]:
+    """How a replica's batch of ``batch_rows`` samples is dealt to its learners, as equally as possible.
+
+    Returns:
+        Groups ``(first learner, end learner, rows each)``: one group when the batch is a multiple of
+        ``learners`` (every full step: plans are), two in the epoch's last, shorter step, where the first
+        ``batch_rows mod k`` learners take one sample more. Learners without a sample are in no group.
+
+    Example:
+        >>> learner_rows(8, 4), learner_rows(10, 4)
+        ([(0, 4, 2)], [(0, 2, 3), (2, 4, 2)])
+    """
+    each, extra = divmod(batch_rows, learners)
+    groups = [(0, extra, each + 1), (extra, learners, each)]
+    return [(first, end, rows) for first, end, rows in groups if end > first and rows > 0]
+
+
+def _batch_rows(batch: Any) -> int:
+    """The number of samples in a batch: the first dimension of its tensors, which must all agree."""
+    rows = {leaf.shape[0] for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor) and leaf.dim() > 0}
+    if len(rows) != 1:
+        raise LearnerStepError(
+            f"A batch whose tensors hold {sorted(rows) or 'no'} rows cannot be split among learners. HINT: every "
+            "tensor of a batch must hold one row per sample (the collate function's default)."
+        )
+    return rows.pop()
+
+
+def _rows_of(batch: Any, begin: int, learners: int, rows: int) -> Any:
+    """Rows ``begin ..`` of every tensor in ``batch``, ``rows`` per learner, with a leading learner axis."""
+
+    def take(tensor: Tensor) -> Tensor:
+        if tensor.dim() == 0:
+            return tensor
+        part = tensor[begin : begin + learners * rows]
+        return part.reshape(learners, rows, *tensor.shape[1:])
+
+    return apply_to_collection(batch, Tensor, take)
+
+
+class LearnerStep:
+    """Runs a LightningModule's training step for ``k`` learners at once.
+
+    Args:
+        module: the LightningModule whose tensors in ``stacked`` hold a row per learner (bound by the averager).
+        stacked: the module's tensors with a leading learner axis (trainable parameters, floating buffers).
+        learners: the number of learners ``k``.
+    """
+
+    def __init__(self, module: Any, stacked: Sequence[Tensor], learners: int) -> None:
+        self.module = module
+        self.learners = learners
+        ids = {id(tensor) for tensor in stacked}
+        named = [*module.named_parameters(), *module.named_buffers()]
+        self._names = [name for name, tensor in named if id(tensor) in ids]
+
+    def __call__(self, run_step: Callable[..., Any], batch: Any, *rest: Any) -> Any:
+        """Run ``run_step(batch_j, *rest)`` for every learner ``j`` batched, in one call (two in a short step).
+
+        Returns:
+            The step's output with its loss the learners' mean (one backward of it, times ``k``, gives each
+            learner its own gradient: the strategy's backward applies the factor), other tensors with a leading
+            learner axis.
+        """
+        tensors = dict(self.module.named_parameters())
+        tensors.update(self.module.named_buffers())
+        call = _Call(self.module, run_step)
+        outputs, logged = [], _LogRecorder(self.module)
+        begin = 0
+        with logged:
+            for first, end, rows in learner_rows(_batch_rows(batch), self.learners):
+                own = {f"module.{name}": tensors[name][first:end] for name in self._names}
+                part = _rows_of(batch, begin, end - first, rows)
+                outputs.append(self._batched(call, own, part, rest, logged))
+                begin += (end - first) * rows
+        logged.replay([values for _, values in outputs])
+        return _mean_loss([output for output, _ in outputs], self.learners)
+
+    def _batched(
+        self, call: _Call, own: dict[str, Tensor], batch: Any, rest: tuple[Any, ...], logged: _LogRecorder
+    ) -> tuple[Any, tuple[Tensor, ...]]:
+        def one_learner(learner: dict[str, Tensor], learner_batch: Any) -> tuple[Any, tuple[Tensor, ...]]:
+            logged.start()
+            output = functional_call(call, learner, (learner_batch, *rest), strict=False)
+            return output, logged.tensors()
+
+        leaves, spec = tree_flatten(batch)
+        in_dims = tree_unflatten([0 if isinstance(leaf, Tensor) and leaf.dim() else None for leaf in leaves], spec)
+        try:
+            return vmap(one_learner, in_dims=(0, in_dims), randomness="different")(own, batch)
+        except (RuntimeError, ValueError) as error:
+            if "vmap" not in str(error):  # the user's own error, not one of batching
+                raise
+            raise LearnerStepError(
+                f"The training step failed batched over {self.learners} learners: {error} {UNSUPPORTED_STEP_HINT}"
+            ) from error
+
+
+def _mean_loss(outputs: list[Any], learners: int) -> Any:
+    """The learners' mean loss; the other outputs of the first group (all learners in a full step)."""
+    losses = []
+    for output in outputs:
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, Tensor):
+            raise LearnerStepError(
+                f"The training step returned {type(output).__name__}; batched learners need a loss tensor or a "
+                f"dict holding 'loss'. {UNSUPPORTED_STEP_HINT}"
+            )
+        losses.append(loss.reshape(-1))
+    mean = torch.cat(losses).sum() / learners
+    return {**outputs[0], "loss": mean} if isinstance(outputs[0], dict) else mean
+
+
+class _LogRecorder:
+    """Holds back ``self.log`` calls made inside the batched step and replays them with the learners' mean.
+
+    A value logged inside :func:`~torch.func.vmap` is batched: Lightning could not keep it past the call. So the
+    tensors leave the call as outputs (one row per learner) and are logged after it.
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.calls: list[tuple[str, Any, dict[str, Any]]] = []
+        self._log: Any = None
+        self._set_on_instance = False
+
+    def __enter__(self) -> _LogRecorder:
+        self._log = getattr(self.module, "log", None)
+        self._set_on_instance = "log" in vars(self.module)  # replaced already (e.g. while learners are measured)
+        if self._log is not None:  # a LightningModule (a plain module has nothing to log with)
+            self.module.log = self._record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._set_on_instance:
+            self.module.log = self._log
+        elif self._log is not None:
+            del self.module.log  # the instance attribute: the class's method shows again
+
+    def start(self) -> None:
+        self.calls.clear()
+
+    def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise LearnerStepError(
+                f"self.log({name!r}, ...) got positional options; batched learners record keyword options only. "
+                "HINT: pass them by name, e.g. self.log(name, value, prog_bar=True)."
+            )
+        self.calls.append((name, value, kwargs))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return tuple(value for _, value, _ in self.calls if isinstance(value, Tensor))
+
+    def replay(self, groups: list[tuple[Tensor, ...]]) -> None:
+        """Log each recorded value once: its mean over every learner of every group."""
+        for index, (name, value, kwargs) in self.calls_with_tensor_index():
+            if index is not None:
+                rows = [group[index].detach().reshape(len(group[index]), -1).to(torch.float32) for group in groups]
+                value = torch.cat(rows).mean()
+            self._log(name, value, **kwargs)
+        self.calls.clear()
+
+    def calls_with_tensor_index(self) -> list[tuple[int | None, tuple[str, Any, dict[str, Any]]]]:
+        """Every recorded call with the index of its value among the returned tensors (None for a number)."""
+        indexed: list[tuple[int | None, tuple[str, Any, dict[str, Any]]]] = []
+        count = 0
+        for call in self.calls:
+            if isinstance(call[1], Tensor):
+                indexed.append((count, call))
+                count += 1
+            else:
+                indexed.append((None, call))
+        return indexed
+
+
+__all__ = ["LearnerStep", "LearnerStepError", "learner_rows"]

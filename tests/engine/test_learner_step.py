@@ -1,0 +1,301 @@
+"""Several learners in one process: stacked flats, the batched step, and merges that count every learner.
+
+Each learner of a batched step must end exactly where a module of its own would, trained alone on its slice of
+the batch with an optimizer of its own; the checks compare against such separate modules.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import FakeCommunicator
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from lightning_aesgd.core.merge import SMA, ElasticAverage
+from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
+from lightning_aesgd.engine.flat import FlatView, floating_buffers, trainable_parameters
+from lightning_aesgd.engine.learner_tuning import LearnerTuning, measure_learners, tune_learners
+from lightning_aesgd.engine.learners import LearnerStep, LearnerStepError, learner_rows
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Batched matmuls on several threads start a thread pool that a later forked replica (another test file's
+    fork launcher) would inherit in a state it cannot use: the child's first matmul then waits forever."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Net(nn.Module):
+    """A small net with BatchNorm (buffers of each learner's own) and a frozen layer (shared by the learners)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+        self.hidden = nn.Linear(3, 5)
+        self.norm = nn.BatchNorm1d(5)
+        self.out = nn.Linear(5, 1)
+        self.logged: list[tuple[str, object, dict]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.norm(self.hidden(self.frozen(x)))))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("loss", loss, prog_bar=True)
+        self.log("rate", 0.5)
+        return {"loss": loss, "prediction": self(x)}
+
+    def log(self, name: str, value: object, **options: object) -> None:
+        self.logged.append((name, value, options))
+
+
+def _batch(rows: int, seed: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 3, generator=generator), torch.randn(rows, 1, generator=generator)
+
+
+def _stacked(learners: int) -> tuple[Net, ElasticAverager, LearnerStep]:
+    torch.manual_seed(0)
+    net = Net()
+    averager = ElasticAverager(net, FakeCommunicator(world_size=1), MergeSettings(ElasticAverage()), learners)
+    step = LearnerStep(net, [*averager.params.tensors, *averager.buffers.tensors], learners)
+    return net, averager, step
+
+
+def _train_stacked(net: Net, step: LearnerStep, batches: list[tuple[Tensor, Tensor]]) -> list[dict]:
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    outputs = []
+    for batch in batches:
+        optimizer.zero_grad()
+        output = step(net.training_step, batch, 0)
+        (output["loss"] * step.learners).backward()
+        optimizer.step()
+        outputs.append(output)
+    return outputs
+
+
+def _train_alone(net: Net, batches: list[tuple[Tensor, Tensor]]) -> None:
+    optimizer = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for batch in batches:
+        optimizer.zero_grad()
+        net.training_step(batch, 0)["loss"].backward()
+        optimizer.step()
+
+
+@pytest.fixture
+def float64():
+    """Double precision: BatchNorm over 2 or 3 rows magnifies float32 rounding beyond any tight tolerance."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("rows", [8, 10], ids=["full", "short"])
+def test_each_learner_of_a_batched_step_trains_as_a_module_of_its_own(rows, float64):
+    """Learner j takes its rows of the batch (the first ``rows mod k`` one more in a short step)."""
+    learners = 4
+    net, averager, step = _stacked(learners)
+    torch.manual_seed(0)
+    initial = Net()  # the stacked net's initial model, for the learners trained alone
+    batches = [_batch(rows, seed) for seed in range(3)]
+    _train_stacked(net, step, batches)
+    sizes = [each for first, end, each in learner_rows(rows, learners) for _ in range(first, end)]
+    assert sizes == ([2] * 4 if rows == 8 else [3, 3, 2, 2])
+    begin = 0
+    for learner, size in enumerate(sizes):
+        alone = copy.deepcopy(initial)
+        _train_alone(alone, [(x[begin : begin + size], y[begin : begin + size]) for x, y in batches])
+        begin += size
+        expected = torch.cat([alone.state_dict()[name].reshape(-1) for name in _stacked_names(net)])
+        ours = torch.cat([averager.params.current()[learner], averager.buffers.current()[learner]])
+        torch.testing.assert_close(ours, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(net.frozen.weight, initial.frozen.weight)  # shared, and untouched
+
+
+def _stacked_names(net: Net) -> list[str]:
+    params = [name for name, p in net.named_parameters() if p.requires_grad]
+    return params + [name for name, b in net.named_buffers() if b.is_floating_point()]
+
+
+def test_the_step_logs_each_value_once_as_the_learners_mean_and_returns_their_mean_loss():
+    net, _, step = _stacked(2)
+    batch = _batch(8, seed=1)
+    output = step(net.training_step, batch, 0)
+    losses = [nn.functional.mse_loss(net_copy(batch, j), batch[1][4 * j : 4 * j + 4]) for j, net_copy in _copies(net)]
+    expected = torch.stack(losses).mean()
+    torch.testing.assert_close(output["loss"], expected)
+    assert output["prediction"].shape == (2, 4, 1)  # other outputs keep a leading learner axis
+    names = [(name, options) for name, _, options in net.logged]
+    assert names == [("loss", {"prog_bar": True}), ("rate", {})]
+    torch.testing.assert_close(net.logged[0][1], expected.detach())
+    assert net.logged[1][1] == 0.5
+    assert "log" not in vars(net), "the recorder must leave the module's own log method in place"
+
+
+def _copies(net: Net):
+    """Each learner as a module of its own, built from its row of the stacked tensors (training mode)."""
+    for learner in range(2):
+        alone = Net()
+        alone.load_state_dict({name: t[learner] if _is_row(net, name) else t for name, t in net.state_dict().items()})
+
+        def run(batch, j, alone=alone):
+            return alone(batch[0][4 * j : 4 * j + 4])
+
+        yield learner, run
+
+
+def _is_row(net: Net, name: str) -> bool:
+    return name in _stacked_names(net)
+
+
+def test_a_step_that_reads_a_tensor_to_the_host_fails_with_a_hint():
+    net, _, step = _stacked(2)
+
+    def reads_the_loss(batch, batch_idx):
+        loss = net.training_step(batch, batch_idx)["loss"]
+        return loss if loss.item() > 0 else -loss
+
+    with pytest.raises(LearnerStepError, match=r"\.item\(\).*HINT"):
+        step(reads_the_loss, _batch(8, seed=2), 0)
+
+
+def test_a_step_that_returns_nothing_fails_with_a_hint():
+    net, _, step = _stacked(2)
+    with pytest.raises(LearnerStepError, match=r"loss tensor.*HINT"):
+        step(lambda batch, batch_idx: {"prediction": net(batch[0])}, _batch(8, seed=2), 0)
+
+
+def test_the_users_own_errors_pass_through_unchanged():
+    _, _, step = _stacked(2)
+
+    def broken(batch, batch_idx):
+        raise RuntimeError("the user's bug")
+
+    with pytest.raises(RuntimeError, match=r"^the user's bug$"):
+        step(broken, _batch(8, seed=2), 0)
+
+
+@given(rows=st.integers(1, 200), learners=st.integers(1, 9))
+def test_learner_rows_deal_every_row_once_and_as_equally_as_possible(rows, learners):
+    groups = learner_rows(rows, learners)
+    assert sum((end - first) * each for first, end, each in groups) == rows
+    sizes = [each for first, end, each in groups for _ in range(first, end)]
+    assert len(groups) <= 2
+    assert max(sizes) - min(sizes) <= 1
+    assert len(sizes) == min(rows, learners)  # a learner without a row is in no group
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_stacked_flat_view_binds_a_row_per_learner_and_shows_one_model(device):
+    tensors = [torch.ones(2, 3, device=device), torch.zeros(4, device=device)]
+    view = FlatView(tensors, bind=True, learners=3)
+    assert view.live is not None
+    assert view.live.shape == (3, 10)
+    assert view.numel == 10
+    assert [t.shape for t in tensors] == [(3, 2, 3), (3, 4)]
+    assert {t.device.type for t in (*tensors, view.learner_mean(), view.read())} == {device}
+    view.write_(torch.arange(10.0, device=device))  # one model: every learner takes it
+    shown = torch.full((10,), 7.0, device=device)
+    view.show_(shown)
+    assert [t.shape for t in tensors] == [(2, 3), (4,)]
+    view.restack_()
+    assert [t.shape for t in tensors] == [(3, 2, 3), (3, 4)]
+    if device == "cpu":
+        torch.testing.assert_close(view.read(), torch.arange(10.0).repeat(3, 1))
+        torch.testing.assert_close(tensors[1][2], torch.arange(6.0, 10.0))
+        assert shown.eq(7.0).all(), "showing a model must not write it"
+
+
+def test_learners_need_a_bindable_model():
+    with pytest.raises(ValueError, match="learners_per_device=1"):
+        FlatView([torch.ones(2, dtype=torch.bfloat16)], bind=True, learners=2)
+
+
+def test_a_merge_counts_every_learner_of_every_replica():
+    """SMA over 2 replicas × 2 learners: n = 4, the mean is over the four learners' snapshots."""
+    torch.manual_seed(0)
+    net = nn.Linear(2, 1)
+    comm = FakeCommunicator(world_size=2)  # an identical peer
+    rule = SMA(alpha=0.1, central_momentum=0.0)
+    averager = ElasticAverager(net, comm, MergeSettings(rule, weights="uniform"), learners=2)
+    start = averager.params.read()[0]
+    averager.before_local_step()
+    with torch.no_grad():
+        averager.params.live[0].add_(1.0)  # learner 0 moved; learner 1 did not
+    averager.after_local_step(4)
+    center, _ = averager.merge(1.0)
+    # Snapshots are the start for both learners: every correction is 0, and the center stays where it was.
+    torch.testing.assert_close(center, start)
+    torch.testing.assert_close(averager.params.read(), torch.stack([start + 1.0, start]))
+    averager.before_local_step()
+    averager.after_local_step(4)
+    center, _ = averager.merge(1.0)
+    # Now learner 0's snapshot is start + 1: x̂₀ − z = 1, so it gives up α, and z moves by α·n·(mean − z) = α·4·½.
+    torch.testing.assert_close(center, start + 0.1 * 4 * 0.5)
+    torch.testing.assert_close(averager.params.read()[0], start + 1.0 - 0.1)
+    assert averager.num_models == 4
+
+
+def test_the_global_model_is_shown_unstacked_for_evaluation_and_adopted_at_the_end():
+    torch.manual_seed(0)
+    net = Net()
+    averager = ElasticAverager(net, FakeCommunicator(world_size=1), MergeSettings(ElasticAverage()), learners=2)
+    with torch.no_grad():
+        averager.params.live[0].add_(2.0)
+    rows = averager.params.read()
+    averager.swap_in_global_model()
+    assert net.hidden.weight.shape == (5, 3)
+    torch.testing.assert_close(FlatView(trainable_parameters(net)).read(), rows.mean(dim=0))
+    net(torch.randn(4, 3))  # a plain forward works on the shown model
+    averager.swap_out()
+    assert net.hidden.weight.shape == (2, 5, 3)
+    torch.testing.assert_close(averager.params.read(), rows)
+    averager.adopt_global_model()
+    assert [b.shape for b in floating_buffers(net)] == [(5,), (5,)]
+    torch.testing.assert_close(FlatView(trainable_parameters(net)).read(), rows.mean(dim=0))
+
+
+def test_tuning_measures_while_learners_pay_and_every_replica_decides_on_the_summed_rates():
+    measured: list[int] = []
+    rates = {1: 100.0, 2: 190.0, 3: 200.0, 4: 400.0}
+
+    def measure(learners: int) -> float:
+        measured.append(learners)
+        return rates[learners]
+
+    comm = FakeCommunicator(world_size=2)  # an identical peer: the job's rate is twice this replica's
+    kept, job = tune_learners(measure, comm, LearnerTuning(max_learners=4, min_gain=0.1))
+    assert (kept, job, measured) == (2, [200.0, 380.0, 400.0], [1, 2, 3])
+    assert comm.calls == ["host_all_reduce_sum_"] * 3
+
+
+def test_a_replica_out_of_memory_ends_the_tuning_for_all():
+    comm = FakeCommunicator(world_size=2, peers_sum=lambda t: t * 0 + torch.tensor([50.0, 1.0], dtype=t.dtype))
+    kept, job = tune_learners(lambda k: 100.0 * k, comm, LearnerTuning(max_learners=4))
+    assert (kept, job) == (1, [0.0])  # the peer failed at 1 learner already: no rate counts
+
+
+def test_measuring_learners_leaves_the_module_as_it_was():
+    torch.manual_seed(0)
+    net = Net()
+    tensors = [*net.parameters(), *net.buffers()]
+    storages = [t.data_ptr() for t in tensors]
+    values = [t.detach().clone() for t in tensors]
+    for learners in (1, 3):
+        rate = measure_learners(net, net.training_step, _batch(8, seed=0), learners, repeats=2)
+        assert rate > 0
+    assert [t.data_ptr() for t in tensors] == storages
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values, strict=True)), "BatchNorm statistics included"
+    assert all(p.grad is None for p in net.parameters())
+    assert net.logged == [], "a measurement logs nothing"
+    assert "log" not in vars(net)

@@ -1,0 +1,241 @@
+"""Several learners per device (Crossbow) through the Trainer: parity with one learner per process, every sample
+once, resume, evaluation of the merged model, and the settings it refuses before training."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from helpers import RegressionModel, cpu_trainer, flat_parameters
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+
+from lightning_aesgd import SMA, AdaptiveElasticStrategy
+from lightning_aesgd.checks import UnsupportedSettingError
+from lightning_aesgd.engine.learners import LearnerStepError
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
+
+TIMEOUT = timedelta(seconds=90)
+
+
+class LearnerModel(RegressionModel):
+    """The regression model with a step that runs batched: it records indices outside the training step."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen.append(batch[2].tolist() if isinstance(batch, list | tuple) else [])
+
+
+def _strategy(learners: int, start_method: str = "fork", **options) -> AdaptiveElasticStrategy:
+    """Crossbow's SMA unless ``options`` say otherwise; ``popen`` runs a one-process fit in the test process."""
+    crossbow = {"planner": "static", "period": 1, "merge_rule": SMA(), "merge_weights": "uniform"}
+    crossbow.update(options)
+    return AdaptiveElasticStrategy(
+        sync="models", learners_per_device=learners, start_method=start_method, timeout=TIMEOUT, **crossbow
+    )
+
+
+def _fit(strategy, devices: int, model=None, **trainer_kwargs) -> Tensor:
+    pl.seed_everything(7)
+    model = model or LearnerModel(momentum=0.9)
+    cpu_trainer(strategy, devices=devices, **trainer_kwargs).fit(model)
+    return flat_parameters(model)
+
+
+def test_two_learners_in_one_process_train_as_two_processes_of_sma():
+    """The same seed and split: learner j of the one process takes the rows process j takes (SMA, momentum).
+
+    The one process is this test's own (popen): a forked replica with several threads, after this process ran
+    threaded kernels, could wait forever on its inherited thread pool.
+    """
+    environment = dict(os.environ)
+    two_processes = _fit(_strategy(1), devices=2, max_steps=20)
+    os.environ.clear()  # what the launcher exported stays out of the next fit
+    os.environ.update(environment)
+    one_process = _fit(_strategy(2, start_method="popen"), devices=1, max_steps=20)
+    initial = (pl.seed_everything(7), flat_parameters(LearnerModel()))[1]
+    assert not torch.allclose(one_process, initial, atol=1e-3), "training must have moved the parameters"
+    assert one_process.shape == initial.shape, "the module leaves fit holding one model"
+    torch.testing.assert_close(one_process, two_processes, atol=1e-6, rtol=0)
+
+
+class _AlternatingPlan:
+    """A planner whose plans are no multiples of the learners: each is rounded, to (6, 2) or (2, 6) in turn."""
+
+    def plan(self, current, speeds, total):
+        return [1, 7] if tuple(current) == (6, 2) else [7, 1]
+
+
+class _SeenWriter(pl.Callback):
+    def __init__(self, directory):
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        (self.directory / f"seen_{trainer.global_rank}.json").write_text(json.dumps(pl_module.seen))
+
+
+def test_every_sample_is_used_once_per_epoch_with_learners_and_changing_plans(tmp_path):
+    """2 replicas × 2 learners, plans rounded to multiples of 2, and an epoch's short last step of 5 samples."""
+    strategy = _strategy(2, planner=_AlternatingPlan(), merge_rule="elastic_average", merge_weights="samples")
+    model = LearnerModel(size=69, batch_size=2)
+    _fit(strategy, devices=2, model=model, max_epochs=2, callbacks=[_SeenWriter(tmp_path)])
+    seen = [json.loads((tmp_path / f"seen_{rank}.json").read_text()) for rank in range(2)]
+    steps_per_epoch = 9  # 8 steps of 8 samples, and one of 5
+    assert [len(batches) for batches in seen] == [2 * steps_per_epoch] * 2
+    sizes = [(len(seen[0][step]), len(seen[1][step])) for step in range(2 * steps_per_epoch)]
+    for epoch in range(2):
+        steps = range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch)
+        indices = [i for rank in range(2) for step in steps for i in seen[rank][step]]
+        assert sorted(indices) == list(range(69)), f"epoch {epoch}: some index lost or seen twice"
+        full, last = [sizes[step] for step in steps[:-1]], sizes[steps[-1]]
+        assert all(size % 2 == 0 for pair in full for size in pair), "a full step's batches are whole learners'"
+        assert sum(last) == 5, "the short step holds what is left of the epoch"
+        assert min(last) >= 2, "the short step still gives each learner a sample"
+    assert {(6, 2), (2, 6)} <= set(sizes), "the planner's plans, rounded to whole learners, must have been applied"
+
+
+class BatchNormModel(LearnerModel):
+    """BatchNorm and dropout: each learner keeps its statistics and draws its own masks."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
+
+
+class _Shapes(pl.Callback):
+    """Writes, per rank, the parameter shapes each validation saw (the replicas run in forked processes)."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+        self.validated: list[list[list[int]]] = []
+
+    def on_validation_epoch_start(self, trainer, pl_module):
+        self.validated.append([list(p.shape) for p in pl_module.parameters()])
+
+    def on_train_end(self, trainer, pl_module):
+        (self.directory / f"shapes_{trainer.global_rank}.json").write_text(json.dumps(self.validated))
+
+
+def test_learners_with_batch_norm_log_validate_and_save_the_merged_model(tmp_path):
+    shapes = _Shapes(tmp_path)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    model = BatchNormModel()
+    pl.seed_everything(7)
+    trainer = cpu_trainer(
+        _strategy(2, planner="proportional", merge_rule="elastic_average", period=2),
+        max_epochs=2,
+        limit_val_batches=None,
+        callbacks=[shapes, checkpoint],
+        enable_checkpointing=True,
+        log_every_n_steps=1,
+    )
+    trainer.fit(model)
+    plain = [list(p.shape) for p in BatchNormModel().parameters()]
+    for rank in range(2):
+        validated = json.loads((tmp_path / f"shapes_{rank}.json").read_text())
+        assert len(validated) == 2
+        assert all(seen == plain for seen in validated), "validation sees one model"
+    assert [list(p.shape) for p in model.parameters()] == plain
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    loaded = BatchNormModel.load_from_checkpoint(tmp_path / "last.ckpt")  # a plain module takes the merged model
+    torch.testing.assert_close(flat_parameters(loaded), flat_parameters(model))
+
+
+def test_a_resumed_fit_with_learners_reaches_the_uninterrupted_parameters(tmp_path):
+    def strategy():
+        return _strategy(2, planner="proportional", merge_rule="elastic_average", period=3)
+
+    steps = 20
+    uninterrupted = _fit(strategy(), devices=2, max_steps=steps)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=9, save_top_k=-1, filename="{step}")
+    _fit(strategy(), devices=2, max_steps=9, callbacks=[checkpoint], enable_checkpointing=True)
+    pl.seed_everything(7)
+    model = LearnerModel(momentum=0.9)
+    cpu_trainer(strategy(), max_steps=steps).fit(model, ckpt_path=str(tmp_path / "step=9.ckpt"))
+    torch.testing.assert_close(flat_parameters(model), uninterrupted, atol=1e-6, rtol=0)
+
+
+class _ReadsTheLoss(LearnerModel):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss_value", loss.item())  # a host read: no batched step can do it
+        return loss
+
+
+class _SparseModel(LearnerModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(4, 2, sparse=True)
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer_kwargs", "error", "match"),
+    [
+        (_ReadsTheLoss, {}, LearnerStepError, r"\.item\(\)"),
+        (_SparseModel, {}, UnsupportedSettingError, "sparse=False"),
+        (LearnerModel, {"gradient_clip_val": 1.0}, UnsupportedSettingError, "gradient_clip_algorithm='value'"),
+    ],
+    ids=["host-read", "sparse", "clip-norm"],
+)
+def test_what_a_batched_step_cannot_do_fails_at_once_with_a_hint(model, trainer_kwargs, error, match):
+    pl.seed_everything(7)
+    module = model()
+    before = flat_parameters(module)
+    with pytest.raises(error, match=match) as raised:
+        cpu_trainer(_strategy(2, start_method="popen"), devices=1, max_steps=3, **trainer_kwargs).fit(module)
+    assert "HINT" in str(raised.value)
+    assert [tuple(p.shape) for p in module.parameters()] == [tuple(p.shape) for p in model().parameters()]
+    torch.testing.assert_close(flat_parameters(module), before, atol=0, rtol=0)
+
+
+class _FixedCostModel(LearnerModel):
+    """A training step with a fixed cost per call, whatever its rows: a batched call of k learners costs as one
+    learner's, so k learners run k times the samples per second (the answer the tuner must find)."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
+def _auto_strategy(**options) -> AdaptiveElasticStrategy:
+    return _strategy("auto", start_method="popen", max_learners=2, **options)
+
+
+def test_auto_keeps_the_second_learner_where_it_doubles_the_throughput():
+    strategy = _auto_strategy()
+    _fit(strategy, devices=1, model=_FixedCostModel(), max_steps=4)
+    engine = strategy.engine
+    assert len(engine.learner_rates) == 2
+    assert engine.learner_rates[1] > 1.5 * engine.learner_rates[0]
+    assert engine.learners == 2
+    assert strategy.plans.plan_book.latest == (8,), "each step holds a loader batch per learner"
+
+
+def test_auto_keeps_one_learner_where_the_second_brings_less_than_the_gain_asked():
+    strategy = _auto_strategy(learner_min_gain=3.0)  # a second learner can at most double a fixed cost's rate
+    _fit(strategy, devices=1, model=_FixedCostModel(), max_steps=4)
+    assert len(strategy.engine.learner_rates) == 2
+    assert strategy.engine.learners == 1
+    assert strategy.plans.plan_book.latest == (4,)
+
+
+def test_a_resumed_auto_fit_keeps_the_learners_of_its_checkpoint_without_measuring(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+    _fit(_auto_strategy(), 1, _FixedCostModel(), max_steps=3, callbacks=[checkpoint], enable_checkpointing=True)
+    resumed = _auto_strategy()
+    pl.seed_everything(7)
+    model = _FixedCostModel()
+    cpu_trainer(resumed, devices=1, max_steps=6).fit(model, ckpt_path=str(tmp_path / "step=3.ckpt"))
+    assert resumed.engine.learners == 2
+    assert resumed.engine.learner_rates == [], "the checkpoint's choice is kept, not measured again"
