@@ -204,7 +204,7 @@ class _FixedCostModel(LearnerModel):
     learner's, so k learners run k times the samples per second (the answer the tuner must find)."""
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.01)
+        time.sleep(0.05)
         return super().training_step(batch, batch_idx)
 
 

@@ -26,6 +26,7 @@ from lightning_aesgd.engine.flat import (
     floating_buffers,
     module_device,
     optimizer_state_tensors,
+    rows_mean,
     to_host,
     trainable_parameters,
 )
@@ -351,7 +352,7 @@ class ElasticAverager:
 
 def _learner_mean(flat: Tensor) -> Tensor:
     """One flat model from a flat that holds a row per learner; a flat of one model as it is."""
-    return flat if flat.dim() == 1 else flat.mean(dim=0)
+    return flat if flat.dim() == 1 else rows_mean(flat)
 
 
 class MomentLayoutError(ValueError):

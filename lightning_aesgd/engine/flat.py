@@ -113,7 +113,7 @@ class FlatView:
 
     def learner_mean(self) -> Tensor:
         """The mean of the learners' models, one flat model (the current values themselves for one learner)."""
-        return self.current() if self.learners == 1 else self.current().mean(dim=0)
+        return self.current() if self.learners == 1 else rows_mean(self.current())
 
     def current(self) -> Tensor:
         """The current values: the live buffer itself when bound (do not keep it), otherwise a new copy."""
@@ -162,6 +162,16 @@ class FlatView:
             return
         for tensor, chunk in zip(self.tensors, torch.split(flat, self._sizes), strict=True):
             tensor.copy_(chunk.view_as(tensor))
+
+
+def rows_mean(rows: Tensor) -> Tensor:
+    """The mean of a flat's rows (learners), computed as ``x₀ + mean_j (x_j − x₀)``.
+
+    Exact where the rows agree (learners that have not trained yet): a plain mean of ``k`` equal floats may round
+    off the value they share.
+    """
+    first = rows[0]
+    return (rows - first).mean(dim=0).add_(first)
 
 
 def module_device(module: nn.Module) -> torch.device:

@@ -90,6 +90,8 @@ WORKLOADS: dict[str, Workload] = {
     "xmc_eurlex": Workload("xmc_eurlex", "xmc", 3, "val/p@1=0.8", _QUARTER_EPOCH_VALIDATION, _TINY_XMC),
     # The CNN's SGD has momentum 0.9: adaptive_sgd's outer momentum stays off, as in experiment=fashion_mnist.
     "fashion_mnist": Workload("fashion_mnist", "fashion_cnn", 3, "val/acc=0.85", ("++outer_momentum=0.0",)),
+    # scikit-learn's digits with the MLP (dense, seconds per run): where batched learners apply (not XMC's bags).
+    "digits": Workload("digits", "digits_mlp", 8, "val/acc=0.9", ("++outer_momentum=0.0",), ("trainer.max_epochs=2",)),
 }
 """The benchmark's workloads by ``--workload`` name."""
 
