@@ -83,14 +83,18 @@ def check_delayed_optimizers(engine: Any, optimizers: Any) -> None:
     """
     if not getattr(engine, "delay", 0):
         return
-    for optimizer in optimizers:
-        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-        if closure is not None and closure.default is inspect.Parameter.empty:
-            raise UnsupportedSettingError(
-                f"gradient_delay=1 with {type(optimizer).__name__}, whose step needs a closure (it evaluates the loss "
-                "again): a delayed sum is the gradient of an earlier step, which no closure can recompute. HINT: use "
-                "a first-order optimizer (SGD, Adam, Adagrad), or gradient_delay=0."
-            )
+    for optimizer in filter(_needs_closure, optimizers):
+        raise UnsupportedSettingError(
+            f"gradient_delay=1 with {type(optimizer).__name__}, whose step needs a closure (it evaluates the loss "
+            "again): a delayed sum is the gradient of an earlier step, which no closure can recompute. HINT: use "
+            "a first-order optimizer (SGD, Adam, Adagrad), or gradient_delay=0."
+        )
+
+
+def _needs_closure(optimizer: Any) -> bool:
+    """Whether the optimizer's step must be given a closure (LBFGS evaluates the loss again within its step)."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def check_learner_settings(engine: Any, trainer: Any, module: Any) -> None:
@@ -114,11 +118,9 @@ def check_learner_settings(engine: Any, trainer: Any, module: Any) -> None:
             f"{hint} with sparse gradients ({sparse}): torch.func.vmap batches dense tensors only. HINT: build these "
             "layers with sparse=False, or use learners_per_device=1."
         )
-    for optimizer in trainer.optimizers:
-        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-        if closure is not None and closure.default is inspect.Parameter.empty:
-            raise UnsupportedSettingError(
-                f"{hint} with {type(optimizer).__name__}, whose step treats all parameters as one vector: the learners "
-                "would share its line search. HINT: use an elementwise optimizer (SGD, Adam, Adagrad), or "
-                "learners_per_device=1."
-            )
+    for optimizer in filter(_needs_closure, trainer.optimizers):
+        raise UnsupportedSettingError(
+            f"{hint} with {type(optimizer).__name__}, whose step treats all parameters as one vector: the learners "
+            "would share its line search. HINT: use an elementwise optimizer (SGD, Adam, Adagrad), or "
+            "learners_per_device=1."
+        )

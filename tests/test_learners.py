@@ -4,6 +4,7 @@ once, resume, evaluation of the merged model, and the settings it refuses before
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from datetime import timedelta
@@ -179,14 +180,20 @@ class _SparseModel(LearnerModel):
         self.embedding = nn.Embedding(4, 2, sparse=True)
 
 
+class _LineSearchModel(LearnerModel):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
 @pytest.mark.parametrize(
     ("model", "trainer_kwargs", "error", "match"),
     [
         (_ReadsTheLoss, {}, LearnerStepError, r"\.item\(\)"),
         (_SparseModel, {}, UnsupportedSettingError, "sparse=False"),
         (LearnerModel, {"gradient_clip_val": 1.0}, UnsupportedSettingError, "gradient_clip_algorithm='value'"),
+        (_LineSearchModel, {}, UnsupportedSettingError, "elementwise optimizer"),
     ],
-    ids=["host-read", "sparse", "clip-norm"],
+    ids=["host-read", "sparse", "clip-norm", "line-search"],
 )
 def test_what_a_batched_step_cannot_do_fails_at_once_with_a_hint(model, trainer_kwargs, error, match):
     pl.seed_everything(7)
@@ -212,14 +219,17 @@ def _auto_strategy(**options) -> AdaptiveElasticStrategy:
     return _strategy("auto", start_method="popen", max_learners=2, **options)
 
 
-def test_auto_keeps_the_second_learner_where_it_doubles_the_throughput():
+def test_auto_keeps_the_second_learner_where_it_doubles_the_throughput(caplog):
     strategy = _auto_strategy()
-    _fit(strategy, devices=1, model=_FixedCostModel(), max_steps=4)
+    with caplog.at_level(logging.INFO, logger="lightning_aesgd"):
+        _fit(strategy, devices=1, model=_FixedCostModel(), max_steps=4)
     engine = strategy.engine
     assert len(engine.learner_rates) == 2
     assert engine.learner_rates[1] > 1.5 * engine.learner_rates[0]
     assert engine.learners == 2
     assert strategy.plans.plan_book.latest == (8,), "each step holds a loader batch per learner"
+    assert "learners_per_device='auto': samples/s by learners per replica {1: " in caplog.text
+    assert "learners per replica: 2 (auto; the job's samples/s by learners per replica: 1: " in caplog.text
 
 
 def test_auto_keeps_one_learner_where_the_second_brings_less_than_the_gain_asked():

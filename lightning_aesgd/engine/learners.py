@@ -110,7 +110,8 @@ class LearnerStep:
         self.learners = learners
         ids = {id(tensor) for tensor in stacked}
         named = [*module.named_parameters(), *module.named_buffers()]
-        self._names = [name for name, tensor in named if id(tensor) in ids]
+        # The tensor objects stay (their `.data` is rebound), so they are looked up once, not at every step.
+        self._stacked = [(f"module.{name}", tensor) for name, tensor in named if id(tensor) in ids]
 
     def __call__(self, run_step: Callable[..., Any], batch: Any, *rest: Any) -> Any:
         """Run ``run_step(batch_j, *rest)`` for every learner ``j`` batched, in one call (two in a short step).
@@ -120,14 +121,15 @@ class LearnerStep:
             learner its own gradient: the strategy's backward applies the factor), other tensors with a leading
             learner axis.
         """
-        tensors = dict(self.module.named_parameters())
-        tensors.update(self.module.named_buffers())
         call = _Call(self.module, run_step)
         outputs, logged = [], _LogRecorder(self.module)
         begin = 0
         with logged:
             for first, end, rows in learner_rows(_batch_rows(batch), self.learners):
-                own = {f"module.{name}": tensors[name][first:end] for name in self._names}
+                own = {
+                    name: tensor if end - first == self.learners else tensor[first:end]
+                    for name, tensor in self._stacked
+                }
                 part = _rows_of(batch, begin, end - first, rows)
                 outputs.append(self._batched(call, own, part, rest, logged))
                 begin += (end - first) * rows

@@ -317,6 +317,13 @@ class ModelMerge(StepPipeline):
                     self._global_step,
                 )
 
+    def summary_record(self) -> dict[str, Any] | None:
+        """The pipeline's summary, with the learners per replica (and the rates ``"auto"`` chose them by)."""
+        record = super().summary_record()
+        if record is not None and (self.learners > 1 or self.auto_learners):
+            record["learners"] = {"per_replica": self.learners, "measured": list(self.learner_rates)}
+        return record
+
     # --- evaluation and the end of fit ----------------------------------------------------------------------
 
     def begin_evaluation(self) -> None:

@@ -82,6 +82,13 @@ def summary_table(record: dict[str, Any]) -> str:
             f"{1000 * replica['busy_seconds']:>8.1f}  {replica['wait_fraction']:>7.1%}  {replica['noise']:>6.1%}"
         )
     lines.append(f"{sync_name}: {record['syncs']}")
+    learners = record.get("learners")
+    if learners is not None:
+        measured = ", ".join(f"{k}: {rate:,.0f}" for k, rate in enumerate(learners["measured"], start=1))
+        lines.append(
+            f"learners per replica: {learners['per_replica']}"
+            + (f" (auto; the job's samples/s by learners per replica: {measured})" if measured else "")
+        )
     if record["share_error"] is not None:
         lines.append(
             f"plan vs speed-proportional target: largest relative share error {record['share_error']:.1%}; "
