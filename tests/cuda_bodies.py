@@ -54,6 +54,14 @@ class SparseModel(pl.LightningModule):
         return DataLoader(SparseBags(), batch_size=16, shuffle=True)
 
 
+class BatchableRegression(RegressionModel):
+    """The regression model without its host read of the indices (``.tolist()``), which no batched step can do."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y, _ = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
 def _trainer(strategy: AdaptiveElasticStrategy, **kwargs: Any) -> pl.Trainer:
     options: dict[str, Any] = {
         "accelerator": "gpu",
@@ -117,3 +125,16 @@ def fit_placed_replicas(sync: str, sparse: bool, devices: tuple[str, ...] = ("cu
     strategy = _strategy(sync, replica_devices=list(devices))
     precision = "bf16-mixed" if "cuda:0" in devices else "32-true"
     _fit_and_check(model, strategy, accelerator="auto", precision=precision)
+
+
+def fit_learners(learners: int | str, precision: str = "32-true", accelerator: str = "gpu", devices: int = 1) -> None:
+    """Several learners per replica (Crossbow) in one batched step: stacked models, optimizer and merges on the
+    device, under ``precision``; ``"auto"`` measures them there first."""
+    options = {"learners_per_device": learners, "merge_rule": "sma", "planner": "static", "max_learners": 2}
+    _fit_and_check(
+        BatchableRegression(momentum=0.9),
+        _strategy("models", **options),
+        accelerator=accelerator,
+        devices=devices,
+        precision=precision,
+    )

@@ -39,3 +39,10 @@ def test_two_replicas_share_one_gpu(sync):
 @pytest.mark.parametrize("sparse", [False, True])
 def test_a_cpu_replica_trains_beside_the_gpu(sync, sparse):
     run_on_cuda("cuda_bodies:fit_placed_replicas", sync, sparse)
+
+
+@pytest.mark.parametrize(
+    ("learners", "precision"), [(2, "32-true"), (2, "bf16-mixed"), (3, "16-mixed"), ("auto", "32-true")]
+)
+def test_learners_train_batched_on_the_gpu(learners, precision):
+    run_on_cuda("cuda_bodies:fit_learners", learners, precision)

@@ -10,7 +10,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from cuda_bodies import fit_each_sync_mode, fit_placed_replicas, fit_sparse_gradients
+from cuda_bodies import fit_each_sync_mode, fit_learners, fit_placed_replicas, fit_sparse_gradients
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -54,6 +54,13 @@ def test_spawned_replicas_fit_under_each_sync_mode():
 @pytest.mark.parametrize(("sync", "delay"), [("gradients", 0), ("gradients", 1), ("models", 0)])
 def test_spawned_replicas_fit_a_sparse_model(sync, delay):
     fit_sparse_gradients(sync, delay, accelerator="cpu", devices=2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_spawned_replicas_fit_learners_chosen_by_the_tuner():
+    fit_learners("auto", accelerator="cpu", devices=2)
 
 
 @pytest.mark.slow

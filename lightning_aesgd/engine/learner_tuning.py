@@ -75,14 +75,34 @@ def tune_learners(
     return learners_to_keep(rates, tuning.min_gain), rates
 
 
+MEMORY_FRACTION = 0.9
+"""The share of a GPU's memory that the learners may fill, their optimizer state included."""
+
+
+def fits_in_memory(peak_bytes: int, parameter_bytes: int, learners: int, total_bytes: int) -> bool:
+    """Whether ``learners`` learners fit a device of ``total_bytes`` (at most :data:`MEMORY_FRACTION` of it).
+
+    They need the measured step's peak (which holds their parameters and gradients already) plus room for two
+    moments per parameter of each learner (Adam's).
+
+    Example:
+        >>> fits_in_memory(peak_bytes=6 * 2**30, parameter_bytes=2**30, learners=2, total_bytes=16 * 2**30)
+        True
+    """
+    return peak_bytes + 2 * learners * parameter_bytes <= MEMORY_FRACTION * total_bytes
+
+
 def measure_learners(
     module: nn.Module, run_step: Callable[..., Any], batch: Any, learners: int, repeats: int = 3
 ) -> float:
-    """Samples per second of ``learners`` learners' forward and backward, each on ``batch``; 0 if out of memory.
+    """Samples per second of ``learners`` learners' forward and backward, each on ``batch``; 0 where they do not fit.
 
-    One learner runs the step as it is (no batching), as ``learners_per_device=1`` trains.
+    They do not fit when the device runs out of memory, or leaves no room for their optimizer state
+    (:func:`fits_in_memory`). One learner runs the step as it is (no batching), as ``learners_per_device=1`` trains.
     """
     device = module_device(module)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with _module_kept(module):
         try:
             step = _stacked_step(module, learners) if learners > 1 else None
@@ -99,7 +119,16 @@ def measure_learners(
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             return 0.0
-    return learners * rows_each * repeats / max(time.perf_counter() - start, 1e-9)
+    rate = learners * rows_each * repeats / max(time.perf_counter() - start, 1e-9)
+    if device.type == "cuda" and not _fits_device(module, device, learners):
+        return 0.0
+    return rate
+
+
+def _fits_device(module: nn.Module, device: torch.device, learners: int) -> bool:
+    parameter_bytes = sum(p.numel() * p.element_size() for p in trainable_parameters(module))
+    peak = torch.cuda.max_memory_allocated(device)
+    return fits_in_memory(peak, parameter_bytes, learners, torch.cuda.get_device_properties(device).total_memory)
 
 
 def _stacked_step(module: nn.Module, learners: int) -> LearnerStep:

@@ -37,6 +37,11 @@ UNSUPPORTED_STEP_HINT = (
 )
 
 
+BATCHING_ERRORS = ("vmap", "doesn't have storage", "BatchedTensor")
+"""What torch's errors say when code cannot run batched (``.item()``; ``.tolist()`` reads a storage that a batched
+tensor does not have)."""
+
+
 class LearnerStepError(RuntimeError):
     """The user's training step cannot run batched over several learners."""
 
@@ -149,7 +154,7 @@ class LearnerStep:
         try:
             return vmap(one_learner, in_dims=(0, in_dims), randomness="different")(own, batch)
         except (RuntimeError, ValueError) as error:
-            if "vmap" not in str(error):  # the user's own error, not one of batching
+            if not any(sign in str(error) for sign in BATCHING_ERRORS):  # the user's own error, not one of batching
                 raise
             raise LearnerStepError(
                 f"The training step failed batched over {self.learners} learners: {error} {UNSUPPORTED_STEP_HINT}"

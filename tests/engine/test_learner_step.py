@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from lightning_aesgd.core.merge import SMA, ElasticAverage
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, trainable_parameters
-from lightning_aesgd.engine.learner_tuning import LearnerTuning, measure_learners, tune_learners
+from lightning_aesgd.engine.learner_tuning import LearnerTuning, fits_in_memory, measure_learners, tune_learners
 from lightning_aesgd.engine.learners import LearnerStep, LearnerStepError, learner_rows
 
 
@@ -169,6 +169,17 @@ def test_a_step_that_reads_a_tensor_to_the_host_fails_with_a_hint():
         step(reads_the_loss, _batch(8, seed=2), 0)
 
 
+def test_a_step_that_reads_a_list_to_the_host_fails_with_a_hint():
+    net, _, step = _stacked(2)
+
+    def lists_the_targets(batch, batch_idx):
+        net.targets = batch[1].tolist()
+        return net.training_step(batch, batch_idx)["loss"]
+
+    with pytest.raises(LearnerStepError, match=r"storage.*HINT"):
+        step(lists_the_targets, _batch(8, seed=2), 0)
+
+
 def test_a_step_that_returns_nothing_fails_with_a_hint():
     net, _, step = _stacked(2)
     with pytest.raises(LearnerStepError, match=r"loss tensor.*HINT"):
@@ -299,3 +310,9 @@ def test_measuring_learners_leaves_the_module_as_it_was():
     assert all(p.grad is None for p in net.parameters())
     assert net.logged == [], "a measurement logs nothing"
     assert "log" not in vars(net)
+
+
+def test_learners_fit_a_device_with_room_left_for_their_optimizer_state():
+    gib = 2**30
+    assert fits_in_memory(peak_bytes=10 * gib, parameter_bytes=gib, learners=2, total_bytes=16 * gib)
+    assert not fits_in_memory(peak_bytes=10 * gib, parameter_bytes=gib, learners=3, total_bytes=16 * gib)

@@ -230,3 +230,20 @@ def test_the_finite_guard_stays_on_the_device_without_reading_it():
     assert (summed.device.type, summed.numel()) == ("meta", 5)
     exclusions = Exclusions()
     exclusions.add_step([flags_of(contribution), flags_of(contribution)], world_size=4)  # counted on the device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_merge_of_several_learners_stays_on_the_device(device, host_reads):
+    model = nn.Sequential(nn.Linear(3, 4, device=device), nn.BatchNorm1d(4, device=device))
+    comm = FakeCommunicator(world_size=2, device=device)
+    averager = ElasticAverager(model, comm, MergeSettings(get_merge_rule("sma")), learners=3)
+    assert model[0].weight.shape == (3, 4, 3)
+    averager.before_local_step()
+    assert averager.after_local_step(num_samples=6)
+    center, _ = averager.merge(weight=6.0)
+    averager.swap_in_global_model()
+    assert model[0].weight.shape == (4, 3)
+    averager.swap_out()
+    averager.adopt_global_model()
+    _on(device, [center, *model.parameters(), *model.buffers(), *averager.rule_state.values()])
+    assert host_reads.devices() == {device}
