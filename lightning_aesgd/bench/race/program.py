@@ -31,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the seed papers' claims (see `aesgd-bench seeds --help`); `scale` the speedup as replicas grow in number "
         "and spread; `placement` the GPU alone against GPU + CPU replicas and CPU replicas alone.",
     )
-    parser.add_argument("--workload", default="xmc_mini", choices=sorted(WORKLOADS), help="what to train")
+    names = sorted(WORKLOADS)
+    parser.add_argument(
+        "--workload", default="xmc_mini", choices=names, metavar="NAME", help=f"what to train: {', '.join(names)}"
+    )
     parser.add_argument("--profiles", default=DEFAULT_PROFILES, help="comma list of configs/devices profiles")
     parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="comma list of configs/algorithm names")
     parser.add_argument("--epochs", type=int, help="epochs of every run (default: the workload's)")
