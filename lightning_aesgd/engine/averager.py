@@ -307,11 +307,16 @@ class ElasticAverager:
 
         With several learners the module keeps one model from then on: the global one, unstacked.
         """
-        if self._stash is not None:  # the module holds the global model already
-            self._stash = None
-            return
-        self._show(*self.global_model())
-        self._stash = None
+        if self._stash is None:
+            self._show(*self.global_model())
+        self._stash = None  # the module holds the global model now
+        self._drop_stacked_gradients()
+
+    def _drop_stacked_gradients(self) -> None:
+        """Gradients of the learners (``k × shape``) do not fit one model's parameters: drop them."""
+        if self.learners > 1:
+            for tensor in self.params.tensors:
+                tensor.grad = None
 
     def unstack(self) -> None:
         """Leave the module one model, the mean of this replica's learners, unless it holds one already.
@@ -322,6 +327,7 @@ class ElasticAverager:
         if self.learners == 1 or self.params.showing:
             return
         self._show(self.params.learner_mean(), _learner_mean(self.buffers.read()))
+        self._drop_stacked_gradients()
 
     def shared_state(self) -> dict[str, Any]:
         """State that is identical on every replica: the schedule position and the rule's buffers."""

@@ -90,7 +90,7 @@ class FlatView:
         for tensor, chunk, shape in zip(
             self.tensors, torch.split(flat, self._sizes, dim=-1), self._shapes, strict=True
         ):
-            tensor.data = chunk.view(*lead, *shape)
+            tensor.data = chunk.view(tuple(lead) + tuple(shape))  # a 0-dim tensor too
 
     @torch.no_grad()
     def show_(self, flat: Tensor) -> None:

@@ -316,3 +316,20 @@ def test_learners_fit_a_device_with_room_left_for_their_optimizer_state():
     gib = 2**30
     assert fits_in_memory(peak_bytes=10 * gib, parameter_bytes=gib, learners=2, total_bytes=16 * gib)
     assert not fits_in_memory(peak_bytes=10 * gib, parameter_bytes=gib, learners=3, total_bytes=16 * gib)
+
+
+@pytest.mark.parametrize("learners", [1, 2])
+def test_a_scalar_parameter_and_buffer_are_bound_shown_and_adopted(learners):
+    module = nn.Linear(2, 1)
+    module.temperature = nn.Parameter(torch.tensor(2.0))
+    module.register_buffer("scale", torch.tensor(3.0))
+    averager = ElasticAverager(module, FakeCommunicator(world_size=1), MergeSettings(ElasticAverage()), learners)
+    assert module.temperature.shape == ((learners,) if learners > 1 else ())
+    module.temperature.grad = torch.ones_like(module.temperature)
+    averager.swap_in_global_model()
+    assert module.temperature.shape == ()
+    averager.swap_out()
+    averager.adopt_global_model()
+    assert (module.temperature.shape, module.scale.shape) == ((), ())
+    torch.testing.assert_close(module.temperature.detach(), torch.tensor(2.0))
+    assert learners == 1 or module.temperature.grad is None, "the learners' gradients do not outlive them"
