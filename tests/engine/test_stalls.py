@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -390,7 +391,12 @@ def test_four_replicas_name_one_without_a_heartbeat_as_absent_after_a_few_beats(
         assert record["error"] is not None
         assert record["absent"] == [3], record["error"]
         assert record["late"] == {}, record["error"]
-        assert "replica(s) [3] had not arrived and show no sign of life" in record["error"]
+        # A replica whose own collective timed out says "had not arrived"; one whose connection the timed-out
+        # replica reset first says "did not answer the roll call": which comes first depends on the machine's load.
+        assert re.search(
+            r"replica\(s\) \[3\] (had not arrived|did not answer the roll call) and show no sign of life",
+            record["error"],
+        )
         # Decided by its stale heartbeat (3 s), not by the patience (30 s here).
         assert record["roll_call_seconds"] < 15, record["error"]
 
@@ -489,7 +495,7 @@ def test_a_stalled_replica_fails_the_job_with_its_rank_and_does_not_outlive_it(t
     assert code != 0, output[-4000:]
     assert elapsed < 60, f"the job must fail near the timeout ({STALL_TIMEOUT} s), not when the replica wakes"
     assert "ReplicaStalledError" in output, output[-4000:]
-    assert f"during {where} timed out" in output
+    assert re.search(f"during {re.escape(where)} (timed out|lost a peer's connection)", output), output[-4000:]
     assert "replica(s) [1] had not arrived although alive" in output  # asleep, its heartbeat beating
     assert "HINT:" in output
     assert "`timeout=`" in output
