@@ -8,6 +8,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 
@@ -118,9 +120,38 @@ def check_learner_settings(engine: Any, trainer: Any, module: Any) -> None:
             f"{hint} with sparse gradients ({sparse}): torch.func.vmap batches dense tensors only. HINT: build these "
             "layers with sparse=False, or use learners_per_device=1."
         )
-    for optimizer in filter(_needs_closure, trainer.optimizers):
+    for optimizer in trainer.optimizers:
+        _check_learner_optimizer(hint, optimizer)
+
+
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+)
+"""torch's optimizers whose update of each element reads that element's gradient and state only: on stacked
+learners (``k × shape``) one step updates each learner as its own optimizer would."""
+
+MIXING_OPTIMIZERS = ("Adafactor",)
+"""torch's optimizers whose update reads whole tensors (Adafactor: row and column factors, the parameter's RMS)."""
+
+
+def _check_learner_optimizer(hint: str, optimizer: Any) -> None:
+    name = type(optimizer).__name__
+    if _needs_closure(optimizer):
         raise UnsupportedSettingError(
-            f"{hint} with {type(optimizer).__name__}, whose step treats all parameters as one vector: the learners "
-            "would share its line search. HINT: use an elementwise optimizer (SGD, Adam, Adagrad), or "
-            "learners_per_device=1."
+            f"{hint} with {name}, whose step treats all parameters as one vector: the learners would share its "
+            "line search. HINT: use an elementwise optimizer (SGD, Adam, Adagrad), or learners_per_device=1."
+        )
+    if any(isinstance(optimizer, getattr(torch.optim, other, ())) for other in MIXING_OPTIMIZERS):
+        raise UnsupportedSettingError(
+            f"{hint} with {name}, whose update of a tensor reads the whole tensor (its factored moments, its RMS): "
+            "on stacked learners each would be updated by the others' values. HINT: use an elementwise optimizer "
+            "(SGD, Adam, AdamW, Adagrad), or learners_per_device=1."
+        )
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        rank_zero_warn(
+            f"{hint} with {name}: the learners are stacked in each parameter (learners × shape), which is right "
+            "only for an optimizer whose update of each element reads that element alone (Adam's kind, Lion). One "
+            "that reads whole tensors (LAMB's or LARS's trust ratio, Adafactor, Shampoo) would mix the learners: "
+            "use learners_per_device=1 with it."
         )

@@ -38,6 +38,7 @@ from lightning_aesgd.engine.gradient_sync import GradientSync
 from lightning_aesgd.engine.learner_tuning import measure_learners
 from lightning_aesgd.engine.loading import IdleBatch, SampleCosts
 from lightning_aesgd.engine.model_merge import ModelMerge
+from lightning_aesgd.engine.optimizer_shapes import fit_optimizer_state, one_model_state
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.idle_steps import collectives_in_training, idle_training_step
@@ -256,6 +257,16 @@ class AdaptiveElasticMixin(SharedDevices):
     # --- training -----------------------------------------------------------------------------------------
 
     @override
+    def on_train_start(self) -> None:
+        # A resumed optimizer state may be another model shape's: one model's for several learners, or back.
+        self._fit_optimizer_states()
+        super().on_train_start()
+
+    def _fit_optimizer_states(self) -> None:
+        for optimizer in self.optimizers:
+            fit_optimizer_state(optimizer)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         trainer = self._module.trainer
         self.engine.begin_step(trainer.current_epoch, batch_idx, trainer.global_step)
@@ -335,6 +346,7 @@ class AdaptiveElasticMixin(SharedDevices):
         # The module leaves fit holding the merged model: that is what `trainer.test` and users' code see.
         if self.engine.running:
             self.engine.finish()
+            self._fit_optimizer_states()  # the module holds one model now, and so should its optimizer
             table = self.engine.summary() if self.telemetry and self.is_global_zero else None
             if table is not None:
                 log.info("%s", table)
@@ -355,6 +367,7 @@ class AdaptiveElasticMixin(SharedDevices):
             self._stop_check.restore()
             self._stop_check = None
         self.engine.stop()
+        self._fit_optimizer_states()
         super().teardown()
 
     # --- checkpoints --------------------------------------------------------------------------------------
@@ -379,6 +392,13 @@ class AdaptiveElasticMixin(SharedDevices):
             checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
         self._checkpoint_extras = None
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """One model's optimizer state, which DDP and any number of learners resume from (the learners' mean)."""
+        state = super().optimizer_state(optimizer)
+        shapes = self.engine.one_model_shapes()
+        return one_model_state(state, getattr(optimizer, "_optimizer", optimizer), shapes) if shapes else state
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -204,6 +204,9 @@ def test_what_a_batched_step_cannot_do_fails_at_once_with_a_hint(model, trainer_
     assert "HINT" in str(raised.value)
     assert [tuple(p.shape) for p in module.parameters()] == [tuple(p.shape) for p in model().parameters()]
     torch.testing.assert_close(flat_parameters(module), before, atol=0, rtol=0)
+    # The error kept (as here) holds no graph of the learners: the module trains as one model again.
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    nn.functional.mse_loss(module(x), y).backward()
 
 
 class _FixedCostModel(LearnerModel):
@@ -249,3 +252,79 @@ def test_a_resumed_auto_fit_keeps_the_learners_of_its_checkpoint_without_measuri
     cpu_trainer(resumed, devices=1, max_steps=6).fit(model, ckpt_path=str(tmp_path / "step=3.ckpt"))
     assert resumed.engine.learners == 2
     assert resumed.engine.learner_rates == [], "the checkpoint's choice is kept, not measured again"
+
+
+def _saved_momenta(path) -> list[tuple[int, ...]]:
+    state = torch.load(path, weights_only=False)["optimizer_states"][0]["state"]
+    return [tuple(entry["momentum_buffer"].shape) for entry in state.values()]
+
+
+ONE_MODEL = [(16, 8), (16,), (1, 16), (1,)]
+
+
+def test_checkpoints_cross_between_learners_one_learner_and_lightnings_own_strategy(tmp_path):
+    def save(strategy, name: str) -> str:
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename=name)
+        _fit(strategy, 1, max_steps=3, callbacks=[checkpoint], enable_checkpointing=True)
+        return str(tmp_path / f"{name}.ckpt")
+
+    stacked = save(_strategy(2, start_method="popen"), "learners")
+    assert _saved_momenta(stacked) == ONE_MODEL, "a checkpoint holds one model's optimizer state"
+    gradients = save(AdaptiveElasticStrategy(sync="gradients"), "gradients")
+    for strategy, path in [
+        (_strategy(2, start_method="popen"), gradients),  # one model's momenta, a copy per learner
+        (_strategy(4, start_method="popen"), stacked),  # 8 samples a step split among 4 learners
+        (AdaptiveElasticStrategy(sync="gradients"), stacked),
+        ("auto", stacked),  # Lightning's own single-device strategy
+    ]:
+        pl.seed_everything(7)
+        model = LearnerModel(momentum=0.9)
+        trainer = cpu_trainer(strategy, devices=1, max_steps=6)
+        trainer.fit(model, ckpt_path=path)
+        assert trainer.global_step == 6
+        assert [tuple(p.shape) for p in model.parameters()] == ONE_MODEL
+        momenta = [tuple(s["momentum_buffer"].shape) for s in trainer.optimizers[0].state.values()]
+        assert momenta == ONE_MODEL, "the module leaves fit one model, and so does its optimizer"
+        assert torch.isfinite(flat_parameters(model)).all()
+
+
+def test_a_mid_epoch_checkpoint_whose_steps_the_learners_cannot_split_fails_with_a_hint(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+    _fit(_strategy(2, start_method="popen"), 1, max_steps=3, callbacks=[checkpoint], enable_checkpointing=True)
+    trainer = cpu_trainer(_strategy(3, start_method="popen"), devices=1, max_steps=6)
+    with pytest.raises(ValueError, match=r"steps of 8 samples, which 3 learners .* HINT: resume with a "):
+        trainer.fit(LearnerModel(momentum=0.9), ckpt_path=str(tmp_path / "step=3.ckpt"))
+
+
+class _AdafactorModel(LearnerModel):
+    def configure_optimizers(self):
+        return torch.optim.Adafactor(self.parameters())
+
+
+class _LionLike(torch.optim.Optimizer):
+    """An optimizer torch does not ship: sign descent, elementwise, as Lion's update is."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad.sign(), alpha=-group["lr"])
+
+
+class _LionModel(LearnerModel):
+    def configure_optimizers(self):
+        return _LionLike(self.parameters())
+
+
+def test_an_optimizer_reading_whole_tensors_is_refused_and_an_unknown_one_is_warned_of():
+    with pytest.raises(UnsupportedSettingError, match=r"Adafactor, whose update of a tensor reads the whole.*HINT"):
+        _fit(_strategy(2, start_method="popen"), 1, model=_AdafactorModel(), max_steps=2)
+    with pytest.warns(UserWarning, match=r"_LionLike: the learners are stacked .*LAMB's or LARS's trust ratio"):
+        _fit(_strategy(2, start_method="popen"), 1, model=_LionModel(), max_steps=2)

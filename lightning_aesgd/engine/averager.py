@@ -318,6 +318,12 @@ class ElasticAverager:
             for tensor in self.params.tensors:
                 tensor.grad = None
 
+    def one_model_shapes(self) -> dict[int, torch.Size]:
+        """One model's shape of each parameter holding a row per learner, by ``id`` (none with one learner)."""
+        if self.learners == 1:
+            return {}
+        return {id(tensor): shape for tensor, shape in zip(self.params.tensors, self.params.shapes, strict=True)}
+
     def unstack(self) -> None:
         """Leave the module one model, the mean of this replica's learners, unless it holds one already.
 

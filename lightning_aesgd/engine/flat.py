@@ -52,7 +52,8 @@ class FlatView:
         self.numel = sum(t.numel() for t in self.tensors)  # per learner
         self.learners = learners
         self._sizes = [t.numel() for t in self.tensors]
-        self._shapes = [t.shape for t in self.tensors]
+        self.shapes = [t.shape for t in self.tensors]  # one model's, whatever the learners
+        self._dtypes = [t.dtype for t in self.tensors]
         if learners > 1 and bind and self.tensors and not self._bindable():
             raise ValueError(
                 "Several learners per device need every parameter on one device in float32 or float64. HINT: use "
@@ -85,18 +86,21 @@ class FlatView:
         return blocks
 
     def _rebind(self, flat: Tensor) -> None:
-        """Make the tensors views of ``flat``: one model (``numel``), or a row per learner (``k × numel``)."""
+        """Make the tensors views of ``flat``: one model (``numel``), or a row per learner (``k × numel``).
+
+        A tensor of another dtype than ``flat`` (a float16 buffer beside float32 ones) takes a copy in its own.
+        """
         lead = flat.shape[:-1]
-        for tensor, chunk, shape in zip(
-            self.tensors, torch.split(flat, self._sizes, dim=-1), self._shapes, strict=True
-        ):
-            tensor.data = chunk.view(tuple(lead) + tuple(shape))  # a 0-dim tensor too
+        chunks = torch.split(flat, self._sizes, dim=-1)
+        for tensor, chunk, shape, dtype in zip(self.tensors, chunks, self.shapes, self._dtypes, strict=True):
+            tensor.data = chunk.view(tuple(lead) + tuple(shape)).to(dtype)  # a 0-dim tensor too
 
     @torch.no_grad()
     def show_(self, flat: Tensor) -> None:
         """Make the tensors views of ``flat``, one model of :attr:`numel` elements; the learners stay as they are.
 
-        The tensors then hold ``flat`` (kept alive by them until :meth:`restack_`); for several learners only.
+        The tensors then hold ``flat`` (kept alive by them until :meth:`restack_`), each in its own dtype; for
+        several learners only.
         """
         assert self.learners > 1, "only a view of several learners shows another model"
         self._rebind(flat.reshape(-1).to(self.dtype))

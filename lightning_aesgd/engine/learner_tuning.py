@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_aesgd.core.tuning import learners_to_keep, measures_more
 from lightning_aesgd.engine.comm import Communicator
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, trainable_parameters
-from lightning_aesgd.engine.learners import LearnerStep
+from lightning_aesgd.engine.learners import LearnerStep, LearnerStepError
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +59,34 @@ def tune_learners(
     """Measure ``k = 1, 2, ...`` learners (``measure(k)``: this replica's samples per second) and choose.
 
     A collective: every replica measures the same ``k`` and sums its rate into the job's, on the host group. A
-    replica whose measurement failed (its device out of memory) makes the job's rate 0, which ends the search.
+    replica where ``k`` learners do not fit (rate 0: out of memory, or a step that cannot run batched) makes the
+    job's rate 0, which ends the search.
 
     Returns:
         The number of learners to keep, and the job's rate at each ``k`` measured.
+
+    Raises:
+        Exception: the error of a measurement that raised on this replica, and RuntimeError on the others, after
+            the collective (so that no replica waits for one that failed).
     """
     rates: list[float] = []
     while not rates or measures_more(rates, tuning.min_gain, tuning.max_learners):
         learners = len(rates) + 1
-        rate = measure(learners)
-        job = torch.tensor([rate, float(rate <= 0.0)], dtype=torch.float64)
+        error: Exception | None = None
+        try:
+            rate = measure(learners)
+        except Exception as caught:  # raised after the collective, which the peers are waiting in
+            rate, error = 0.0, caught
+        job = torch.tensor([rate, float(rate <= 0.0), float(error is not None)], dtype=torch.float64)
         comm.host_all_reduce_sum_(job)
-        total, failed = job.tolist()
+        total, failed, errors = job.tolist()
+        if error is not None:
+            raise error
+        if errors:
+            raise RuntimeError(
+                f"{int(errors)} replica(s) failed while measuring {learners} learners (learners_per_device='auto'): "
+                "their own errors say why."
+            )
         rates.append(0.0 if failed else total)
     return learners_to_keep(rates, tuning.min_gain), rates
 
@@ -118,6 +134,9 @@ def measure_learners(
             _synchronize(device)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
+            return 0.0
+        except LearnerStepError as error:  # "auto" keeps the learners that can run: one, unbatched
+            log.warning("learners_per_device='auto' keeps 1 learner: %s", error)
             return 0.0
     rate = learners * rows_each * repeats / max(time.perf_counter() - start, 1e-9)
     if device.type == "cuda" and not _fits_device(module, device, learners):

@@ -37,9 +37,12 @@ UNSUPPORTED_STEP_HINT = (
 )
 
 
-BATCHING_ERRORS = ("vmap", "doesn't have storage", "BatchedTensor")
+IN_PLACE_ERRORS = ("inplace", "in-place", "doesn't match the broadcast shape")
+"""What torch's errors say when a tensor shared by the learners is updated in place with a value of each."""
+
+BATCHING_ERRORS = ("vmap", "doesn't have storage", "BatchedTensor", *IN_PLACE_ERRORS)
 """What torch's errors say when code cannot run batched (``.item()``; ``.tolist()`` reads a storage that a batched
-tensor does not have)."""
+tensor does not have; an in-place update of a shared tensor)."""
 
 
 class LearnerStepError(RuntimeError):
@@ -144,21 +147,46 @@ class LearnerStep:
     def _batched(
         self, call: _Call, own: dict[str, Tensor], batch: Any, rest: tuple[Any, ...], logged: _LogRecorder
     ) -> tuple[Any, tuple[Tensor, ...]]:
-        def one_learner(learner: dict[str, Tensor], learner_batch: Any) -> tuple[Any, tuple[Tensor, ...]]:
+        structure: list[Any] = []  # the output's leaves, its other values (strings, numbers) among them
+
+        def one_learner(learner: dict[str, Tensor], learner_batch: Any) -> tuple[list[Tensor], tuple[Tensor, ...]]:
             logged.start()
             output = functional_call(call, learner, (learner_batch, *rest), strict=False)
-            return output, logged.tensors()
+            leaves, spec = tree_flatten(output)
+            structure[:] = [spec, leaves]
+            # vmap returns tensors only: other values leave through `structure` (the step runs once, batched).
+            return [leaf for leaf in leaves if isinstance(leaf, Tensor)], logged.tensors()
 
         leaves, spec = tree_flatten(batch)
         in_dims = tree_unflatten([0 if isinstance(leaf, Tensor) and leaf.dim() else None for leaf in leaves], spec)
+        failure: str | None = None
         try:
-            return vmap(one_learner, in_dims=(0, in_dims), randomness="different")(own, batch)
+            tensors, logs = vmap(one_learner, in_dims=(0, in_dims), randomness="different")(own, batch)
         except (RuntimeError, ValueError) as error:
             if not any(sign in str(error) for sign in BATCHING_ERRORS):  # the user's own error, not one of batching
                 raise
-            raise LearnerStepError(
-                f"The training step failed batched over {self.learners} learners: {error} {UNSUPPORTED_STEP_HINT}"
-            ) from error
+            failure = f"The training step failed batched over {self.learners} learners: {error} {_hint_for(error)}"
+        if failure is not None:
+            # Raised outside the `except`, so that it holds no traceback of the batched call: its frames hold the
+            # graph, whose gradient accumulators have the learners' shapes, and the module could not train again
+            # (with one learner) while the error is kept (a notebook, a test).
+            raise LearnerStepError(failure)
+        output_spec, output_leaves = structure
+        batched = iter(tensors)
+        output = [next(batched) if isinstance(leaf, Tensor) else leaf for leaf in output_leaves]
+        return tree_unflatten(output, output_spec), logs
+
+
+IN_PLACE_HINT = (
+    "HINT: if the step updates in place a tensor that is not a floating parameter or buffer (an integer buffer, a "
+    "plain tensor attribute), that tensor is one for all learners and cannot take each learner's value. Make it a "
+    "floating buffer (each learner keeps its own), update it outside training_step, or use learners_per_device=1."
+)
+
+
+def _hint_for(error: Exception) -> str:
+    """The HINT for a batching error: an in-place update of a shared tensor, or the rest (a read to the host)."""
+    return IN_PLACE_HINT if any(sign in str(error) for sign in IN_PLACE_ERRORS) else UNSUPPORTED_STEP_HINT
 
 
 def _mean_loss(outputs: list[Any], learners: int) -> Any:
@@ -197,6 +225,8 @@ class _LogRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.calls.clear()  # batched values of a failed step: an error kept with its frames would hold them
         if self._set_on_instance:
             self.module.log = self._log
         elif self._log is not None:

@@ -162,6 +162,9 @@ class ModelMerge(StepPipeline):
         self.averager = self._module = None
         self.learner_step = None
 
+    def one_model_shapes(self) -> dict[int, torch.Size]:  # noqa: D102
+        return self.averager.one_model_shapes() if self.averager is not None else {}
+
     @property
     def loss_weight(self) -> float:
         """``k`` with ``k`` learners: their batched step returns the mean of their losses, each learner's own."""
@@ -387,7 +390,8 @@ class ModelMerge(StepPipeline):
         Every rank reads the checkpoint file that rank zero wrote, so every rank finds every replica's part there.
         """
         saved_learners = state["shared"].get("learners", 1)
-        if self.auto_learners and not self._learners_chosen:  # the fit that saved it measured already
+        if self.auto_learners and not self._learners_chosen and "learners" in state["shared"]:
+            # The fit that saved it measured already (a checkpoint of sync="gradients" or DDP did not: measure).
             self._use_learners(saved_learners)
             self._learners_chosen = True
         averager = self._running_averager()
@@ -399,14 +403,14 @@ class ModelMerge(StepPipeline):
         self.normalization.load_state_dict(state["shared"]["l2_trend"])
         replicas, world_size = state["replicas"], averager.comm.world_size
         if saved_learners != self.learners:
+            # Every learner starts from the merged model and the checkpoint's optimizer state, which is one model's
+            # (Lightning loaded it already; the strategy fits it to the learners before the first step).
             log.warning(
                 "The checkpoint's replicas trained %d learners each, this run trains %d: all start from the merged "
-                "model, with a fresh optimizer state.",
+                "model and rank zero's optimizer state.",
                 saved_learners,
                 self.learners,
             )
-            if optimizer is not None:  # its moments have the checkpoint's learners' shapes
-                optimizer.state.clear()
             return
         if replicas is None:
             return

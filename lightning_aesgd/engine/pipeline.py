@@ -188,6 +188,10 @@ class StepPipeline(ABC):
     def end_evaluation(self) -> None:
         """Validation ended: training resumes."""
 
+    def one_model_shapes(self) -> dict[int, torch.Size]:
+        """One model's shape of each parameter holding a row per learner, by ``id`` (none with one learner)."""
+        return {}
+
     @abstractmethod
     def finish(self) -> None:
         """Fit ends: the module is left holding the model the run produced (a collective)."""
@@ -291,6 +295,13 @@ class StepPipeline(ABC):
         saved = self._saved_step_batch_size
         if saved is None or saved == default or position is None or position[1] == 0:
             return default
+        if saved % self.learners:
+            raise ValueError(
+                f"The checkpoint stopped {position[1]} steps into epoch {position[0]} with steps of {saved} "
+                f"samples, which {self.learners} learners per replica cannot split equally (finishing that epoch "
+                f"exactly needs steps of that size). HINT: resume with a learners_per_device that divides {saved}, "
+                "or from a checkpoint saved at the end of an epoch."
+            )
         # Another number of replicas or another loader batch size: steps of the checkpoint's size finish the
         # epoch exactly (every sample once), as elastic training keeps the global batch.
         log.info(

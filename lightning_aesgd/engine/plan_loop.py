@@ -334,7 +334,7 @@ class PlanLoop:
         if state is None:
             return
         if state.get("plans") is not None and self.plan_book is not None:
-            if _plans_fit(state["plans"], len(self.plan_book.latest), self.step_batch_size):
+            if _plans_fit(state["plans"], len(self.plan_book.latest), self.step_batch_size, self.learners):
                 self.plan_book.load_state_dict(state["plans"])
                 self.admission.load_state_dict(state.get("admission") or {})
                 self._next_plan = int(state.get("next_plan", 0))
@@ -342,7 +342,10 @@ class PlanLoop:
                 self.admission.schedule_missing_probes(self.plan_book.latest, self._next_plan)
             else:
                 # Another number of replicas or another step batch (a resume across shapes): plan afresh.
-                log.info("The checkpoint's plans are for another number of replicas or step batch: planning afresh.")
+                log.info(
+                    "The checkpoint's plans are for another number of replicas, step batch or learners: planning "
+                    "afresh."
+                )
         if state.get("arrivals") is not None and self.arrival_model is not None:
             self.arrival_model.load_state_dict(state["arrivals"])
         weights = state.get("merge_weights") or []
@@ -350,9 +353,15 @@ class PlanLoop:
             self.merge_weights = list(weights)
 
 
-def _plans_fit(plans: dict[str, Any], num_replicas: int, step_batch_size: int) -> bool:
-    """Whether saved plans (:meth:`PlanBook.state_dict`) split steps of ``step_batch_size`` among ``num_replicas``."""
-    return all(len(sizes) == num_replicas and sum(sizes) == step_batch_size for sizes in plans["sizes"])
+def _plans_fit(plans: dict[str, Any], num_replicas: int, step_batch_size: int, learners: int = 1) -> bool:
+    """Whether saved plans (:meth:`PlanBook.state_dict`) split steps of ``step_batch_size`` among ``num_replicas``.
+
+    Each replica's batch must also be whole blocks of ``learners`` samples (one block: a sample per learner).
+    """
+    return all(
+        len(sizes) == num_replicas and sum(sizes) == step_batch_size and all(size % learners == 0 for size in sizes)
+        for sizes in plans["sizes"]
+    )
 
 
 def check_learner_blocks(step_batch_size: int, num_replicas: int, learners: int) -> None:

@@ -186,6 +186,29 @@ def test_a_step_that_returns_nothing_fails_with_a_hint():
         step(lambda batch, batch_idx: {"prediction": net(batch[0])}, _batch(8, seed=2), 0)
 
 
+def test_a_step_may_return_values_that_are_not_tensors_beside_its_loss():
+    net, _, step = _stacked(2)
+
+    def with_a_note(batch, batch_idx):
+        return {"loss": net.training_step(batch, batch_idx)["loss"], "note": "fine", "rows": len(batch[0])}
+
+    output = step(with_a_note, _batch(8, seed=2), 0)
+    assert (output["note"], output["rows"]) == ("fine", 4)
+    assert output["loss"].shape == ()
+
+
+def test_a_step_that_updates_a_shared_integer_buffer_with_each_learners_value_fails_with_a_hint():
+    net, _, step = _stacked(2)
+    net.register_buffer("positives", torch.zeros((), dtype=torch.long))  # one for all learners, not stacked
+
+    def counts_positives(batch, batch_idx):
+        net.positives.add_((batch[1] > 0).sum())
+        return net.training_step(batch, batch_idx)["loss"]
+
+    with pytest.raises(LearnerStepError, match=r"one for all learners.*floating buffer"):
+        step(counts_positives, _batch(8, seed=2), 0)
+
+
 def test_the_users_own_errors_pass_through_unchanged():
     _, _, step = _stacked(2)
 
@@ -225,6 +248,16 @@ def test_a_stacked_flat_view_binds_a_row_per_learner_and_shows_one_model(device)
         torch.testing.assert_close(view.read(), torch.arange(10.0).repeat(3, 1))
         torch.testing.assert_close(tensors[1][2], torch.arange(6.0, 10.0))
         assert shown.eq(7.0).all(), "showing a model must not write it"
+
+
+def test_buffers_of_several_dtypes_are_each_shown_in_their_own():
+    tensors = [torch.ones(2), torch.ones(3, dtype=torch.float16)]
+    view = FlatView(tensors, learners=2)
+    view.show_(torch.arange(5.0))
+    assert [t.dtype for t in tensors] == [torch.float32, torch.float16]
+    torch.testing.assert_close(tensors[1], torch.tensor([2.0, 3.0, 4.0], dtype=torch.float16))
+    view.restack_()
+    assert [(t.shape, t.dtype) for t in tensors] == [((2, 2), torch.float32), ((2, 3), torch.float16)]
 
 
 def test_learners_need_a_bindable_model():
@@ -291,9 +324,38 @@ def test_tuning_measures_while_learners_pay_and_every_replica_decides_on_the_sum
 
 
 def test_a_replica_out_of_memory_ends_the_tuning_for_all():
-    comm = FakeCommunicator(world_size=2, peers_sum=lambda t: t * 0 + torch.tensor([50.0, 1.0], dtype=t.dtype))
+    comm = FakeCommunicator(world_size=2, peers_sum=lambda t: torch.tensor([50.0, 1.0, 0.0], dtype=t.dtype))
     kept, job = tune_learners(lambda k: 100.0 * k, comm, LearnerTuning(max_learners=4))
     assert (kept, job) == (1, [0.0])  # the peer failed at 1 learner already: no rate counts
+
+
+def test_a_measurement_that_fails_on_one_replica_fails_every_replica_after_the_collective():
+    def fails_at_two(learners: int) -> float:
+        if learners == 2:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return 100.0
+
+    comm = FakeCommunicator(world_size=2)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        tune_learners(fails_at_two, comm, LearnerTuning(max_learners=4, min_gain=0.0))
+    assert comm.calls == ["host_all_reduce_sum_"] * 2, "the failing replica still joins the collective"
+    peer_failed = FakeCommunicator(world_size=2, peers_sum=lambda t: torch.tensor([0.0, 1.0, 1.0], dtype=t.dtype))
+    with pytest.raises(RuntimeError, match=r"1 replica\(s\) failed while measuring 1 learners"):
+        tune_learners(lambda k: 100.0, peer_failed, LearnerTuning(max_learners=4))
+
+
+def test_auto_keeps_one_learner_where_the_step_cannot_run_batched(caplog):
+    net = Net()
+
+    def reads_the_loss(batch, batch_idx):
+        loss = net.training_step(batch, batch_idx)["loss"]
+        return loss if loss.item() > 0 else -loss
+
+    with caplog.at_level("WARNING", logger="lightning_aesgd"):
+        assert measure_learners(net, reads_the_loss, _batch(8, seed=0), 2, repeats=1) == 0.0
+        assert measure_learners(net, reads_the_loss, _batch(8, seed=0), 1, repeats=1) > 0.0
+    assert "learners_per_device='auto' keeps 1 learner: The training step failed batched" in caplog.text
+    assert [p.dim() for p in net.parameters()] == [p.dim() for p in Net().parameters()]
 
 
 def test_measuring_learners_leaves_the_module_as_it_was():

@@ -304,6 +304,18 @@ def test_saved_plans_for_another_step_batch_are_replaced_by_a_fresh_plan():
     assert restored.plan_book_for(STEP_BATCH // 2, 2, lag=3).latest == (64, 64)
 
 
+def test_saved_plans_that_split_a_learner_are_replaced_by_a_fresh_plan():
+    replicas = _group(2, planner="balanced")
+    _run(replicas, lambda step: (1, 2.7), steps=12)
+    saved = replicas[0].plans.state_dict()
+    assert saved["plans"]["sizes"][-1] == [187, 69]  # for one learner each
+    restored = PlanLoop(PlanSettings(planner="balanced"))
+    restored.learners = 4
+    restored.attach(2)
+    restored.load_state_dict(saved)
+    assert restored.plan_book_for(STEP_BATCH, 2, lag=3).latest == (128, 128)
+
+
 def test_the_history_is_a_ring_of_typed_records_so_memory_stays_flat():
     (replica,) = _group(1)
     for step in range(HISTORY_LENGTH + 10):
