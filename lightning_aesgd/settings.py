@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_aesgd.core.apportion import High, Low
 from lightning_aesgd.core.merge import MergeRule, as_merge_rule
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.weights import MergeWeights
@@ -92,10 +93,11 @@ class StrategySettings:
             ``"balanced"`` (equal predicted step times, fixed per-step costs included), ``"additive"`` (the paper's
             ±step rule), ``"static"`` (fixed ``shares``), or a :class:`~lightning_aesgd.core.planners.Planner`.
         shares: fixed shares of the step batch for the ``"static"`` planner (equal when omitted).
-        min_batch: smallest batch a replica may get.
+        min_batch: smallest batch a replica may get; a list gives one per replica, in rank order (e.g. a GPU's and
+            the CPU replicas' beside it under ``replica_devices``).
         min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``, so that a
-            slow replica is never starved to a useless batch while the others wait for it.
-        max_batch: largest batch a replica may get.
+            slow replica is never starved to a useless batch while the others wait for it; or one per replica.
+        max_batch: largest batch a replica may get (``None``: no limit), or one per replica (a device's memory).
         step_batch_size: indices consumed per step by all replicas together; by default the DataLoader's batch
             size times the number of replicas, so that an equal plan means what DDP means.
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
@@ -165,9 +167,9 @@ class StrategySettings:
     optimizer_state: OptimizerStateMode = MergeSettings.optimizer_state
     planner: str | Planner = PlanSettings.planner
     shares: Sequence[float] | None = PlanSettings.shares
-    min_batch: int = PlanSettings.min_batch
-    min_share: float = PlanSettings.min_share
-    max_batch: int | None = PlanSettings.max_batch
+    min_batch: Low = PlanSettings.min_batch
+    min_share: float | Sequence[float] = PlanSettings.min_share
+    max_batch: High = PlanSettings.max_batch
     step_batch_size: int | None = None
     plan_lag: int | None = None
     speed_smoothing: float = PlanSettings.speed_smoothing

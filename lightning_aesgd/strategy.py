@@ -28,6 +28,7 @@ from lightning_aesgd.checks import (
     check_learner_settings,
     check_training_loader,
 )
+from lightning_aesgd.core.apportion import High, Low
 from lightning_aesgd.core.merge import MergeRule
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.weights import MergeWeights
@@ -90,9 +91,9 @@ class AdaptiveElasticMixin(SharedDevices):
         optimizer_state: OptimizerStateMode = StrategySettings.optimizer_state,
         planner: str | Planner = StrategySettings.planner,
         shares: Sequence[float] | None = StrategySettings.shares,
-        min_batch: int = StrategySettings.min_batch,
-        min_share: float = StrategySettings.min_share,
-        max_batch: int | None = StrategySettings.max_batch,
+        min_batch: Low = StrategySettings.min_batch,
+        min_share: float | Sequence[float] = StrategySettings.min_share,
+        max_batch: High = StrategySettings.max_batch,
         step_batch_size: int | None = StrategySettings.step_batch_size,
         plan_lag: int | None = StrategySettings.plan_lag,
         speed_smoothing: float = StrategySettings.speed_smoothing,

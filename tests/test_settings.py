@@ -104,6 +104,11 @@ def test_settings_are_frozen_and_compare_by_their_options():
         ({"planner": "static", "shares": [0.0]}, ValueError, "`shares` must be one finite share"),
         ({"min_batch": "2"}, TypeError, "`min_batch` is a batch size"),
         ({"min_share": 1.5}, ValueError, "min_share"),
+        ({"min_batch": [4, "2"]}, TypeError, r"a list of one per replica; got \[4, '2'\]"),
+        ({"max_batch": [8, 2.5]}, TypeError, "`max_batch` is a batch size, or a list"),
+        ({"min_share": [0.1, "x"]}, TypeError, "`min_share` must be a number or a list"),
+        ({"min_share": [0.1, 1.5]}, ValueError, "min_share"),
+        ({"min_batch": [1, 2], "max_batch": [4, 4, 4]}, ValueError, r"hold values for \[2, 3\] replicas"),
         ({"speed_smoothing": 1.0}, ValueError, "`speed_smoothing` is the weight"),
         ({"plan_gain": 0.0}, ValueError, "plan_gain"),
         # the loader and the learning rate

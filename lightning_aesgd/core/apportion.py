@@ -8,6 +8,7 @@ from the same all-gathered speeds. Method card: ``docs/methods/adaptive_sgd.md``
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
@@ -16,10 +17,35 @@ import torch
 
 from lightning_aesgd.core.weights import checked_weights
 
-__all__ = ["apportion", "ideal_shares", "in_multiples", "share_error", "split_by_cost"]
+__all__ = ["apportion", "check_feasible", "ideal_shares", "in_multiples", "per_replica", "share_error", "split_by_cost"]
 
 
-def apportion(total: int, shares: Sequence[float], min_size: int = 1, max_size: int | None = None) -> list[int]:
+Low = int | Sequence[int]
+"""A smallest size: one for every replica, or one per replica (a GPU's beside a CPU's)."""
+
+High = int | None | Sequence[int | None]
+"""A largest size (``None``: no limit): one for every replica, or one per replica."""
+
+
+def per_replica(bound: Any, num_replicas: int, name: str = "bound") -> list[Any]:
+    """A bound for each replica: the one given for all of them, or the list given, one per replica.
+
+    Example:
+        >>> per_replica(4, 3), per_replica([1, None], 2)
+        ([4, 4, 4], [1, None])
+    """
+    if bound is None or isinstance(bound, numbers.Real):
+        return [bound] * num_replicas
+    values = list(bound)
+    if len(values) != num_replicas:
+        raise ValueError(
+            f"`{name}` holds {len(values)} values for {num_replicas} replicas. HINT: give one value for every "
+            "replica, or a list of one per replica (Trainer devices × num_nodes, in rank order)."
+        )
+    return values
+
+
+def apportion(total: int, shares: Sequence[float], min_size: Low = 1, max_size: High = None) -> list[int]:
     """Split ``total`` into integer sizes proportional to ``shares`` (largest-remainder / Hamilton method).
 
     Each replica's quota is ``q_i = λ·s_i`` clamped to ``[min_size, max_size]``, with the scale ``λ`` chosen so
@@ -33,8 +59,8 @@ def apportion(total: int, shares: Sequence[float], min_size: int = 1, max_size: 
     Args:
         total: The number to split, e.g. the global step batch ``M``.
         shares: Non-negative relative weights (speeds, fractions, ...), not all zero.
-        min_size: Smallest size any replica may receive.
-        max_size: Largest size any replica may receive; ``None`` for no limit.
+        min_size: Smallest size any replica may receive, or one per replica.
+        max_size: Largest size any replica may receive (``None`` for no limit), or one per replica.
 
     Returns:
         One size per share, summing exactly to ``total``.
@@ -47,13 +73,15 @@ def apportion(total: int, shares: Sequence[float], min_size: int = 1, max_size: 
         [5, 3, 2]
         >>> apportion(100, [10.0, 1.0, 1.0], min_size=20)
         [60, 20, 20]
+        >>> apportion(100, [10.0, 1.0, 1.0], max_size=[50, None, None])
+        [50, 25, 25]
     """
     weights = [Fraction(share) for share in checked_weights(shares)]
-    _check_feasible(total, len(weights), min_size, max_size)
-    return _largest_remainder(_bounded_quotas(total, weights, min_size, max_size))
+    lows, highs = check_feasible(total, len(weights), min_size, max_size)
+    return _largest_remainder(_bounded_quotas(total, weights, lows, highs))
 
 
-def in_multiples(sizes: Sequence[int], multiple: int, max_size: int | None = None) -> list[int]:
+def in_multiples(sizes: Sequence[int], multiple: int, max_size: High = None) -> list[int]:
     """Round a plan to multiples of ``multiple`` with the same total; 0 stays 0, and nothing else becomes 0.
 
     A replica of ``k`` learners splits its batch equally among them, so its batch must be a multiple of ``k``.
@@ -64,7 +92,7 @@ def in_multiples(sizes: Sequence[int], multiple: int, max_size: int | None = Non
     Args:
         sizes: the plan, summing to a multiple of ``multiple``.
         multiple: the block every size is made of (learners per replica).
-        max_size: the largest size, or ``None``.
+        max_size: the largest size (``None``: no limit), or one per replica.
 
     Raises:
         ValueError: if the total is not a multiple of ``multiple``, or the blocks do not fit the bounds.
@@ -76,11 +104,12 @@ def in_multiples(sizes: Sequence[int], multiple: int, max_size: int | None = Non
     total = sum(sizes)
     if multiple < 1 or total % multiple:
         raise ValueError(f"A plan of {total} samples cannot be cut into blocks of {multiple}.")
+    highs = per_replica(max_size, len(sizes), "max_batch")
     rounded = [0 if size == 0 else max(multiple, size - size % multiple) for size in sizes]
     left = (total - sum(rounded)) // multiple
     by_remainder = sorted(range(len(sizes)), key=lambda i: (-(sizes[i] % multiple), i))
     for i in by_remainder:
-        if left > 0 and sizes[i] % multiple and (max_size is None or rounded[i] + multiple <= max_size):
+        if left > 0 and sizes[i] % multiple and (highs[i] is None or rounded[i] + multiple <= highs[i]):
             rounded[i] += multiple
             left -= 1
     while left < 0:
@@ -167,25 +196,31 @@ def share_error(sizes: Sequence[int], speeds: Sequence[float]) -> float:
     return max(abs(size / total - share) / share for size, share in zip(sizes, ideal, strict=True))
 
 
-def _check_feasible(total: int, num_replicas: int, min_size: int, max_size: int | None) -> None:
+def check_feasible(total: int, num_replicas: int, min_size: Low, max_size: High) -> tuple[list[int], list[int | None]]:
+    """Raise unless sizes within the bounds can sum to ``total``; return the bounds, one per replica."""
+    lows, highs = per_replica(min_size, num_replicas, "min_size"), per_replica(max_size, num_replicas, "max_size")
     if total < 0:
         raise ValueError(f"`total` must be >= 0, got {total}")
-    if min_size < 0 or (max_size is not None and max_size < min_size):
-        raise ValueError(f"need 0 <= min_size <= max_size, got min_size={min_size}, max_size={max_size}")
-    if num_replicas * min_size > total:
+    for low, high in zip(lows, highs, strict=True):
+        if low < 0 or (high is not None and high < low):
+            raise ValueError(f"need 0 <= min_size <= max_size, got min_size={min_size}, max_size={max_size}")
+    if sum(lows) > total:
         raise ValueError(
             f"{num_replicas} replicas × minimum size {min_size} exceeds the total {total}: "
             "lower the minimum batch size or raise the global batch size"
         )
-    if max_size is not None and num_replicas * max_size < total:
+    if None not in highs and sum(high for high in highs if high is not None) < total:
         raise ValueError(
             f"{num_replicas} replicas × maximum size {max_size} is less than the total {total}: "
             "raise the maximum batch size or lower the global batch size"
         )
+    return lows, highs
 
 
-def _bounded_quotas(total: int, weights: list[Fraction], low: int, high: int | None) -> list[Fraction]:
-    """Water-fill: quotas ``clamp(λ·w_i, low, high)`` summing to ``total``, found by fixing clamped replicas."""
+def _bounded_quotas(
+    total: int, weights: list[Fraction], lows: Sequence[int], highs: Sequence[int | None]
+) -> list[Fraction]:
+    """Water-fill: quotas ``clamp(λ·w_i, low_i, high_i)`` summing to ``total``, found by fixing clamped replicas."""
     fixed: dict[int, Fraction] = {}
     while len(fixed) < len(weights):
         free_weights = {i: weight for i, weight in enumerate(weights) if i not in fixed}
@@ -195,7 +230,7 @@ def _bounded_quotas(total: int, weights: list[Fraction], low: int, high: int | N
         remaining = total - sum(fixed.values(), Fraction(0))
         scale = remaining / sum(free_weights.values())
         tentative = {i: scale * weight for i, weight in free_weights.items()}
-        clamped = {i: _clamp(quota, low, high) for i, quota in tentative.items()}
+        clamped = {i: _clamp(quota, lows[i], highs[i]) for i, quota in tentative.items()}
         surplus = sum(clamped.values()) - remaining
         newly_fixed = {i: quota for i, quota in clamped.items() if _stays_clamped(quota, tentative[i], surplus)}
         if not newly_fixed:

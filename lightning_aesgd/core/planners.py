@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lightning_aesgd.core.apportion import _check_feasible, _check_same_length, apportion
+from lightning_aesgd.core.apportion import High, Low, _check_same_length, apportion, check_feasible, per_replica
 from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.core.weights import checked_weights
 
@@ -51,7 +51,7 @@ def speeds_at(current: Sequence[int], step_times: Sequence[StepTime]) -> list[fl
 
 
 def balance_step_times(
-    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None
+    total: int, step_times: Sequence[StepTime], min_size: Low = 1, max_size: High = None
 ) -> list[int]:
     """Batch sizes, summing to ``total``, whose predicted step times are as equal as the bounds allow.
 
@@ -70,36 +70,40 @@ def balance_step_times(
         [98, 2]
         >>> balance_step_times(120, [StepTime(30.0, 0.1), StepTime(45.0, 0.1), StepTime(80.0, 0.1)], min_size=4)
         [58, 58, 4]
+
+    The bounds may differ per replica (``min_size=[1, 8]``): each replica's size stays within its own.
     """
-    _check_feasible(total, len(step_times), min_size, max_size)
-    high = max_size if max_size is not None else total
+    lows, caps = check_feasible(total, len(step_times), min_size, max_size)
+    highs = [total if cap is None else cap for cap in caps]
 
     def sizes_at(time: float) -> list[float]:
-        return [min(max((time - t.overhead) / t.per_sample, min_size), high) for t in step_times]
+        return [
+            min(max((time - t.overhead) / t.per_sample, low), high)
+            for t, low, high in zip(step_times, lows, highs, strict=True)
+        ]
 
-    low_time = min(t.seconds(min_size) for t in step_times)
-    high_time = max(t.seconds(high) for t in step_times)
+    low_time = min(t.seconds(low) for t, low in zip(step_times, lows, strict=True))
+    high_time = max(t.seconds(high) for t, high in zip(step_times, highs, strict=True))
     for _ in range(100):
         middle = (low_time + high_time) / 2
         low_time, high_time = (middle, high_time) if sum(sizes_at(middle)) < total else (low_time, middle)
     # A replica whose step at the smallest batch already outlasts T sets the step time itself: every replica
     # may then take up to what it does in that time, and more work on the others buys nothing. Of those plans,
     # the one closest to equal batches is kept (what a replica's fixed cost alone cannot change, no plan fixes).
-    slowest = max(t.seconds(min_size) for t in step_times)
+    slowest = max(t.seconds(low) for t, low in zip(step_times, lows, strict=True))
     if slowest <= high_time:
-        return apportion(total, sizes_at(high_time), min_size, max_size)
+        return apportion(total, sizes_at(high_time), lows, caps)
     capacities = sizes_at(slowest)
-    low_level, high_level = float(min_size), float(high)
+    low_level, high_level = float(min(lows)), float(max(highs))
     for _ in range(100):
         level = (low_level + high_level) / 2
-        filled = sum(min(level, capacity) for capacity in capacities)
+        filled = sum(max(min(level, capacity), low) for capacity, low in zip(capacities, lows, strict=True))
         low_level, high_level = (level, high_level) if filled < total else (low_level, level)
-    return apportion(total, [min(high_level, capacity) for capacity in capacities], min_size, max_size)
+    levelled = [max(min(high_level, capacity), low) for capacity, low in zip(capacities, lows, strict=True)]
+    return apportion(total, levelled, lows, caps)
 
 
-def balanced_step_time(
-    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None
-) -> float:
+def balanced_step_time(total: int, step_times: Sequence[StepTime], min_size: Low = 1, max_size: High = None) -> float:
     """The predicted step time of :func:`balance_step_times`' plan: its slowest replica's.
 
     Example:
@@ -111,7 +115,7 @@ def balanced_step_time(
 
 
 def admitted_replicas(
-    total: int, step_times: Sequence[StepTime], min_size: int = 1, max_size: int | None = None, margin: float = 0.1
+    total: int, step_times: Sequence[StepTime], min_size: Low = 1, max_size: High = None, margin: float = 0.1
 ) -> list[bool]:
     """Which replicas shorten the step: the others get no work (as Adaptive Hogbatch places work by speed).
 
@@ -128,12 +132,21 @@ def admitted_replicas(
         >>> admitted_replicas(96, [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 2.0)], min_size=4)
         [True, True, True]
     """
+    lows = per_replica(min_size, len(step_times), "min_size")
+    highs = per_replica(max_size, len(step_times), "max_size")
+
+    def step_time(ranks: list[int]) -> float:
+        models = [step_times[i] for i in ranks]
+        return balanced_step_time(total, models, [lows[i] for i in ranks], [highs[i] for i in ranks])
+
+    def can_hold_the_step(ranks: list[int]) -> bool:
+        return None in [highs[i] for i in ranks] or sum(highs[i] for i in ranks) >= total
+
     admitted = list(range(len(step_times)))
-    while len(admitted) > 1 and (max_size is None or max_size * (len(admitted) - 1) >= total):
-        kept_time = balanced_step_time(total, [step_times[i] for i in admitted], min_size, max_size)
-        slowest = max(admitted, key=lambda i: step_times[i].seconds(min_size))
+    while len(admitted) > 1:
+        slowest = max(admitted, key=lambda i: step_times[i].seconds(lows[i]))
         rest = [i for i in admitted if i != slowest]
-        if balanced_step_time(total, [step_times[i] for i in rest], min_size, max_size) >= (1 - margin) * kept_time:
+        if not can_hold_the_step(rest) or step_time(rest) >= (1 - margin) * step_time(admitted):
             break
         admitted = rest
     chosen = set(admitted)
@@ -153,11 +166,11 @@ class ProportionalPlanner:
         max_batch: Largest batch per replica, e.g. the device's memory limit; ``None`` for no limit.
     """
 
-    min_batch: int = 1
-    max_batch: int | None = None
+    min_batch: Low = 1
+    max_batch: High = None
 
     def __post_init__(self) -> None:
-        _check_batch_bounds(self.min_batch, self.max_batch)
+        _check_batch_bounds(self)
 
     def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
         """Return ``apportion(total, speeds, min_batch, max_batch)`` with the speeds at the current sizes."""
@@ -177,11 +190,11 @@ class BalancedPlanner:
         max_batch: Largest batch per replica; ``None`` for no limit.
     """
 
-    min_batch: int = 1
-    max_batch: int | None = None
+    min_batch: Low = 1
+    max_batch: High = None
 
     def __post_init__(self) -> None:
-        _check_batch_bounds(self.min_batch, self.max_batch)
+        _check_batch_bounds(self)
 
     def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
         """Return the balanced split of ``total``; ``current`` only fixes the replica count."""
@@ -206,13 +219,13 @@ class AdditivePlanner:
     """
 
     step: int = 32
-    min_batch: int = 32
-    max_batch: int | None = 1024
+    min_batch: Low = 32
+    max_batch: High = 1024
 
     def __post_init__(self) -> None:
         if self.step < 1:
             raise ValueError(f"`step` must be >= 1, got {self.step}. HINT: the additive rule's step is a batch size.")
-        _check_batch_bounds(self.min_batch, self.max_batch)
+        _check_batch_bounds(self)
 
     def adjust(self, current: Sequence[int], step_times: Sequence[StepTime]) -> list[int]:
         """Apply ``b_i ± step`` by the sign of ``p_i − 1/n``, clamped to the bounds, before renormalisation."""
@@ -221,10 +234,11 @@ class AdditivePlanner:
         speeds = checked_weights(speeds_at(current, step_times))
         update_rates = [speed / size for speed, size in zip(speeds, current, strict=True)]
         mean_rate = math.fsum(update_rates) / len(update_rates)
-        upper = self.max_batch if self.max_batch is not None else math.inf
+        lows = per_replica(self.min_batch, len(current), "min_batch")
+        uppers = [math.inf if high is None else high for high in per_replica(self.max_batch, len(current), "max_batch")]
         return [
-            int(min(max(size + self.step * _direction(rate, mean_rate), self.min_batch), upper))
-            for size, rate in zip(current, update_rates, strict=True)
+            int(min(max(size + self.step * _direction(rate, mean_rate), low), upper))
+            for size, rate, low, upper in zip(current, update_rates, lows, uppers, strict=True)
         ]
 
     def plan(self, current: Sequence[int], step_times: Sequence[StepTime], total: int) -> list[int]:
@@ -281,17 +295,30 @@ def get_planner(name: str, **kwargs: Any) -> Planner:
     return PLANNERS[name](**kwargs)
 
 
-def _check_batch_bounds(min_batch: int, max_batch: int | None) -> None:
-    if min_batch < 1:
+def _check_batch_bounds(planner: Any) -> None:
+    """Check a planner's bounds, each one value or one per replica, and keep lists as tuples (it is frozen)."""
+    lows, highs = planner.min_batch, planner.max_batch
+    lengths = {len(bound) for bound in (lows, highs) if bound is not None and not isinstance(bound, int)}
+    if len(lengths) > 1:
         raise ValueError(
-            f"`min_batch` must be >= 1 (every replica makes one update per step), got {min_batch}. HINT: use "
-            "min_batch=1 for no lower bound."
+            f"`min_batch` and `max_batch` hold values for {sorted(lengths)} replicas. HINT: give one per replica in "
+            "both, or one value for all."
         )
-    if max_batch is not None and max_batch < min_batch:
-        raise ValueError(
-            f"`max_batch` must be >= `min_batch` ({min_batch}) or None, got {max_batch}. HINT: raise max_batch, or "
-            "set it to None for no upper bound."
-        )
+    count = lengths.pop() if lengths else 1
+    for min_batch, max_batch in zip(per_replica(lows, count), per_replica(highs, count), strict=True):
+        if min_batch < 1:
+            raise ValueError(
+                f"`min_batch` must be >= 1 (every replica makes one update per step), got {min_batch}. HINT: use "
+                "min_batch=1 for no lower bound."
+            )
+        if max_batch is not None and max_batch < min_batch:
+            raise ValueError(
+                f"`max_batch` must be >= `min_batch` ({min_batch}) or None, got {max_batch}. HINT: raise max_batch, "
+                "or set it to None for no upper bound."
+            )
+    for name in ("min_batch", "max_batch"):
+        if isinstance(getattr(planner, name), list):
+            object.__setattr__(planner, name, tuple(getattr(planner, name)))
 
 
 def _direction(rate: float, mean_rate: float) -> int:

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lightning_aesgd.core.apportion import apportion
+from lightning_aesgd.core.apportion import High, Low, apportion
 from lightning_aesgd.core.noise import StepNoise, is_level_shift
 from lightning_aesgd.core.speed import SpeedEstimator, StepTime, StepTimeEstimator
 
@@ -256,8 +256,8 @@ def damped_plan(
     target: Sequence[int],
     gain: float = 0.5,
     dead_band: float = 0.03,
-    min_size: int = 1,
-    max_size: int | None = None,
+    min_size: Low = 1,
+    max_size: High = None,
 ) -> list[int]:
     """Move the plan part of the way to ``target``: ``b′ = b + γ·(target − b)``, rounded to the same total.
 

@@ -50,7 +50,13 @@ class Admission:
                 self.probe_at[rank] = step + MIN_PROBE_INTERVAL
 
     def decide(
-        self, step: int, models: Sequence[StepTime], current: Sequence[int], floor: int, max_batch: int | None, lag: int
+        self,
+        step: int,
+        models: Sequence[StepTime],
+        current: Sequence[int],
+        floors: Sequence[int],
+        caps: Sequence[int | None],
+        lag: int,
     ) -> list[bool]:
         """Which replicas the plan made at ``step`` gives work: those that help, and those due for a probe.
 
@@ -58,12 +64,12 @@ class Admission:
             step: the sync point's step.
             models: every replica's step-time model (a left-out replica's from its latest measured period).
             current: the plan in force; 0 for a left-out replica.
-            floor: the smallest batch of a replica that takes part.
-            max_batch: the largest batch of any replica.
+            floors: each replica's smallest batch while it takes part.
+            caps: each replica's largest batch (``None``: no limit).
             lag: steps before a plan applies: a probe lasts about ``lag + 1`` steps.
         """
         total = sum(current)
-        helping = admitted_replicas(total, models, floor, max_batch, self.margin)
+        helping = admitted_replicas(total, models, floors, caps, self.margin)
         chosen = list(helping)
         for rank, helps in enumerate(helping):
             if helps:
@@ -72,7 +78,7 @@ class Admission:
                 chosen[rank] = True  # its probe: measured at the smallest batch, then judged again
                 del self.probe_at[rank]
             elif rank not in self.probe_at:
-                self.probe_at[rank] = step + probe_interval(total, models, helping, rank, floor, max_batch, lag)
+                self.probe_at[rank] = step + probe_interval(total, models, helping, rank, floors, caps, lag)
         return chosen
 
     def state_dict(self) -> dict[str, dict[int, int]]:
@@ -89,21 +95,23 @@ def probe_interval(
     models: Sequence[StepTime],
     helping: Sequence[bool],
     rank: int,
-    floor: int,
-    max_batch: int | None,
+    floors: Sequence[int],
+    caps: Sequence[int | None],
     lag: int,
 ) -> int:
     """Steps between probes of a left-out replica, so that probing costs at most :data:`PROBE_BUDGET`.
 
-    A probe holds about ``lag + 1`` steps up by ``tᵣ(floor) − T``, where ``T`` is the step time without it:
+    A probe holds about ``lag + 1`` steps up by ``tᵣ(floorᵣ) − T``, where ``T`` is the step time without it:
 
-        ``interval = max(MIN_PROBE_INTERVAL, ⌈(lag + 1)·(tᵣ(floor)/T − 1) / PROBE_BUDGET⌉)``
+        ``interval = max(MIN_PROBE_INTERVAL, ⌈(lag + 1)·(tᵣ(floorᵣ)/T − 1) / PROBE_BUDGET⌉)``
 
     Example:
-        >>> probe_interval(96, [StepTime(0.0, 1.0), StepTime(0.0, 50.0)], [True, False], 1, 4, None, 1)
+        >>> probe_interval(96, [StepTime(0.0, 1.0), StepTime(0.0, 50.0)], [True, False], 1, [4, 4], [None, None], 1)
         109
     """
-    others = [model for model, helps in zip(models, helping, strict=True) if helps]
-    without = balanced_step_time(total, others, floor, max_batch)
-    excess = max(models[rank].seconds(floor) / without - 1.0, 0.0) if without > 0 else 0.0
+    others = [i for i, helps in enumerate(helping) if helps]
+    without = balanced_step_time(
+        total, [models[i] for i in others], [floors[i] for i in others], [caps[i] for i in others]
+    )
+    excess = max(models[rank].seconds(floors[rank]) / without - 1.0, 0.0) if without > 0 else 0.0
     return max(MIN_PROBE_INTERVAL, math.ceil((lag + 1) * excess / PROBE_BUDGET))

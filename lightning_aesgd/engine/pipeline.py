@@ -369,7 +369,7 @@ class StepPipeline(ABC):
             return None
         unit = "units" if plans.cost_aware else "samples"
         sizes = plans.history[-1].sizes
-        return summary_record(plans.stats(), sizes, self.sync_count, unit, plans.floor, self.sync_name)
+        return summary_record(plans.stats(), sizes, self.sync_count, unit, plans.floors, self.sync_name)
 
     # --- the sync point's bookkeeping and the plans' part of checkpoints ----------------------------------------
 

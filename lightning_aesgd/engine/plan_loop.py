@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_aesgd.core.apportion import apportion, in_multiples
+from lightning_aesgd.core.apportion import apportion, in_multiples, per_replica
 from lightning_aesgd.core.noise import noise_band
 from lightning_aesgd.core.planners import Planner
-from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, batch_floor, damped_plan
+from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, damped_plan
 from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.engine.admission import Admission
 from lightning_aesgd.engine.plan_settings import PlanSettings
@@ -85,10 +85,11 @@ class PlanLoop:
 
     def __init__(self, settings: PlanSettings | None = None) -> None:
         self.settings = settings if settings is not None else PlanSettings()
-        self.planner: Planner = self.settings.build_planner(self.settings.min_batch)
+        self.planner: Planner = self.settings.build_planner(self.settings.min_batch, self.settings.max_batch)
         self.arrival_model: ArrivalModel | None = None
         self.plan_book: PlanBook | None = None
-        self.floor = self.settings.min_batch
+        self.floors: list[int] = []  # each replica's smallest batch while it takes part (set with the plan book)
+        self.caps: list[int | None] = []  # each replica's largest batch
         self.lag = 1
         self.step_batch_size = 0
         self.cost_aware = False
@@ -124,16 +125,16 @@ class PlanLoop:
         self.lag, self.step_batch_size, self.cost_aware = lag, step_batch_size, cost_aware
         settings = self.settings
         settings.check_step(step_batch_size, num_replicas)
-        min_share = settings.min_share if settings.adaptive else 0.0
         check_learner_blocks(step_batch_size, num_replicas, self.learners)
-        floor = batch_floor(step_batch_size, num_replicas, settings.min_batch, min_share)
-        self.floor = -(-floor // self.learners) * self.learners  # one sample per learner at least
-        self.planner = settings.build_planner(self.floor)
+        floors = settings.floors(step_batch_size, num_replicas)
+        self.floors = [-(-floor // self.learners) * self.learners for floor in floors]  # a sample per learner
+        self.caps = per_replica(settings.max_batch, num_replicas, "max_batch")
+        self.planner = settings.build_planner(self.floors, self.caps)
         book = self.plan_book
         if book is None or len(book.latest) != num_replicas or sum(book.latest) != step_batch_size:
             shares = settings.shares if settings.shares is not None else [1.0] * num_replicas
-            sizes = apportion(step_batch_size, shares, self.floor, settings.max_batch)
-            book = self.plan_book = PlanBook(in_multiples(sizes, self.learners, settings.max_batch))
+            sizes = apportion(step_batch_size, shares, self.floors, self.caps)
+            book = self.plan_book = PlanBook(in_multiples(sizes, self.learners, self.caps))
             self.admission = Admission()  # every replica takes part in a fresh book
         self._load_saved_state()
         return book
@@ -170,7 +171,7 @@ class PlanLoop:
         taking_part = [True] * len(current)
         if named and settings.leave_out_stragglers and self.leaving_out_forbidden is None and len(current) > 1:
             pending = self.arrival_model.restarts_pending()
-            taking_part = self.admission.decide(step, models, current, self.floor, settings.max_batch, self.lag)
+            taking_part = self.admission.decide(step, models, current, self.floors, self.caps, self.lag)
             for rank, takes_part in enumerate(taking_part):
                 if takes_part and current[rank] == 0:  # a probe, or back in: its model is from before it idled
                     self.arrival_model.restart_next(rank)
@@ -178,19 +179,21 @@ class PlanLoop:
                     taking_part[rank] = True  # a probe not measured yet: judged once its period is reported
         ranks = [rank for rank, takes_part in enumerate(taking_part) if takes_part]
         # A replica let back in enters at the floor batch of the planner's inputs (its model predates its idling).
-        part = [max(current[rank], self.floor) for rank in ranks]
-        part = apportion(self.step_batch_size, part, self.floor, settings.max_batch)
-        target = self.planner.plan(part, [models[rank] for rank in ranks], self.step_batch_size)
+        floors, caps = [self.floors[rank] for rank in ranks], [self.caps[rank] for rank in ranks]
+        part = [max(current[rank], floor) for rank, floor in zip(ranks, floors, strict=True)]
+        part = apportion(self.step_batch_size, part, floors, caps)
+        planner = settings.build_planner(floors, caps) if len(ranks) < len(current) else self.planner
+        target = planner.plan(part, [models[rank] for rank in ranks], self.step_batch_size)
         if named and taking_part == [size > 0 for size in current]:
             # The initial split is a guess, not a measured plan, and a replica whose speed just changed has
             # restarted its estimates at the new level: the plan then moves all the way to the target.
             gain = 1.0 if not self.plan_book.revised or self._speed_changed else settings.plan_gain
-            target = damped_plan(part, target, gain, self.dead_band, self.floor, settings.max_batch)
+            target = damped_plan(part, target, gain, self.dead_band, floors, caps)
         self._speed_changed = False
         sizes = [0] * len(current)
         for rank, size in zip(ranks, target, strict=True):
             sizes[rank] = size
-        sizes = in_multiples(sizes, self.learners, settings.max_batch)
+        sizes = in_multiples(sizes, self.learners, self.caps)
         if tuple(sizes) != current:
             self.plan_book.schedule(step + self.lag, sizes)
 

@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_aesgd.core.apportion import apportion
+from lightning_aesgd.core.apportion import High, Low, apportion, per_replica
 from lightning_aesgd.core.planners import Planner, StaticPlanner, get_planner
-from lightning_aesgd.core.sensing import check_plan_damping
+from lightning_aesgd.core.sensing import batch_floor, check_plan_damping
 from lightning_aesgd.core.speed import StepTime
 
 
@@ -23,9 +23,10 @@ class PlanSettings:
             costs included), ``"additive"`` (the paper's ±step rule), ``"static"``, or any
             :class:`~lightning_aesgd.core.planners.Planner`.
         shares: fixed shares for the static planner (equal when omitted).
-        min_batch: smallest batch per replica.
-        max_batch: largest batch per replica.
-        min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``.
+        min_batch: smallest batch per replica; a list gives one per replica (rank order), e.g. a GPU's and a CPU's.
+        max_batch: largest batch per replica (``None``: no limit), or a list of one per replica.
+        min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``, or a list
+            of one fraction per replica.
         speed_smoothing: smoothing β of the moving averages.
         plan_gain: fraction γ of the way to the planner's target that each new plan moves; the first plan, from the
             initial (equal or static) split, and the first after a replica's speed changed, move all the way.
@@ -41,9 +42,9 @@ class PlanSettings:
 
     planner: str | Planner = "proportional"
     shares: Sequence[float] | None = None
-    min_batch: int = 1
-    max_batch: int | None = None
-    min_share: float = 0.1
+    min_batch: Low = 1
+    max_batch: High = None
+    min_share: float | Sequence[float] = 0.1
     speed_smoothing: float = 0.8
     plan_gain: float = 0.5
     plan_dead_band: float = 0.03
@@ -55,18 +56,26 @@ class PlanSettings:
         # Types first: a string from a config file would otherwise fail deep inside a comparison, or (a planner
         # that is neither a name nor a Planner) only at the first plan.
         for name in ("min_batch", "max_batch"):
-            value = getattr(self, name)
-            if not (_is_whole(value) or (name == "max_batch" and value is None)):
-                raise TypeError(f"`{name}` is a batch size, got {value!r}. HINT: pass a whole number such as 4.")
+            for value in _values(getattr(self, name)):
+                if not (_is_whole(value) or (name == "max_batch" and value is None)):
+                    raise TypeError(
+                        f"`{name}` is a batch size, or a list of one per replica; got {getattr(self, name)!r}. HINT: "
+                        "pass a whole number such as 4, or a list such as [256, 32]."
+                    )
         if not isinstance(self.leave_out_stragglers, bool):
             raise TypeError(
                 f"`leave_out_stragglers` is a switch, got {self.leave_out_stragglers!r}. HINT: pass True or False."
             )
         if not _is_whole(self.hold_steps) or self.hold_steps < 0:
             raise ValueError(f"`hold_steps` counts steps, got {self.hold_steps!r}. HINT: pass a whole number >= 0.")
-        for name in ("min_share", "speed_smoothing", "plan_gain", "plan_dead_band"):
+        for name in ("speed_smoothing", "plan_gain", "plan_dead_band"):
             if not _is_real(getattr(self, name)):
                 raise TypeError(f"`{name}` must be a number, got {getattr(self, name)!r}. HINT: pass a float.")
+        if not all(_is_real(share) for share in _values(self.min_share)):
+            raise TypeError(
+                f"`min_share` must be a number or a list of one per replica, got {self.min_share!r}. HINT: pass a "
+                "float such as 0.1."
+            )
         if not 0.0 <= self.speed_smoothing < 1.0:
             raise ValueError(
                 f"`speed_smoothing` is the weight β of the past in the speed averages, got {self.speed_smoothing}. "
@@ -87,8 +96,9 @@ class PlanSettings:
                     f"`shares` must be one finite share > 0 per replica, got {list(self.shares)}. HINT: e.g. "
                     "[2, 1, 1] gives the first of three replicas half of every step."
                 )
-        check_plan_damping(self.min_share, self.plan_gain, self.plan_dead_band)
-        self.build_planner(self.min_batch)  # bad planner options fail here, not at the first plan
+        for min_share in _values(self.min_share):
+            check_plan_damping(min_share, self.plan_gain, self.plan_dead_band)
+        self.build_planner(self.min_batch, self.max_batch)  # bad planner options fail here, not at the first plan
 
     def check_step(self, step_batch_size: int, num_replicas: int) -> None:
         """Raise, naming the options to change, unless steps of ``step_batch_size`` samples can be split so.
@@ -105,18 +115,27 @@ class PlanSettings:
                 f"Steps of {step_batch_size} samples cannot give each of the {num_replicas} replicas one. HINT: "
                 f"raise the strategy's step_batch_size (or the DataLoader's batch_size) to at least {num_replicas}."
             )
-        if self.min_batch * num_replicas > step_batch_size:
+        lows = per_replica(self.min_batch, num_replicas, "min_batch")
+        highs = per_replica(self.max_batch, num_replicas, "max_batch")
+        per_replica(self.min_share, num_replicas, "min_share")
+        if sum(lows) > step_batch_size:
             raise ValueError(
-                f"min_batch={self.min_batch} for each of {num_replicas} replicas exceeds the {step_batch_size} "
-                "samples of a step. HINT: lower the strategy's min_batch, or raise step_batch_size (or the "
-                "DataLoader's batch_size)."
-            )
-        if self.max_batch is not None and self.max_batch * num_replicas < step_batch_size:
-            raise ValueError(
-                f"max_batch={self.max_batch} for each of {num_replicas} replicas cannot hold the {step_batch_size} "
-                "samples of a step. HINT: raise the strategy's max_batch (or set it to None), or lower "
+                f"min_batch={self.min_batch} for {num_replicas} replicas ({sum(lows)} samples) exceeds the "
+                f"{step_batch_size} samples of a step. HINT: lower the strategy's min_batch, or raise "
                 "step_batch_size (or the DataLoader's batch_size)."
             )
+        if None not in highs and sum(high for high in highs if high is not None) < step_batch_size:
+            raise ValueError(
+                f"max_batch={self.max_batch} for {num_replicas} replicas cannot hold the {step_batch_size} samples "
+                "of a step. HINT: raise the strategy's max_batch (or set it to None), or lower step_batch_size (or "
+                "the DataLoader's batch_size)."
+            )
+        for rank, (low, high) in enumerate(zip(lows, highs, strict=True)):
+            if high is not None and high < low:
+                raise ValueError(
+                    f"Replica {rank}'s max_batch={high} is below its min_batch={low}. HINT: give every replica a "
+                    "max_batch >= its min_batch."
+                )
         if not isinstance(self.planner, str):
             _trial_plan(self.planner, step_batch_size, num_replicas)
 
@@ -125,8 +144,17 @@ class PlanSettings:
         """Whether plans follow the measurements (every planner but ``"static"``)."""
         return self.planner != "static"
 
-    def build_planner(self, floor: int) -> Planner:
-        """The planner, with ``floor`` as its smallest batch (a named one; a Planner object is used as it is)."""
+    def floors(self, step_batch_size: int, num_replicas: int) -> list[int]:
+        """Each replica's smallest batch: ``max(min_batch, ⌈φ·M/n⌉)`` (:func:`batch_floor`; adaptive plans only)."""
+        lows = per_replica(self.min_batch, num_replicas, "min_batch")
+        shares = per_replica(self.min_share if self.adaptive else 0.0, num_replicas, "min_share")
+        return [batch_floor(step_batch_size, num_replicas, low, share) for low, share in zip(lows, shares, strict=True)]
+
+    def build_planner(self, floor: Low, cap: High) -> Planner:
+        """The planner with ``floor`` as its smallest batch and ``cap`` as its largest (a named one).
+
+        Each bound is one value or one per replica planned. A Planner object is used as it is.
+        """
         if not isinstance(self.planner, str):
             return self.planner
         if self.planner == "static":
@@ -136,7 +164,7 @@ class PlanSettings:
                 f"`shares` fix the plan of the 'static' planner; the {self.planner!r} planner measures them. "
                 "HINT: pass planner='static' with shares, or leave shares unset."
             )
-        return get_planner(self.planner, min_batch=floor, max_batch=self.max_batch, **self.planner_options)
+        return get_planner(self.planner, min_batch=floor, max_batch=cap, **self.planner_options)
 
 
 def _trial_plan(planner: Planner, step_batch_size: int, num_replicas: int) -> None:
@@ -157,6 +185,13 @@ def _trial_plan(planner: Planner, step_batch_size: int, num_replicas: int) -> No
         raise ValueError(f"The planner {planner!r} failed a trial plan of {equal}: {error}. {hint}") from error
     if len(sizes) != num_replicas or sum(sizes) != step_batch_size or not all(_is_whole(s) and s >= 1 for s in sizes):
         raise ValueError(f"The planner {planner!r} returned {sizes} for a trial plan of {equal}. {hint}")
+
+
+def _values(bound: Any) -> list[Any]:
+    """The values of a bound given for every replica (one) or per replica (a list)."""
+    if isinstance(bound, Sequence) and not isinstance(bound, (str, bytes)):
+        return list(bound)
+    return [bound]
 
 
 def _is_whole(value: Any) -> bool:

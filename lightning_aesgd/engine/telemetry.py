@@ -104,7 +104,7 @@ def summary_record(
     sizes: Sequence[int],
     syncs: int,
     unit: str = "samples",
-    floor: int = 0,
+    floors: Sequence[int] = (),
     sync_name: str = "merges",
 ) -> dict[str, Any]:
     """The end-of-fit summary as plain data for JSON (``None`` where a figure is not measured).
@@ -114,7 +114,7 @@ def summary_record(
         sizes: the plan in force.
         syncs: number of sync points so far.
         unit: what speeds count: ``"samples"`` or cost ``"units"``.
-        floor: the smallest batch the planner may give; a replica held there and still late is named.
+        floors: each replica's smallest batch (none: 0); a replica held there and still late is named.
         sync_name: what the sync points are in the sync mode (``"merges"``, ``"gradient sums"``).
 
     Returns:
@@ -150,7 +150,7 @@ def summary_record(
         "replicas": replicas,
         "share_error": share_error(kept_sizes, [s.speed for s in kept]) if measured else None,
         "step_time_balance": step_time_balance(kept) if measured else None,
-        "starved": starved_replicas(stats, sizes, floor) if measured else [],
+        "starved": starved_replicas(stats, sizes, floors) if measured else [],
     }
     finite: dict[str, Any] = _finite(record)
     return finite
@@ -167,7 +167,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def starved_replicas(stats: Sequence[ReplicaStats], sizes: Sequence[int], floor: int) -> list[str]:
+def starved_replicas(stats: Sequence[ReplicaStats], sizes: Sequence[int], floors: Sequence[int] = ()) -> list[str]:
     """A line for every replica left out of the steps, and for each one at the floor batch that is still late.
 
     Late means its steps take 10% longer than the others'. Such a device only slows the others down: training
@@ -184,7 +184,7 @@ def starved_replicas(stats: Sequence[ReplicaStats], sizes: Sequence[int], floor:
                 "it would help (leave_out_stragglers)."
             )
             continue
-        if size > floor or not others or replica.step_seconds <= 1.1 * max(others):
+        if size > (floors[rank] if floors else 0) or not others or replica.step_seconds <= 1.1 * max(others):
             continue
         lines.append(
             f"replica {rank} sits at the smallest batch ({size}) and its steps still take "

@@ -246,3 +246,32 @@ def test_in_multiples_respects_max_size_and_names_an_impossible_plan():
         in_multiples([4, 4], 3)
     with pytest.raises(ValueError, match="max_batch=4"):
         in_multiples([6, 6], 4, max_size=4)
+
+
+@st.composite
+def per_replica_problems(draw: st.DrawFn) -> tuple[int, list[float], list[int], list[int | None]]:
+    """A feasible apportion problem whose bounds differ per replica: (total, shares, lows, highs)."""
+    n = draw(st.integers(min_value=1, max_value=8))
+    shares = draw(st.lists(share_values, min_size=n, max_size=n).filter(lambda s: sum(s) > 0))
+    lows = draw(st.lists(st.integers(min_value=0, max_value=40), min_size=n, max_size=n))
+    highs = [draw(st.none() | st.integers(min_value=low, max_value=low + 200)) for low in lows]
+    highest = sum(h for h in highs if h is not None) if None not in highs else sum(lows) + 3000
+    total = draw(st.integers(min_value=sum(lows), max_value=highest))
+    return total, shares, lows, highs
+
+
+@given(per_replica_problems())
+def test_each_replica_stays_within_its_own_bounds(problem) -> None:
+    total, shares, lows, highs = problem
+    sizes = apportion(total, shares, lows, highs)
+    assert sum(sizes) == total
+    for size, low, high in zip(sizes, lows, highs, strict=True):
+        assert low <= size
+        assert high is None or size <= high
+
+
+def test_bounds_per_replica_take_a_list_of_one_per_replica() -> None:
+    assert apportion(100, [1.0, 1.0, 1.0], min_size=[50, 1, 1]) == [50, 25, 25]
+    assert in_multiples([6, 6, 4], 4, max_size=[4, None, None]) == [4, 8, 4]
+    with pytest.raises(ValueError, match=r"`min_size` holds 2 values for 3 replicas.*HINT"):
+        apportion(10, [1.0, 1.0, 1.0], min_size=[1, 1])

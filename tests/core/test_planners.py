@@ -11,6 +11,7 @@ from lightning_aesgd.core.planners import (
     BalancedPlanner,
     ProportionalPlanner,
     StaticPlanner,
+    admitted_replicas,
     balance_step_times,
     get_planner,
 )
@@ -204,3 +205,27 @@ def test_balanced_gives_the_rest_to_the_replicas_that_can_use_it() -> None:
     # A smaller fixed cost leaves room: both finish together, near 0.003 + 4e-5·b₁ = 1e-5·b₀.
     sizes = BalancedPlanner().plan([512, 512], [StepTime(0.0, 1e-5), StepTime(0.003, 4e-5)], 1024)
     assert sizes[1] == pytest.approx((1024e-5 - 0.003) / 5e-5, abs=1)
+
+
+@given(
+    lows=st.lists(st.integers(1, 30), min_size=2, max_size=6),
+    per_sample=st.lists(st.floats(1e-4, 1e-2), min_size=6, max_size=6),
+    overhead=st.lists(st.floats(0.0, 0.05), min_size=6, max_size=6),
+)
+def test_balanced_and_admitted_replicas_keep_each_replicas_own_bounds(lows, per_sample, overhead) -> None:
+    n = len(lows)
+    times = [StepTime(a, c) for a, c in zip(overhead[:n], per_sample[:n], strict=False)]
+    highs = [low + 100 for low in lows]
+    total = sum(lows) + 50 * n
+    sizes = BalancedPlanner(min_batch=lows, max_batch=highs).plan([1] * n, times, total)
+    assert sum(sizes) == total
+    assert all(low <= size <= high for size, low, high in zip(sizes, lows, highs, strict=True))
+    assert any(admitted_replicas(total, times, lows, highs))
+
+
+def test_a_replica_whose_own_floor_outlasts_the_step_is_left_out_and_its_cap_kept() -> None:
+    times = [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 1.0)]
+    assert admitted_replicas(96, times, min_size=[1, 1, 80]) == [True, True, False]
+    assert admitted_replicas(96, times, min_size=[1, 1, 80], max_size=[40, 40, None]) == [True, True, True]
+    additive = AdditivePlanner(step=8, min_batch=[8, 8, 40], max_batch=[64, 64, 64])
+    assert additive.plan([32, 32, 32], times, 96) == [28, 28, 40]

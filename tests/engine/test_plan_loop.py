@@ -195,7 +195,7 @@ def test_without_leaving_stragglers_out_a_very_slow_replica_keeps_the_floor_batc
     replicas = _group(4, planner="proportional", min_share=0.25, leave_out_stragglers=False)
     plans = _run(replicas, lambda step: factors, steps=40)
     floor = 16  # a quarter of the equal share 64
-    assert replicas[0].plans.floor == floor
+    assert replicas[0].plans.floors == [floor] * 4
     assert plans[-1][3] == floor
     assert all(min(plan) >= floor for plan in plans)
 
@@ -316,6 +316,16 @@ def test_saved_plans_that_split_a_learner_are_replaced_by_a_fresh_plan():
     assert restored.plan_book_for(STEP_BATCH, 2, lag=3).latest == (128, 128)
 
 
+def test_each_replica_keeps_its_own_batch_bounds():
+    factors = (1, 1, 1, 8)  # the slowest replica is held at its own floor; the fastest at its own cap
+    bounds = {"min_batch": [1, 1, 1, 24], "max_batch": [60, None, None, None], "leave_out_stragglers": False}
+    replicas = _group(4, planner="balanced", **bounds)
+    plans = _run(replicas, lambda step: factors, steps=40)
+    assert replicas[0].plans.floors == [7, 7, 7, 24]  # min_share 0.1 of 64, or the replica's own min_batch
+    assert all(plan[3] >= 24 and plan[0] <= 60 for plan in plans)
+    assert plans[-1] == (60, 86, 86, 24), "the capped replica's extra samples go to the others"
+
+
 def test_the_history_is_a_ring_of_typed_records_so_memory_stays_flat():
     (replica,) = _group(1)
     for step in range(HISTORY_LENGTH + 10):
@@ -344,8 +354,13 @@ def test_stats_describe_every_replica_as_the_latest_sync_point_saw_it():
     [
         ({"planner": "static", "shares": [1, 2]}, 8, 1, r"2 static shares for 1 replicas.*HINT"),
         ({}, 3, 4, r"cannot give each of the 4 replicas one.*HINT: raise the strategy's step_batch_size"),
-        ({"min_batch": 4}, 6, 2, r"min_batch=4 for each of 2 replicas exceeds the 6 samples.*HINT"),
-        ({"max_batch": 2}, 8, 2, r"max_batch=2 for each of 2 replicas cannot hold the 8 samples.*HINT"),
+        ({"min_batch": 4}, 6, 2, r"min_batch=4 for 2 replicas \(8 samples\) exceeds the 6 samples.*HINT"),
+        ({"min_batch": [4, 3]}, 6, 2, r"min_batch=\[4, 3\] for 2 replicas \(7 samples\) exceeds the 6.*HINT"),
+        ({"max_batch": 2}, 8, 2, r"max_batch=2 for 2 replicas cannot hold the 8 samples.*HINT"),
+        ({"max_batch": [2, 5]}, 8, 2, r"max_batch=\[2, 5\] for 2 replicas cannot hold the 8 samples.*HINT"),
+        ({"max_batch": [2, None, 4]}, 8, 2, r"`max_batch` holds 3 values for 2 replicas.*HINT.*rank order"),
+        ({"min_share": [0.1]}, 8, 2, r"`min_share` holds 1 values for 2 replicas.*HINT"),
+        ({"min_batch": [1, 5], "max_batch": [8, 4]}, 8, 2, r"`min_batch` \(5\) or None, got 4.*HINT"),
         ({"planner": StaticPlanner((1.0, 2.0))}, 8, 1, r"failed a trial plan.*HINT"),
     ],
 )

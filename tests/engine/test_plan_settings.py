@@ -10,7 +10,7 @@ from lightning_aesgd.engine.plan_settings import PlanSettings
 def test_the_defaults_are_adaptive_and_build_the_proportional_planner():
     settings = PlanSettings()
     assert settings.adaptive
-    assert type(settings.build_planner(floor=4)).__name__ == "ProportionalPlanner"
+    assert type(settings.build_planner(floor=4, cap=None)).__name__ == "ProportionalPlanner"
     assert not PlanSettings(planner="static").adaptive
 
 

@@ -89,14 +89,14 @@ def test_summary_table_lists_every_replica_and_the_balance():
 
 def test_a_replica_at_the_floor_that_is_still_late_is_named():
     late = [*STATS[:2], ReplicaStats(20, 10.0, 5, 0.0, 0.50)]
-    table = summary_table_of(late, [60, 35, 5], syncs=3, floor=5)
+    table = summary_table_of(late, [60, 35, 5], syncs=3, floors=[5, 5, 5])
     assert "replica 2 sits at the smallest batch (5)" in table
     assert "5.0×" in table
-    assert "sits at the smallest batch" not in summary_table_of(STATS, [60, 20, 20], syncs=3, floor=5)
+    assert "sits at the smallest batch" not in summary_table_of(STATS, [60, 20, 20], syncs=3, floors=[5, 5, 5])
 
 
 def test_the_summary_record_holds_what_the_table_shows_as_plain_json():
-    record = summary_record(STATS, [60, 20, 20], syncs=7, unit="units", floor=5, sync_name="gradient sums")
+    record = summary_record(STATS, [60, 20, 20], syncs=7, unit="units", floors=[5, 5, 5], sync_name="gradient sums")
     assert json.loads(json.dumps(record, allow_nan=False)) == record
     assert (record["unit"], record["syncs"], record["sync_name"], record["starved"]) == (
         "units",

@@ -11,7 +11,6 @@ from lightning_aesgd.bench.slowness.cases import BATCH, SMALL_BATCH, Case
 from lightning_aesgd.bench.slowness.runner import RunResult, run_once
 from lightning_aesgd.core.apportion import share_error
 from lightning_aesgd.core.planners import admitted_replicas, balance_step_times
-from lightning_aesgd.core.sensing import batch_floor
 from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
@@ -46,10 +45,10 @@ class CaseResult:
         as ``leave_out_stragglers`` decides).
         """
         total = BATCH * len(self.factors)
-        floor = batch_floor(total, len(self.factors), 1, PlanSettings.min_share)
-        helping = admitted_replicas(total, self.solo_step_times, floor)
-        kept = [time for time, helps in zip(self.solo_step_times, helping, strict=True) if helps]
-        sizes = iter(balance_step_times(total, kept, floor))
+        floors = PlanSettings().floors(total, len(self.factors))
+        helping = admitted_replicas(total, self.solo_step_times, floors)
+        kept = [rank for rank, helps in enumerate(helping) if helps]
+        sizes = iter(balance_step_times(total, [self.solo_step_times[r] for r in kept], [floors[r] for r in kept]))
         return [next(sizes) if helps else 0 for helps in helping]
 
     @property
