@@ -192,7 +192,8 @@ def test_a_merge_that_changes_a_lone_model_stays_on_schedule(tmp_path, options):
     pl.seed_everything(7)
     model = _EpochModel(size=480, batch_size=BATCH)
     records = _fit_two(tmp_path, model, sync="models", period=1, warmup_steps=0, **options)
-    assert records[0]["plans"]["sizes"][-1][1] == 0  # left out ...
+    # Left out ... (its latest plan may be a probe, at the floor batch, when the run ends during one)
+    assert any(sizes[1] == 0 for sizes in records[0]["plans"]["sizes"]), records[0]["plans"]
     assert records[0]["summary"]["syncs"] == 60  # ... and still in every merge: outer momentum moves the model
 
 
