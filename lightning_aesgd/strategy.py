@@ -42,7 +42,7 @@ from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.optimizer_shapes import fit_optimizer_state, one_model_state
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
-from lightning_aesgd.idle_steps import collectives_in_training, idle_training_step
+from lightning_aesgd.idle_steps import bare_zero, collectives_in_training, idle_training_step
 from lightning_aesgd.placement import SharedDevices, mixes_device_types
 from lightning_aesgd.settings import StrategySettings, check_timeout, refuse_unknown_options
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
@@ -232,6 +232,8 @@ class AdaptiveElasticMixin(SharedDevices):
             grad_scaler=getattr(self.precision_plugin, "scaler", None),
             before_own_update=partial(clip_gradients, self._module),  # for a flushed delayed sum
         )
+        if isinstance(self.engine, GradientSync):  # DDP's reducer then all-reduces its own map in every step
+            self.engine.sit_out_allowed = not self.settings.find_unused_parameters
         self.engine.start(self._module, default_communicator(self.root_device), self.root_device, hooks)
         if isinstance(self.engine, GradientSync):  # CPU and CUDA kernels may round the same update differently
             self.engine.share_parameters = mixes_device_types(self.parallel_devices or [])
@@ -277,6 +279,8 @@ class AdaptiveElasticMixin(SharedDevices):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's training step; a replica left out of the step (an idle batch) computes a zero loss."""
         batch = args[0] if args else kwargs.get("batch")
+        if isinstance(batch, IdleBatch) and self.engine.sits_out:
+            return bare_zero(self._module)  # no collective: not even DDP's forward, which would expect a sum
         if isinstance(batch, IdleBatch):
             # Gradient sums need every parameter's zero gradient, and a grad scaler its inf checks; merges neither.
             every_parameter = self.engine.wraps_model or getattr(self.precision_plugin, "scaler", None) is not None

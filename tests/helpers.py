@@ -154,6 +154,10 @@ class FakeCommunicator:
         self.calls.append("gather_object")
         return [obj] * self.world_size if self.rank == dst else None
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        self.calls.append("broadcast_object")
+        return obj
+
 
 def _check_backend_device(tensor: Tensor, device: torch.device | None) -> None:
     # NCCL's own words for a CPU tensor; a collective is where a tensor on the wrong device first fails.

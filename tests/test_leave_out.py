@@ -14,6 +14,7 @@ from helpers import RegressionModel, cpu_trainer, flat_parameters
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
 from lightning_aesgd.engine.loading import IdleBatch
 from lightning_aesgd.engine.model_merge import MAX_STEPS_ALONE
+from lightning_aesgd.engine.sitting_out import SEGMENT_STEPS
 from lightning_aesgd.idle_steps import bare_zero, idle_training_step, zero_loss
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -30,18 +31,21 @@ class _EpochModel(RegressionModel):
 
 
 class _Record(pl.Callback):
+    """Each rank's samples, plans, summary and parameters; the last two once the strategy ended training."""
+
     def __init__(self, directory):
         self.directory = directory
+        self.record = {}
 
     def on_train_end(self, trainer, pl_module):
         strategy = trainer.strategy
-        record = {
-            "seen": pl_module.seen,
-            "plans": strategy.plans.plan_book.state_dict(),
-            "summary": strategy.engine.summary_record(),
-            "parameters": flat_parameters(pl_module).tolist(),
-        }
-        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        self.record = {"seen": pl_module.seen, "summary": strategy.engine.summary_record()}
+        self.record["sat_out"] = getattr(strategy.engine, "sat_out_steps", 0)
+
+    def on_fit_end(self, trainer, pl_module):  # after the strategy's end of training: replicas caught up
+        self.record["plans"] = trainer.strategy.plans.plan_book.state_dict()
+        self.record["parameters"] = flat_parameters(pl_module).tolist()
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
 
 
 class _SyncLoggingModel(_EpochModel):
@@ -102,6 +106,56 @@ def test_a_replica_50x_slower_is_left_out_and_every_sample_is_still_used_once(tm
     assert any("replica 2 is left out" in line for line in summary["starved"]), summary["starved"]
     if sync == "gradients":  # one summed gradient: every replica, the idle one too, holds the same model
         assert records[2]["parameters"] == pytest.approx(records[0]["parameters"], abs=1e-6)
+        # It sat out whole segments after the first plan that left it out (the second one at the latest), outside
+        # the others' sums; they never did.
+        assert records[2]["sat_out"] >= epochs * steps_per_epoch - 2 * SEGMENT_STEPS, records[2]["sat_out"]
+        assert records[0]["sat_out"] == records[1]["sat_out"] == 0
+
+
+class _ValidationRecord(pl.Callback):
+    """Each rank's global step, logged validation loss and parameters at every validation, written at the end."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.checks = []
+
+    def on_validation_end(self, trainer, pl_module):
+        loss = float(trainer.callback_metrics["val/loss"])
+        self.checks.append([trainer.global_step, loss, flat_parameters(pl_module).tolist()])
+
+    def on_fit_end(self, trainer, pl_module):
+        (self.directory / f"validations{trainer.global_rank}.json").write_text(json.dumps(self.checks))
+
+
+def test_a_replica_sitting_out_catches_up_before_validation_and_checkpoints(tmp_path):
+    """Validation (a collective in the user's step), checkpoints and the end of fit all see one model."""
+    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": 0.0003})
+    saves = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=7, save_top_k=-1)
+    strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=90))
+    pl.seed_everything(7)
+    model = _EpochModel(size=480, batch_size=BATCH)  # 20 steps an epoch
+    callbacks = [slow, _ValidationRecord(tmp_path), _Record(tmp_path), saves]
+    trainer = cpu_trainer(
+        strategy,
+        devices=3,
+        max_epochs=2,
+        limit_val_batches=2,
+        val_check_interval=10,
+        enable_checkpointing=True,
+        callbacks=callbacks,
+    )
+    trainer.fit(model)
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert records[2]["sat_out"] > 0
+    assert records[2]["parameters"] == pytest.approx(records[0]["parameters"], abs=1e-6)
+    checks = [json.loads((tmp_path / f"validations{rank}.json").read_text()) for rank in range(3)]
+    assert [check[0] for check in checks[0]] == [10, 20, 30, 40]
+    for rank in (1, 2):  # the replica that sat out validated the model the others trained
+        assert [check[1] for check in checks[rank]] == pytest.approx([check[1] for check in checks[0]])
+        for theirs, mine in zip(checks[rank], checks[0], strict=True):
+            assert theirs[2] == pytest.approx(mine[2], abs=1e-6)
+    saved = torch.load(tmp_path / "ckpt" / "epoch=1-step=35.ckpt", weights_only=False)
+    model.load_state_dict(saved["state_dict"])  # a complete model, whoever sat out when it was written
 
 
 def test_an_idle_step_gives_every_parameter_a_zero_gradient_in_its_own_layout():

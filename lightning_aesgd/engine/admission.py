@@ -16,7 +16,7 @@ fresh measurement says it helps.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from lightning_aesgd.core.planners import admitted_replicas, balanced_step_time
 from lightning_aesgd.core.speed import StepTime
@@ -33,10 +33,13 @@ class Admission:
 
     Args:
         margin: a replica is left out only if the step without it is shorter by more than this fraction.
+        align: probes fall on multiples of it: a replica that sits out (:mod:`~lightning_aesgd.engine.sitting_out`)
+            comes back only where a segment of steps begins.
     """
 
-    def __init__(self, margin: float = 0.1) -> None:
+    def __init__(self, margin: float = 0.1, align: int = 1) -> None:
         self.margin = margin
+        self.align = align
         self.probe_at: dict[int, int] = {}  # left-out replica → the step of its next probe
 
     def probe_due(self, step: int, current: Sequence[int]) -> bool:
@@ -57,6 +60,7 @@ class Admission:
         floors: Sequence[int],
         caps: Sequence[int | None],
         lag: int,
+        held_out: Collection[int] = (),
     ) -> list[bool]:
         """Which replicas the plan made at ``step`` gives work: those that help, and those due for a probe.
 
@@ -67,18 +71,22 @@ class Admission:
             floors: each replica's smallest batch while it takes part.
             caps: each replica's largest batch (``None``: no limit).
             lag: steps before a plan applies: a probe lasts about ``lag + 1`` steps.
+            held_out: replicas sitting out until their probe: they get no work, and their probe stays as it is.
         """
         total = sum(current)
         helping = admitted_replicas(total, models, floors, caps, self.margin)
         chosen = list(helping)
         for rank, helps in enumerate(helping):
-            if helps:
+            if rank in held_out:
+                chosen[rank] = False
+            elif helps:
                 self.probe_at.pop(rank, None)
             elif current[rank] == 0 and step >= self.probe_at.get(rank, step + 1):
                 chosen[rank] = True  # its probe: measured at the smallest batch, then judged again
                 del self.probe_at[rank]
             elif rank not in self.probe_at:
-                self.probe_at[rank] = step + probe_interval(total, models, helping, rank, floors, caps, lag)
+                due = step + probe_interval(total, models, helping, rank, floors, caps, lag)
+                self.probe_at[rank] = -(-due // self.align) * self.align
         return chosen
 
     def state_dict(self) -> dict[str, dict[int, int]]:

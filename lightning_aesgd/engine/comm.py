@@ -79,6 +79,10 @@ class Communicator(Protocol):
         """Gather one picklable object from every replica onto replica ``dst``, in rank order; ``None`` elsewhere."""
         ...
 
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        """Replica ``src``'s picklable ``obj`` on every replica (the others pass anything, e.g. ``None``)."""
+        ...
+
 
 class LocalCommunicator:
     """The communicator of a lone replica: every collective is the identity."""
@@ -114,6 +118,9 @@ class LocalCommunicator:
 
     def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:  # noqa: D102
         return [obj]
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:  # noqa: D102
+        return obj
 
 
 class TorchCommunicator:
@@ -200,6 +207,28 @@ class TorchCommunicator:
         target = dst if group is None else dist.get_global_rank(group, dst)  # torch takes the world's rank
         self._collective("gather", lambda: dist.gather_object(obj, gathered, dst=target, group=group))
         return gathered
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:  # noqa: D102
+        group = self._host()
+        carried: list[Any] = [obj]
+        source = src if group is None else dist.get_global_rank(group, src)  # torch takes the world's rank
+        self._collective("broadcast", lambda: dist.broadcast_object_list(carried, src=source, group=group))
+        received: T = carried[0]
+        return received
+
+    def subgroup(self, members: Sequence[int]) -> TorchCommunicator | None:
+        """A communicator over the world ranks ``members`` (sorted); ``None`` on a rank outside them.
+
+        A collective of the whole world: every process creates every group, members or not (torch's rule), in
+        the same order. Where the world is not gloo, a gloo group over the same ranks carries the host data.
+        """
+        ranks = sorted(members)
+        timeout = _group_timeout(self.group, self.device)
+        group = dist.new_group(ranks, timeout=timeout)
+        host = None if _is_gloo(None) else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if dist.get_rank() not in ranks:
+            return None
+        return TorchCommunicator(self.device, group=group, host_group=host)
 
     def _host(self) -> Any:
         """The host group, created over the world's ranks at its first use where the group is not gloo."""

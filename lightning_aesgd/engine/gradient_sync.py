@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine import stalls
 from lightning_aesgd.engine.comm import (
     Communicator,
@@ -38,6 +39,7 @@ from lightning_aesgd.engine.gradients import (
 from lightning_aesgd.engine.pipeline import NonFiniteReplicasError, StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.report_exchange import ReportExchange
+from lightning_aesgd.engine.sitting_out import SittingOut
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,7 @@ class GradientSync(StepPipeline):
         self._pending_is_stale = False  # whether the weights moved after the sum in flight was computed
         self.syncs = 0
         self.excluded = 0
+        self.sat_out_steps = 0  # steps this replica sat out in this fit (engine.sitting_out)
         self._params: list[nn.Parameter] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._share = 1.0
@@ -99,6 +102,11 @@ class GradientSync(StepPipeline):
         # Replicas apply the same summed gradient, but CPU and CUDA kernels may round an update differently: where
         # replicas run on different device types, rank zero's parameters travel with its buffers (set by the strategy).
         self.share_parameters = False
+        # Left-out replicas sit out the per-step sums (engine.sitting_out). Not where DDP's reducer itself talks to
+        # every rank in each step (find_unused_parameters; the strategy says), nor where state outlives a step: a
+        # delayed sum in flight, or a grad scaler's scale.
+        self.sitting = SittingOut()
+        self.sit_out_allowed = True
 
     @property
     def delay(self) -> int:
@@ -134,9 +142,15 @@ class GradientSync(StepPipeline):
         self.reduce.applied = {}
         self.reports.start()
         self._device = device
-        self.syncs = self.excluded = 0
+        self.syncs = self.excluded = self.sat_out_steps = 0
+        allowed = self.sit_out_allowed and self._delay == 0 and self.reduce.guard
+        self.sitting.start(comm, allowed)
+        self.plans.segment_steps = self.sitting.segment_steps if self.sitting.enabled else 0
+        self.plans.held_out = frozenset()
 
     def _stop(self) -> None:
+        self.sitting.stop()
+        self.plans.held_out = frozenset()
         self._optimizer = None
         self.reports.start()  # nothing of this fit is awaited past its end
         self.reduce.comm = None
@@ -152,6 +166,8 @@ class GradientSync(StepPipeline):
 
         def closure_then_reports() -> T:
             output = closure()
+            if self.sitting.sits_out:
+                return output
             self._take_reports()
             if not self.reduce.delay:
                 # DDP's reducer has made the compute stream wait for the sums: on CUDA the stamp lands after them.
@@ -175,6 +191,13 @@ class GradientSync(StepPipeline):
             )
         record = sampler.pop_record(self._step_key)
         self._optimizer = optimizer
+        self.sitting.stepped()
+        if self.sitting.sits_out:  # no sum, no report, no update: the segment's handoff brings the model
+            self._share = 0.0
+            self.sat_out_steps += 1
+            self.synced_last_step = True  # Lightning's per-step stop broadcast stays off (engine.sitting_out)
+            with update_skipped(optimizer):
+                return run_step()
         self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
         self.reduce.share = self._share  # carried with each bucket, for a renormalised sum (finite_guard)
         self.reduce.delay = self._delay if self._global_step >= self.delay_warmup else 0
@@ -208,11 +231,22 @@ class GradientSync(StepPipeline):
 
     def _stalled(self, error: RuntimeError) -> ReplicaStalledError:
         """The error of a step whose sums a peer never joined, after the roll call (waited: since the arrival)."""
-        comm, step = self._comm(), self._global_step
+        comm, step = self._step_comm(), self._global_step
+        members = self.sitting.present if self.sitting.absent else None
         stalled = stalled_error(
-            error, "gradient all-reduce", _roll_call_key(step), comm.rank, comm.world_size, self._arrived
+            error,
+            "gradient all-reduce",
+            _roll_call_key(step),
+            comm.rank,
+            comm.world_size,
+            self._arrived,
+            members=members,
         )
         return stalled.during(f"the gradient sum of global step {step}")
+
+    def _step_comm(self) -> Communicator:
+        """The communicator of this step's sums: the world's, or the group of the replicas not sitting out."""
+        return self.sitting.comm if self.sitting.comm is not None else self._comm()
 
     def _arrive(self) -> None:
         """The last bucket is ready: report this replica's period in a small all-reduce launched before it.
@@ -228,7 +262,8 @@ class GradientSync(StepPipeline):
             # The period's report travels beside the sums; the replica works on from its arrival (the time it then
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).
             report = self.arrivals.arrive(self._share, stop=self.hooks.stop_requested())
-            self.reports.launch(report.as_row(), self._comm(), self._device)
+            world = self._comm()
+            self.reports.launch(report.as_row(), self._step_comm(), self._device, world.rank, world.world_size)
             self.arrivals.continue_after_arrival()
         if not self.reduce.delay:
             self.arrivals.begin_wait()  # DDP's reducer now waits for the slowest replica's buckets
@@ -237,6 +272,8 @@ class GradientSync(StepPipeline):
         # Synchronous: this step's reports. Delayed: the previous exchange's, while this one's travel.
         keep, waiting = (1, self._waiting_for_peers) if self.reduce.delay else (0, nullcontext)
         for rows in self.reports.received(keep, waiting):
+            for rank in self.sitting.absent:  # no report from a replica sitting out: a period that measures nothing
+                rows[rank] = PeriodReport(merge_weight=0.0).as_row()
             self._receive(rows, released=False)
             self.reports.space_out(self.plans)
             self._count_exclusions()
@@ -249,6 +286,49 @@ class GradientSync(StepPipeline):
 
     def _waiting_for_peers(self) -> AbstractContextManager[None]:
         return self.arrivals.waiting()
+
+    # --- replicas sitting out (engine.sitting_out) -----------------------------------------------------------
+
+    def begin_step(self, epoch: int, batch_idx: int, global_step: int) -> None:
+        """A step begins; at a segment's start, the replicas that sat out catch up and the next ones are chosen."""
+        super().begin_step(epoch, batch_idx, global_step)
+        if not self.sitting.starts_segment(self._step_key):
+            return
+        with self.arrivals.waiting():  # the handoff waits for the replicas that sat out
+            caught_up = self.sitting.enter(self._step_key, self.plans, self._handoff)
+        self.reduce.comm = self._step_comm()
+        if self._comm().rank in caught_up:
+            self.arrivals.new_epoch()  # its idle steps are no training period
+
+    @property
+    def sits_out(self) -> bool:  # noqa: D102
+        return self.sitting.sits_out
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a replica asked to stop in the latest reports; one sitting out, whether it was asked itself."""
+        return self.plans.stop_requested or (self.sitting.sits_out and self.hooks.stop_requested())
+
+    def _handoff(self, source: int, absent: frozenset[int]) -> None:
+        """Give every replica replica ``source``'s model, optimizer state and plan loop (a collective of the world).
+
+        The replicas that sat out (``absent``) take them; the others hold the same already.
+        """
+        world = self._comm()
+        if self._module is not None:
+            broadcast_tensors(world, [*self._module.parameters(), *self._module.buffers()], source)
+        optimizer = self._optimizer
+        sent: dict[str, Any] = {}
+        if world.rank == source:
+            sent["optimizer"] = None if optimizer is None else to_cpu(optimizer.state_dict())
+            sent["plans"], sent["reports"] = self.plans.shared_state(), self.reports.state_dict()
+        received = world.broadcast_object(sent, src=source)
+        if world.rank not in absent:
+            return
+        if received["optimizer"] is not None and optimizer is not None:
+            optimizer.load_state_dict(received["optimizer"])
+        self.plans.adopt_shared_state(received["plans"])
+        self.reports.load_state_dict(received["reports"])
 
     def flush(self) -> None:
         """Apply the delayed sum still in flight (ABS-SGD), so that none is lost: before evaluation and at the end."""
@@ -293,6 +373,7 @@ class GradientSync(StepPipeline):
     def begin_evaluation(self) -> None:
         """Apply what is in flight, then evaluate the model every replica shares."""
         self.arrivals.pause()
+        self.sitting.catch_up(self._handoff)
         self.flush()
         self._share_state()
 
@@ -301,6 +382,7 @@ class GradientSync(StepPipeline):
 
     def finish(self) -> None:
         """Apply the last delayed sum: the module leaves fit holding every update, and rank zero's buffers."""
+        self.sitting.catch_up(self._handoff)
         self.flush()
         self._share_state()
 
@@ -309,6 +391,7 @@ class GradientSync(StepPipeline):
     def global_model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The module's state (a collective): every replica holds the same parameters, and gets rank zero's buffers."""
         self.arrivals.pause()
+        self.sitting.catch_up(self._handoff)
         self._share_state()
         return {name: tensor.clone() for name, tensor in module.state_dict().items()}
 
@@ -359,6 +442,29 @@ def _judge_exclusions(excluded: int, run: int, global_step: int, logs: bool) -> 
             "training cannot continue. HINT: lower the learning rate, clip gradients (gradient_clip_val) or check "
             "the loss for NaN; resume from the last checkpoint."
         )
+
+
+def broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor], src: int) -> None:
+    """Overwrite ``tensors`` in place with replica ``src``'s: one broadcast per dtype and device."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor.data)
+    for same in kinds.values():
+        flat = torch.cat([tensor.reshape(-1) for tensor in same])
+        comm.broadcast_(flat, src=src)
+        for tensor, piece in zip(same, torch.split(flat, [tensor.numel() for tensor in same]), strict=True):
+            tensor.copy_(piece.view_as(tensor))
+
+
+def to_cpu(state: Any) -> Any:
+    """``state`` (nested dicts, lists and tuples) with every tensor copied to the CPU, for pickling."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
 
 
 def _roll_call_key(global_step: int) -> str:

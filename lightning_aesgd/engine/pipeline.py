@@ -338,6 +338,11 @@ class StepPipeline(ABC):
         return self.loader_clock.read(self._step_key) if self.loader_clock is not None else 0.0
 
     @property
+    def sits_out(self) -> bool:
+        """Whether this replica sits out the current step: no forward, sum or update (:mod:`.sitting_out`)."""
+        return False
+
+    @property
     def stop_requested(self) -> bool:
         """Whether a replica asked to stop in the latest reports."""
         return self.plans.stop_requested

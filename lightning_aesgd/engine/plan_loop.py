@@ -103,6 +103,8 @@ class PlanLoop:
         self._speed_changed = False  # a replica's estimates restarted at a new speed since the latest plan
         self.admission = Admission()
         self.leaving_out_forbidden: str | None = None  # why no replica may be left out in this fit
+        self.segment_steps = 0  # steps of a sitting-out segment (engine.sitting_out); 0: no replica sits out
+        self.held_out: frozenset[int] = frozenset()  # the replicas sitting out the current segment
 
     def attach(self, num_replicas: int) -> None:
         """Start a fit of ``num_replicas`` replicas; the models of an earlier fit of as many are kept."""
@@ -135,7 +137,7 @@ class PlanLoop:
             shares = settings.shares if settings.shares is not None else [1.0] * num_replicas
             sizes = apportion(step_batch_size, shares, self.floors, self.caps)
             book = self.plan_book = PlanBook(in_multiples(sizes, self.learners, self.caps))
-            self.admission = Admission()  # every replica takes part in a fresh book
+            self.admission = Admission(align=max(1, self.segment_steps))  # every replica takes part in a fresh book
         self._load_saved_state()
         return book
 
@@ -171,7 +173,9 @@ class PlanLoop:
         taking_part = [True] * len(current)
         if named and settings.leave_out_stragglers and self.leaving_out_forbidden is None and len(current) > 1:
             pending = self.arrival_model.restarts_pending()
-            taking_part = self.admission.decide(step, models, current, self.floors, self.caps, self.lag)
+            taking_part = self.admission.decide(
+                step, models, current, self.floors, self.caps, self.lag, held_out=self.held_out
+            )
             for rank, takes_part in enumerate(taking_part):
                 if takes_part and current[rank] == 0:  # a probe, or back in: its model is from before it idled
                     self.arrival_model.restart_next(rank)
@@ -225,6 +229,55 @@ class PlanLoop:
             return False
         self._next_plan = step + self.lag + 1
         return True
+
+    def sitting_out_between(self, start: int, end: int) -> frozenset[int]:
+        """The replicas that may sit out steps ``start`` to ``end`` (exclusive): no plan gives them work there.
+
+        A replica qualifies when every plan in force over those steps leaves it out and its probe cannot come
+        before ``end`` (a probe is chosen at a sync point at or after its step, so one due at ``end`` or later
+        falls in a later segment). Every rank holds the same plans and probes at a segment's start, so all agree.
+        Rank zero never sits out: Lightning's rank-zero code (loggers, telemetry, callbacks that write files) then
+        always sees the model and plans as they train.
+        """
+        book, model = self.plan_book, self.arrival_model
+        if not self.segment_steps or book is None or model is None or self.leaving_out_forbidden is not None:
+            return frozenset()
+        probes, pending = self.admission.probe_at, model.restarts_pending()
+        return frozenset(
+            rank
+            for rank in range(1, len(book.latest))
+            if rank not in pending and probes.get(rank, -1) >= end and book.left_out_throughout(rank, start, end)
+        )
+
+    def shared_state(self) -> dict[str, Any]:
+        """Everything the ranks' copies of the loop hold alike, for a replica that missed some sync points.
+
+        More than :meth:`state_dict`: the estimators' whole objects (their latest misses decide the next level
+        shift) and the latest reports (the next report's spacing), so that the copies stay identical afterwards.
+        """
+        book = self.plan_book
+        return {
+            "plans": None if book is None else book.state_dict(),
+            "arrival_model": self.arrival_model,
+            "admission": self.admission,
+            "merge_weights": list(self.merge_weights),
+            "latest_reports": list(self.latest_reports),
+            "stop_requested": self.stop_requested,
+            "next_plan": self._next_plan,
+            "speed_changed": self._speed_changed,
+        }
+
+    def adopt_shared_state(self, state: dict[str, Any]) -> None:
+        """Take a peer's :meth:`shared_state`; the plan book stays this sampler's, with the plans replaced."""
+        if state["plans"] is not None and self.plan_book is not None:
+            self.plan_book.load_state_dict(state["plans"], keep_served=True)
+        self.arrival_model = state["arrival_model"]
+        self.admission = state["admission"]
+        self.merge_weights = list(state["merge_weights"])
+        self.latest_reports = list(state["latest_reports"])
+        self.stop_requested = bool(state["stop_requested"])
+        self._next_plan = int(state["next_plan"])
+        self._speed_changed = bool(state["speed_changed"])
 
     def lone_taker(self, step: int) -> int | None:
         """The only replica with samples in step ``step``'s plan, or ``None`` (several, or no plan book yet)."""

@@ -43,11 +43,17 @@ class ReportExchange:
         self._next_report = global_step + max(self._every, plans.lag + 1)
         return True
 
-    def launch(self, row: list[float], comm: Communicator, device: torch.device) -> None:
-        """Launch the all-reduce of every replica's report row, this replica's ``row`` in its own place."""
-        rows = torch.zeros(comm.world_size, len(row), dtype=torch.float64, device=device)
-        copy_from_host(rows[comm.rank], row)  # pinned and non-blocking: no wait for the backward here
-        self._in_flight.append(comm.all_reduce_sum_async(rows))
+    def launch(
+        self, row: list[float], comm: Communicator, device: torch.device, slot: int | None = None, rows: int = 0
+    ) -> None:
+        """Launch the all-reduce of every replica's report row, this replica's ``row`` in its own place.
+
+        Over a group of some replicas (the others sitting out), ``slot`` is this replica's world rank and ``rows``
+        the world's size: the rows of the replicas outside the group arrive as zeros.
+        """
+        table = torch.zeros(rows or comm.world_size, len(row), dtype=torch.float64, device=device)
+        copy_from_host(table[comm.rank if slot is None else slot], row)  # pinned, non-blocking: no wait here
+        self._in_flight.append(comm.all_reduce_sum_async(table))
 
     def received(self, keep: int, waiting: Callable[[], AbstractContextManager[Any]]) -> Iterator[list[list[float]]]:
         """Every exchange but the latest ``keep``, oldest first, as rows; the wait for each inside ``waiting()``."""
@@ -56,6 +62,14 @@ class ReportExchange:
             with waiting():
                 rows = future.wait()[0]
             yield rows.cpu().tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        """When the next report is due (for a replica that missed some): nothing in flight is included."""
+        return {"next_report": self._next_report, "every": self._every}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Take what :meth:`state_dict` returned."""
+        self._next_report, self._every = int(state["next_report"]), int(state["every"])
 
     def space_out(self, plans: PlanLoop) -> None:
         """Set the steps to the next report from the reports just received.

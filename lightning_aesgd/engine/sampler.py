@@ -86,13 +86,30 @@ class PlanBook:
         self.last_served_step = max(self.last_served_step, step)
         return self._sizes[bisect.bisect_right(self._starts, step) - 1]
 
+    def left_out_throughout(self, rank: int, start: int, end: int) -> bool:
+        """Whether every plan in force from step ``start`` up to ``end`` (exclusive) gives ``rank`` no samples.
+
+        Unlike :meth:`sizes_at`, it marks nothing as served.
+        """
+        first = bisect.bisect_right(self._starts, start) - 1
+        last = bisect.bisect_left(self._starts, end)
+        return all(sizes[rank] == 0 for sizes in self._sizes[first:last])
+
     def state_dict(self) -> dict[str, Any]:  # noqa: D102
         return {"starts": list(self._starts), "sizes": [list(s) for s in self._sizes]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: D102
+    def load_state_dict(self, state: dict[str, Any], keep_served: bool = False) -> None:
+        """Put back what :meth:`state_dict` returned.
+
+        Args:
+            state: the plans.
+            keep_served: keep the steps this book's sampler has produced (a replica taking its peers' plans in
+                the middle of a fit); otherwise none (a fit resumed from a checkpoint draws afresh).
+        """
         self._starts = list(state["starts"])
         self._sizes = [tuple(s) for s in state["sizes"]]
-        self.last_served_step = -1
+        if not keep_served:
+            self.last_served_step = -1
 
 
 class SharedPermutation(Sampler[int]):

@@ -1,0 +1,243 @@
+"""Replicas sitting out: segments chosen alike on every rank, plans that never disagree, handoffs that catch up."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import FakeCommunicator
+from test_plan_loop import SECONDS_PER_SAMPLE, STEP_BATCH, _group
+
+from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.admission import Admission
+from lightning_aesgd.engine.comm import LocalCommunicator
+from lightning_aesgd.engine.gradient_sync import broadcast_tensors, to_cpu
+from lightning_aesgd.engine.report_exchange import ReportExchange
+from lightning_aesgd.engine.sampler import PlanBook
+from lightning_aesgd.engine.sitting_out import LOCKSTEP_STEPS, SittingOut
+
+SEGMENT = 16
+
+
+def test_a_plan_book_tells_whether_a_replica_is_left_out_over_a_range_of_steps():
+    book = PlanBook([4, 4, 4])
+    book.schedule(5, [6, 6, 0])
+    book.schedule(20, [4, 4, 4])
+    assert book.left_out_throughout(2, 5, 20)
+    assert book.left_out_throughout(2, 10, 15)
+    assert not book.left_out_throughout(2, 4, 20)  # step 4 still gives it work
+    assert not book.left_out_throughout(2, 5, 21)  # and step 20 again
+    assert not book.left_out_throughout(0, 5, 20)
+    assert book.last_served_step == -1  # asking serves nothing
+
+
+def test_loading_plans_can_keep_the_steps_already_served():
+    book = PlanBook([4, 4])
+    book.sizes_at(7)
+    book.load_state_dict(PlanBook([8, 0]).state_dict(), keep_served=True)
+    assert book.last_served_step == 7
+    assert book.latest == (8, 0)
+    book.load_state_dict(PlanBook([8, 0]).state_dict())
+    assert book.last_served_step == -1
+
+
+def test_a_held_out_replica_is_given_no_work_and_keeps_its_probe_even_where_it_would_help():
+    admission = Admission(align=SEGMENT)
+    models = [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 50.0)]
+    chosen = admission.decide(3, models, [40, 40, 40], [4] * 3, [None] * 3, lag=2)
+    assert chosen == [True, True, False]
+    due = admission.probe_at[2]
+    assert due % SEGMENT == 0
+    assert due >= 3 + 50
+    fast = [StepTime(0.0, 1.0)] * 3  # now it would help, but it sits out
+    assert admission.decide(20, fast, [60, 60, 0], [4] * 3, [None] * 3, lag=2, held_out={2}) == [True, True, False]
+    assert admission.probe_at[2] == due
+    assert admission.decide(21, fast, [60, 60, 0], [4] * 3, [None] * 3, lag=2) == [True, True, True]
+
+
+def _sit_out_run(factors_at, steps, lag=3):
+    """Three replicas' plan loops as the sitting-out protocol drives them; returns per-step plans and absences.
+
+    At each segment's start the replica that sat out takes rank zero's shared state (pickled, as a broadcast
+    carries it) and every replica names who sits the segment out; within it, that replica neither reports nor
+    receives, and the others receive its row as a period that measures nothing.
+    """
+    replicas = _group(3, planner="proportional")
+    for replica in replicas:
+        replica.plans.segment_steps = SEGMENT
+        replica.plans.plan_book_for(STEP_BATCH, 3, lag=lag)
+    absent: frozenset[int] = frozenset()
+    plans, absences = [], []
+    now = 0.0
+    for step in range(steps):
+        if step % SEGMENT == 0:
+            if absent:
+                shared = pickle.loads(pickle.dumps(replicas[min(set(range(3)) - absent)].plans.shared_state()))
+                for rank in absent:
+                    replicas[rank].plans.adopt_shared_state(shared)
+            chosen = [replica.plans.sitting_out_between(step, step + SEGMENT) for replica in replicas]
+            assert chosen[0] == chosen[1] == chosen[2]  # every rank names the same replicas
+            absent = chosen[0]
+            for replica in replicas:
+                replica.plans.held_out = absent
+        sizes = [replica.plans.plan_book.sizes_at(step) for replica in replicas]
+        present = [rank for rank in range(3) if rank not in absent]
+        for rank in present:
+            assert sizes[rank] == sizes[present[0]]  # the replicas taking part slice every step alike
+        for rank in absent:
+            assert sizes[rank][rank] == sizes[present[0]][rank] == 0  # one sitting out takes nothing, by any book
+        rows = [PeriodReport(merge_weight=0.0).as_row()] * 3
+        for rank in present:
+            replica, size = replicas[rank], sizes[present[0]][rank]
+            replica.work(size)
+            replica.clock.now = now + factors_at(step)[rank] * (1e-3 + size * SECONDS_PER_SAMPLE)
+            rows[rank] = replica.arrivals.arrive(merge_weight=1.0).as_row()
+        now = max(replicas[rank].clock.now for rank in present) + 1e-4
+        for rank in present:
+            replicas[rank].clock.now = now
+            replicas[rank].receive(rows, step)
+        plans.append(sizes[present[0]])
+        absences.append(absent)
+    return plans, absences, replicas
+
+
+def test_a_slow_replica_sits_out_whole_segments_and_every_book_agrees_after_each_handoff():
+    plans, absences, _ = _sit_out_run(lambda step: (1, 1, 50), steps=50 * SEGMENT)
+    assert all(sum(plan) == STEP_BATCH for plan in plans)
+    sat_out = sum(1 for absent in absences if 2 in absent)
+    assert sat_out >= 0.8 * len(plans), sat_out  # all but the first segment and the probes' segments
+    assert all(absent <= {2} for absent in absences)
+    probes = [step for step, plan in enumerate(plans) if step > SEGMENT and plan[2] > 0]
+    assert probes, "it is still probed"
+    assert all(2 not in absences[step] for step in probes)
+
+
+def test_a_replica_that_sat_out_and_becomes_fast_is_let_back_in_at_a_segment_start():
+    plans, absences, _ = _sit_out_run(lambda step: (1, 1, 50) if step < 100 else (1, 1, 1), steps=600)
+    assert any(2 in absent for absent in absences[:100])
+    back = next(step for step in range(100, 600) if plans[step][2] > 0)
+    assert all(plan[2] > 0 for plan in plans[back:])
+    assert not any(absences[back:])
+    assert max(plans[-1]) <= 1.1 * min(plans[-1])
+
+
+def test_no_replica_sits_out_where_leaving_out_is_forbidden_or_segments_are_off():
+    replicas = _sit_out_run(lambda step: (1, 1, 50), steps=2 * SEGMENT)[2]
+    loop = replicas[0].plans
+    start = 2 * SEGMENT
+    assert loop.sitting_out_between(start, start + SEGMENT) == {2}
+    loop.segment_steps = 0
+    assert loop.sitting_out_between(start, start + SEGMENT) == frozenset()
+    loop.segment_steps = SEGMENT
+    loop.forbid_leaving_out("a test")
+    assert loop.sitting_out_between(start, start + SEGMENT) == frozenset()
+
+
+class _World(FakeCommunicator):
+    """A world of ``world_size`` replicas that makes subgroups and records them."""
+
+    def __init__(self, world_size: int, rank: int) -> None:
+        super().__init__(world_size, rank)
+        self.groups: list[tuple[int, ...]] = []
+
+    def subgroup(self, members):
+        self.groups.append(tuple(members))
+        return FakeCommunicator(len(members), list(members).index(self.rank)) if self.rank in members else None
+
+
+class _Plans:
+    """A plan loop that leaves replica 2 out of every segment."""
+
+    held_out: frozenset[int] = frozenset()
+
+    def __init__(self, out=frozenset({2})) -> None:
+        self.out = out
+
+    def sitting_out_between(self, start: int, end: int) -> frozenset[int]:
+        return self.out
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_segments_choose_alike_hand_off_only_when_behind_and_sum_over_the_others(rank):
+    world, plans, handoffs = _World(3, rank), _Plans(), []
+    sitting = SittingOut(SEGMENT)
+    sitting.start(world, enabled=True)
+
+    def handoff(source, absent):
+        handoffs.append((source, absent))
+
+    assert sitting.enter(0, plans, handoff) == frozenset()
+    assert not sitting.absent
+    for _ in range(LOCKSTEP_STEPS):
+        sitting.stepped()
+    assert not sitting.starts_segment(SEGMENT - 1)
+    assert sitting.enter(SEGMENT, plans, handoff) == frozenset()  # nobody was behind
+    assert sitting.absent == {2}
+    assert plans.held_out == {2}
+    assert sitting.sits_out == (rank == 2)
+    assert world.groups == [(0, 1)]
+    assert (sitting.comm is None) == (rank == 2)
+    assert sitting.catch_up(handoff) == frozenset()  # no step yet since the segment began: nothing to hand
+    sitting.stepped()
+    assert sitting.catch_up(handoff) == {2}
+    assert handoffs == [(0, frozenset({2}))]
+    assert sitting.catch_up(handoff) == frozenset()  # caught up until the next step
+    sitting.stepped()
+    assert sitting.enter(2 * SEGMENT, plans, handoff) == {2}
+    assert handoffs[-1] == (0, frozenset({2}))
+    assert world.groups == [(0, 1)]  # the group is made once
+    sitting.stop()
+    assert not sitting.sits_out
+    assert sitting.absent == frozenset()
+
+
+def test_nobody_sits_out_where_it_is_off_or_everyone_would():
+    sitting = SittingOut(SEGMENT)
+    sitting.start(_World(3, 0), enabled=False)
+    assert not sitting.starts_segment(0)
+    sitting.start(LocalCommunicator(), enabled=True)  # a lone replica has nobody to sit out from
+    assert not sitting.enabled
+    sitting.start(_World(3, 0), enabled=True)
+    for _ in range(LOCKSTEP_STEPS):
+        sitting.stepped()
+    with pytest.raises(ValueError, match="Every replica would sit out"):
+        sitting.enter(0, _Plans(frozenset({0, 1, 2})), lambda source, absent: None)
+    with pytest.raises(ValueError, match="at least one step"):
+        SittingOut(0)
+
+
+def test_reports_over_a_group_keep_world_rows():
+    exchange = ReportExchange()
+    group = FakeCommunicator(world_size=2, rank=1, peers_sum=lambda tensor: torch.zeros_like(tensor))
+    exchange.launch([1.0, 2.0], group, torch.device("cpu"), slot=3, rows=4)
+    (rows,) = list(exchange.received(0, nullcontext))
+    assert rows == [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 2.0]]
+    exchange.due(0, SimpleNamespace(lag=1))
+    state = exchange.state_dict()
+    other = ReportExchange()
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_handoff_broadcasts_each_dtype_once_on_the_model_device(device):
+    tensors = [torch.zeros(3, device=device), torch.zeros((), device=device), torch.zeros(2, 2, device=device)]
+    tensors.append(torch.zeros(4, dtype=torch.int64, device=device))
+    world = FakeCommunicator(world_size=2, device=device)
+    broadcast_tensors(world, tensors, src=0)
+    assert world.calls == ["broadcast_", "broadcast_"]
+
+
+def test_a_handoff_moves_optimizer_state_to_the_host_for_pickling():
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
+    optimizer.step()
+    state = to_cpu(optimizer.state_dict())
+    assert state["state"][0]["exp_avg"].device.type == "cpu"
+    assert math.isclose(float(state["state"][0]["exp_avg"][0]), 0.1, rel_tol=1e-6)
+    assert isinstance(state["param_groups"][0]["betas"], tuple)
