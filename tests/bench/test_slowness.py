@@ -71,7 +71,11 @@ def test_case_figures_compare_with_ddp_and_the_ideal():
     assert result.ratio() == pytest.approx(1.8)
     assert result.efficiency("adaptive_elastic") == pytest.approx(0.9)
     assert result.plan_error() == pytest.approx(0.0)  # 48:16 is 3:1
-    assert "| hook | hook | [1, 3] | 64 | 200 | 360 | 1.80 | 50% | 90% | 0% | 0% | 1.04 |" in table([result])
+    row = "| hook | hook | [1, 3] | 64 | 200 | 360 | 1.80 | 1.80-1.80 | 50% | 90% | 0% | 0% | 1.04 |"
+    assert row in table([result])
+    result.repeat_ratios = [1.7, 1.8, 2.1]
+    assert result.ratio_range() == (1.7, 2.1)
+    assert "| 1.80 | 1.70-2.10 |" in table([result])
 
 
 def test_the_plan_is_judged_against_the_split_that_equalises_the_solo_step_times():
@@ -122,6 +126,7 @@ def test_the_report_keeps_the_published_keys(tmp_path: Path):
         "step_ms",
         "workers",
         "solo_step_times",
+        "repeat_ratios",
         "balanced_plan",
         "ideal",
         "runs",

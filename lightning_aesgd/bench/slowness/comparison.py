@@ -34,6 +34,7 @@ class CaseResult:
     workers: int
     solo_step_times: list[StepTime]
     runs: dict[str, RunResult] = field(default_factory=dict)
+    repeat_ratios: list[float] = field(default_factory=list)
 
     @property
     def balanced_plan(self) -> list[int]:
@@ -61,6 +62,11 @@ class CaseResult:
     def ratio(self) -> float:
         """adaptive_elastic's throughput over DDP's."""
         return self.runs["adaptive_elastic"].samples_per_second / self.runs["ddp"].samples_per_second
+
+    def ratio_range(self) -> tuple[float, float]:
+        """The lowest and highest of the repeats' ratios (each repeat's two runs ran back to back)."""
+        ratios = self.repeat_ratios or [self.ratio()]
+        return min(ratios), max(ratios)
 
     def efficiency(self, algorithm: str) -> float:
         """Throughput over the ideal."""
@@ -95,6 +101,8 @@ def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path, repeats:
             done.append(run_once(case, algorithm, dataset, steps, out))
     for algorithm, done in runs.items():
         result.runs[algorithm] = sorted(done, key=lambda run: run.samples_per_second)[len(done) // 2]
+    pairs = zip(runs["ddp"], runs["adaptive_elastic"], strict=True)
+    result.repeat_ratios = [adaptive.samples_per_second / ddp.samples_per_second for ddp, adaptive in pairs]
     return result
 
 
