@@ -234,6 +234,8 @@ class AdaptiveElasticMixin(SharedDevices):
         )
         if isinstance(self.engine, GradientSync):  # DDP's reducer then all-reduces its own map in every step
             self.engine.sit_out_allowed = not self.settings.find_unused_parameters
+            timeout = getattr(self, "_timeout", None)
+            self.engine.sitting.max_wait = timeout.total_seconds() if timeout is not None else None
         self.engine.start(self._module, default_communicator(self.root_device), self.root_device, hooks)
         if isinstance(self.engine, GradientSync):  # CPU and CUDA kernels may round the same update differently
             self.engine.share_parameters = mixes_device_types(self.parallel_devices or [])
@@ -279,7 +281,9 @@ class AdaptiveElasticMixin(SharedDevices):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's training step; a replica left out of the step (an idle batch) computes a zero loss."""
         batch = args[0] if args else kwargs.get("batch")
-        if isinstance(batch, IdleBatch) and self.engine.sits_out:
+        if self.engine.sits_out:
+            if not isinstance(batch, IdleBatch):
+                raise RuntimeError(f"A replica sitting out drew a batch of data ({type(batch).__name__}): a bug.")
             return bare_zero(self._module)  # no collective: not even DDP's forward, which would expect a sum
         if isinstance(batch, IdleBatch):
             # Gradient sums need every parameter's zero gradient, and a grad scaler its inf checks; merges neither.

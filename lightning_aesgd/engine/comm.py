@@ -148,6 +148,8 @@ class TorchCommunicator:
         self.device = device
         self.group = group
         self._calls = 0
+        # A subgroup's roll calls are its own: its collectives are numbered apart from the world's.
+        self._roll_prefix = "" if group is None else "group_" + "_".join(map(str, self._members() or [])) + "/"
         self._host_group: Any = host_group if host_group is not None else group
         self._has_host_group = host_group is not None or _is_gloo(group)
         if group is not None and not self._has_host_group:
@@ -230,6 +232,15 @@ class TorchCommunicator:
             return None
         return TorchCommunicator(self.device, group=group, host_group=host)
 
+    def close(self) -> None:
+        """Destroy a subgroup's process groups (the world's stays): its fit is over."""
+        if self.group is None:
+            return
+        for group in {id(self.group): self.group, id(self._host_group): self._host_group}.values():
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.group = self._host_group = None
+
     def _host(self) -> Any:
         """The host group, created over the world's ranks at its first use where the group is not gloo."""
         if not self._has_host_group:
@@ -245,7 +256,7 @@ class TorchCommunicator:
         something fails this costs a note in the heartbeat, which shows a late replica arriving to the roll call.
         """
         index, self._calls = self._calls, self._calls + 1
-        key = f"aesgd/roll_call/{index}"
+        key = f"aesgd/roll_call/{self._roll_prefix}{index}"
         entering(key)
         started = time.monotonic()
         try:

@@ -16,6 +16,7 @@ update and stay identical: no replica needs restoring.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -105,6 +106,17 @@ class Exclusions:
             counts = torch.zeros(3, dtype=torch.float64, device=left_out.device)
         run = (counts[1] + 1) * none_finite  # back to 0 at a step with any finite replica
         self._counts = torch.stack([counts[0] + left_out, run, torch.maximum(counts[2], run)])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counts, on the host (for a replica that missed some sums: all then count alike again)."""
+        counts = None if self._counts is None else self._counts.cpu()
+        return {"counts": counts, "host_counts": self._host_counts}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """Take what :meth:`state_dict` returned; device counts go to ``device``."""
+        counts = state["counts"]
+        self._counts = None if counts is None else counts.to(device)
+        self._host_counts = tuple(state["host_counts"])
 
     def read(self) -> tuple[int, int]:
         """Replica exclusions since the last read, and the longest run of steps without a finite replica in them.

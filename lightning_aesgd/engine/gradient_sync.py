@@ -107,6 +107,8 @@ class GradientSync(StepPipeline):
         # delayed sum in flight, or a grad scaler's scale.
         self.sitting = SittingOut()
         self.sit_out_allowed = True
+        self._stop_decided = False  # a stop the replicas agreed on at a segment's start (engine.sitting_out)
+        self._failure: NonFiniteReplicasError | None = None  # held until a segment's start while a replica sits out
 
     @property
     def delay(self) -> int:
@@ -145,6 +147,7 @@ class GradientSync(StepPipeline):
         self.syncs = self.excluded = self.sat_out_steps = 0
         allowed = self.sit_out_allowed and self._delay == 0 and self.reduce.guard
         self.sitting.start(comm, allowed)
+        self._stop_decided, self._failure = False, None
         self.plans.segment_steps = self.sitting.segment_steps if self.sitting.enabled else 0
         self.plans.held_out = frozenset()
 
@@ -279,10 +282,18 @@ class GradientSync(StepPipeline):
             self._count_exclusions()
 
     def _count_exclusions(self) -> None:
-        """Take in the replicas left out of sums since the last count (read with the reports: no extra wait)."""
+        """Take in the replicas left out of sums since the last count (read with the reports: no extra wait).
+
+        While a replica sits out, a failure waits for the segment's end, where every replica raises it together.
+        """
         excluded, run = self.reduce.exclusions.read()
         self.excluded += excluded
-        _judge_exclusions(excluded, run, self._global_step, self._comm().rank == 0)
+        try:
+            _judge_exclusions(excluded, run, self._global_step, self._comm().rank == 0)
+        except NonFiniteReplicasError as error:
+            if not self.sitting.absent:
+                raise
+            self._failure = self._failure or error
 
     def _waiting_for_peers(self) -> AbstractContextManager[None]:
         return self.arrivals.waiting()
@@ -294,6 +305,9 @@ class GradientSync(StepPipeline):
         super().begin_step(epoch, batch_idx, global_step)
         if not self.sitting.starts_segment(self._step_key):
             return
+        if self.sitting.absent:
+            self._decide_together()
+        self.sitting.max_step_seconds = self.plans.slowest_step_seconds()
         with self.arrivals.waiting():  # the handoff waits for the replicas that sat out
             caught_up = self.sitting.enter(self._step_key, self.plans, self._handoff)
         self.reduce.comm = self._step_comm()
@@ -306,8 +320,25 @@ class GradientSync(StepPipeline):
 
     @property
     def stop_requested(self) -> bool:
-        """Whether a replica asked to stop in the latest reports; one sitting out, whether it was asked itself."""
-        return self.plans.stop_requested or (self.sitting.sits_out and self.hooks.stop_requested())
+        """Whether every replica stops now: a replica asked to in the latest reports, or at a segment's start.
+
+        While a replica sits out, the reports it misses cannot stop it: stops then wait for the segment's end.
+        """
+        return self._stop_decided or (not self.sitting.absent and self.plans.stop_requested)
+
+    def _decide_together(self) -> None:
+        """At the end of a segment a replica sat out: every replica learns of a stop or a failure (a collective)."""
+        asked = self.plans.stop_requested or self.hooks.stop_requested()
+        flags = torch.tensor([float(asked), float(self._failure is not None)], dtype=torch.float64)
+        self._comm().host_all_reduce_sum_(flags)
+        stop, failed = flags.tolist()
+        if failed:
+            raise self._failure or NonFiniteReplicasError(
+                f"{failed:.0f} replica(s) found no finite gradient for {NON_FINITE_STEPS_LIMIT} steps in a row while "
+                "this one sat out: training cannot continue. HINT: lower the learning rate, clip gradients "
+                "(gradient_clip_val) or check the loss for NaN; resume from the last checkpoint."
+            )
+        self._stop_decided = self._stop_decided or stop > 0
 
     def _handoff(self, source: int, absent: frozenset[int]) -> None:
         """Give every replica replica ``source``'s model, optimizer state and plan loop (a collective of the world).
@@ -322,6 +353,7 @@ class GradientSync(StepPipeline):
         if world.rank == source:
             sent["optimizer"] = None if optimizer is None else to_cpu(optimizer.state_dict())
             sent["plans"], sent["reports"] = self.plans.shared_state(), self.reports.state_dict()
+            sent["exclusions"] = self.reduce.exclusions.state_dict()
         received = world.broadcast_object(sent, src=source)
         if world.rank not in absent:
             return
@@ -329,6 +361,7 @@ class GradientSync(StepPipeline):
             optimizer.load_state_dict(received["optimizer"])
         self.plans.adopt_shared_state(received["plans"])
         self.reports.load_state_dict(received["reports"])
+        self.reduce.exclusions.load_state_dict(received["exclusions"], self._device)
 
     def flush(self) -> None:
         """Apply the delayed sum still in flight (ABS-SGD), so that none is lost: before evaluation and at the end."""

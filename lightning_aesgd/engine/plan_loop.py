@@ -181,6 +181,8 @@ class PlanLoop:
                     self.arrival_model.restart_next(rank)
                 elif rank in pending and current[rank] > 0:
                     taking_part[rank] = True  # a probe not measured yet: judged once its period is reported
+        for rank in self.held_out:  # sitting out until its segment ends, whoever plans (engine.sitting_out)
+            taking_part[rank] = False
         ranks = [rank for rank, takes_part in enumerate(taking_part) if takes_part]
         # A replica let back in enters at the floor batch of the planner's inputs (its model predates its idling).
         floors, caps = [self.floors[rank] for rank in ranks], [self.caps[rank] for rank in ranks]
@@ -239,8 +241,9 @@ class PlanLoop:
         Rank zero never sits out: Lightning's rank-zero code (loggers, telemetry, callbacks that write files) then
         always sees the model and plans as they train.
         """
-        book, model = self.plan_book, self.arrival_model
-        if not self.segment_steps or book is None or model is None or self.leaving_out_forbidden is not None:
+        book, model, settings = self.plan_book, self.arrival_model, self.settings
+        leaves_out = isinstance(settings.planner, str) and settings.leave_out_stragglers
+        if not (self.segment_steps and leaves_out) or book is None or model is None or self.leaving_out_forbidden:
             return frozenset()
         probes, pending = self.admission.probe_at, model.restarts_pending()
         return frozenset(
@@ -248,6 +251,13 @@ class PlanLoop:
             for rank in range(1, len(book.latest))
             if rank not in pending and probes.get(rank, -1) >= end and book.left_out_throughout(rank, start, end)
         )
+
+    def slowest_step_seconds(self) -> float:
+        """The longest smoothed step time among the replicas the latest plan gives work (0 before any)."""
+        if self.arrival_model is None or self.plan_book is None:
+            return 0.0
+        seconds = self.arrival_model.step_seconds()
+        return max((t for t, size in zip(seconds, self.plan_book.latest, strict=True) if size > 0), default=0.0)
 
     def shared_state(self) -> dict[str, Any]:
         """Everything the ranks' copies of the loop hold alike, for a replica that missed some sync points.

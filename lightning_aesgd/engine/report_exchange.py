@@ -80,7 +80,7 @@ class ReportExchange:
         of an epoch, leaves out the hooks and data loading around it).
         """
         shortest = plans.lag + 1
-        reports = plans.latest_reports
+        reports = [report for rank, report in enumerate(plans.latest_reports) if rank not in plans.held_out]
         settled = plans.balanced_within(SETTLED_SPREAD) and all(report.steps >= shortest for report in reports)
         self._every = report_interval(_step_seconds(reports), shortest) if settled else shortest
 

@@ -46,12 +46,17 @@ class SittingOut:
 
     Args:
         segment_steps: steps per segment.
+        max_wait: seconds a collective may wait before it times out (``None``: no limit). A replica sitting out
+            that is ahead waits for the others' whole segment inside the handoff, so nobody sits out where the
+            others' segment could take half of it.
     """
 
-    def __init__(self, segment_steps: int = SEGMENT_STEPS) -> None:
+    def __init__(self, segment_steps: int = SEGMENT_STEPS, max_wait: float | None = None) -> None:
         if segment_steps < 1:
             raise ValueError(f"A segment needs at least one step, got {segment_steps}.")
         self.segment_steps = segment_steps
+        self.max_wait = max_wait
+        self.max_step_seconds = 0.0  # the slowest replica taking part, per step, as the plans measure it
         self.absent: frozenset[int] = frozenset()  # the replicas sitting out the current segment
         self.comm: Communicator | None = None  # the present replicas' communicator (None where this one is absent)
         self._world: Any = None  # the world's communicator, where replicas may sit out; None otherwise
@@ -77,6 +82,10 @@ class SittingOut:
     def stop(self) -> None:
         """The fit ended: nobody sits out, and the groups go with the fit's process group."""
         self._world, self.comm, self.absent, self._segment = None, None, frozenset(), None
+        for group in self._groups.values():
+            close = getattr(group, "close", None)
+            if close is not None:
+                close()
         self._groups = {}
 
     @property
@@ -114,7 +123,8 @@ class SittingOut:
         caught_up = self.catch_up(handoff)
         start = segment * self.segment_steps
         absent = plans.sitting_out_between(start, start + self.segment_steps)
-        if self._steps < LOCKSTEP_STEPS:
+        too_long = self.max_wait is not None and self.segment_steps * self.max_step_seconds > self.max_wait / 2
+        if self._steps < LOCKSTEP_STEPS or too_long:
             absent = frozenset()
         if len(absent) >= self._world.world_size:
             raise ValueError(f"Every replica would sit out steps {start}+: the plans give nobody work.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 from contextlib import nullcontext
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from helpers import FakeCommunicator
 from test_plan_loop import SECONDS_PER_SAMPLE, STEP_BATCH, _group
 
+from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.engine.admission import Admission
@@ -241,3 +243,121 @@ def test_a_handoff_moves_optimizer_state_to_the_host_for_pickling():
     assert state["state"][0]["exp_avg"].device.type == "cpu"
     assert math.isclose(float(state["state"][0]["exp_avg"][0]), 0.1, rel_tol=1e-6)
     assert isinstance(state["param_groups"][0]["betas"], tuple)
+
+
+class _Filling(FakeCommunicator):
+    """A world whose broadcasts bring replica ``src``'s tensors and object (given), as a receiver sees them."""
+
+    def __init__(self, world_size: int, rank: int, tensors=None, sent=None) -> None:
+        super().__init__(world_size, rank)
+        self.tensors, self.sent, self.objects = list(tensors or []), sent, []
+
+    def broadcast_(self, tensor, src=0):
+        super().broadcast_(tensor, src)
+        if self.tensors:
+            tensor.copy_(self.tensors.pop(0))
+
+    def broadcast_object(self, obj, src=0):
+        self.objects.append(obj)
+        return pickle.loads(pickle.dumps(self.sent if self.sent is not None else obj))  # as a broadcast carries it
+
+
+def _flat(tensors):
+    return torch.cat([tensor.reshape(-1).float() for tensor in tensors])
+
+
+def test_broadcast_tensors_writes_the_source_values_back_in_place():
+    mine = [torch.zeros(3), torch.zeros(()), torch.zeros(2, 2), torch.zeros(4, dtype=torch.int64)]
+    theirs = [torch.arange(3.0), torch.tensor(7.0), torch.ones(2, 2), torch.arange(4)]
+    floats = torch.cat([theirs[0], theirs[1].reshape(1), theirs[2].reshape(-1)])
+    broadcast_tensors(_Filling(2, 1, tensors=[floats, theirs[3]]), mine, src=0)
+    assert _flat(mine).tolist() == _flat(theirs).tolist()
+    assert mine[3].dtype == torch.int64
+
+
+def _engine(rank: int, world: FakeCommunicator, seed: int):
+    from lightning_aesgd.engine.gradient_sync import GradientSync
+    from lightning_aesgd.engine.plan_settings import PlanSettings
+
+    torch.manual_seed(seed)
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(module.parameters())
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    engine = GradientSync(PlanSettings(), delay=0)
+    engine.start(module, world, torch.device("cpu"))
+    engine.plans.plan_book_for(12, 3, lag=2)
+    engine._optimizer = optimizer
+    return engine, module, optimizer
+
+
+def test_a_handoff_gives_a_replica_that_sat_out_the_model_optimizer_plans_and_counts():
+    source, source_module, source_optimizer = _engine(0, FakeCommunicator(3, 0), seed=1)
+    source.plans.plan_book.schedule(5, [6, 6, 0])
+    source.reports.due(0, source.plans)
+    sender = _Filling(3, 0)
+    source._comm_in_use = sender
+    before = _flat(source_module.parameters()).tolist()
+    source._handoff(0, frozenset({2}))  # the source sends: nothing of its own changes
+    assert _flat(source_module.parameters()).tolist() == before
+    assert sender.calls.count("broadcast_") == 1  # one dtype: one broadcast
+    world = _Filling(3, 2, tensors=[_flat(source_module.parameters())], sent=sender.objects[-1])
+    receiver, module, optimizer = _engine(2, world, seed=2)
+    receiver.plans.plan_book.sizes_at(3)  # its sampler had drawn up to step 3
+    receiver._handoff(0, frozenset({2}))
+    assert _flat(module.parameters()).tolist() == pytest.approx(_flat(source_module.parameters()).tolist())
+    theirs, mine = source_optimizer.state_dict()["state"], optimizer.state_dict()["state"]
+    assert torch.equal(mine[0]["exp_avg"], theirs[0]["exp_avg"])
+    assert receiver.plans.plan_book.sizes_at(6) == (6, 6, 0)
+    assert receiver.plans.plan_book.last_served_step == 6  # what its sampler drew stays drawn
+    assert receiver.reports.state_dict() == source.reports.state_dict()
+    assert receiver.plans.admission is not source.plans.admission  # a copy, as a broadcast carries
+
+
+def test_a_stop_seen_while_a_replica_sits_out_waits_for_the_segment_end_and_then_stops_every_replica():
+    engine, _, _ = _engine(0, FakeCommunicator(3, 0, peers_sum=lambda t: torch.zeros_like(t)), seed=1)
+    engine.sitting.absent = frozenset({2})
+    engine.plans.stop_requested = True  # a report asked to stop: the replica sitting out cannot see it
+    assert not engine.stop_requested
+    engine._decide_together()
+    assert engine.stop_requested
+    # The replica that sat out hears of it at the same point, from the others' flags.
+    quiet, _, _ = _engine(2, FakeCommunicator(3, 2, peers_sum=lambda t: torch.tensor([1.0, 0.0])), seed=1)
+    quiet.sitting.absent = frozenset({2})
+    assert not quiet.stop_requested
+    quiet._decide_together()
+    assert quiet.stop_requested
+
+
+def test_a_failure_while_a_replica_sits_out_is_raised_by_every_replica_at_the_segment_end():
+    from lightning_aesgd.engine.pipeline import NonFiniteReplicasError
+
+    engine, _, _ = _engine(2, FakeCommunicator(3, 2, peers_sum=lambda t: torch.tensor([0.0, 1.0])), seed=1)
+    engine.sitting.absent = frozenset({2})
+    with pytest.raises(NonFiniteReplicasError, match="while this one sat out"):
+        engine._decide_together()
+
+
+def test_nobody_sits_out_where_a_segment_could_outlast_half_the_timeout():
+    sitting = SittingOut(SEGMENT, max_wait=8.0)
+    sitting.start(_World(3, 0), enabled=True)
+    for _ in range(LOCKSTEP_STEPS):
+        sitting.stepped()
+    sitting.max_step_seconds = 0.3  # 16 steps: 4.8 s, more than half of 8 s
+    assert sitting.enter(0, _Plans(), lambda source, absent: None) == frozenset()
+    assert sitting.absent == frozenset()
+    sitting.max_step_seconds = 0.2
+    sitting.enter(SEGMENT, _Plans(), lambda source, absent: None)
+    assert sitting.absent == {2}
+
+
+def test_only_the_named_planners_that_leave_replicas_out_let_them_sit_out():
+    replicas = _sit_out_run(lambda step: (1, 1, 50), steps=2 * SEGMENT)[2]
+    loop = replicas[0].plans
+    start = 2 * SEGMENT
+    assert loop.sitting_out_between(start, start + SEGMENT) == {2}
+    named = loop.settings
+    loop.settings = replace(named, leave_out_stragglers=False)
+    assert loop.sitting_out_between(start, start + SEGMENT) == frozenset()
+    loop.settings = replace(named, planner=StaticPlanner())
+    assert loop.sitting_out_between(start, start + SEGMENT) == frozenset()
