@@ -7,7 +7,8 @@
 #   4. GPU and CPU replicas side by side (devices=gpu_cpu) under hogbatch, adaptive_elastic and ddp;
 #   5. the tests marked `cuda`.
 # Uses $AESGD_PYTHON (default python3) as it is: no install step, so it runs where no registry can be reached.
-# Extra arguments are Hydra overrides for every run of steps 1-4 (e.g. trainer.max_epochs=1 for a quick look).
+# Extra arguments are Hydra overrides for every run of steps 1-4 (e.g. trainer.max_epochs=1 for a quick look);
+# AESGD_GPU_CHECK_JOBS=N runs N of them at a time (default 1); AESGD_GPU_CHECK_ONLY=REGEX keeps the runs it names.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python="${AESGD_PYTHON:-python3}"

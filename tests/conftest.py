@@ -22,6 +22,14 @@ if os.environ["AESGD_TEST_CUDA_PRESENT"] == "unknown":
     os.environ["AESGD_TEST_CUDA_PRESENT"] = "1" if torch.cuda.device_count() > 0 else "0"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# Under pytest-xdist, each worker and the replicas it starts get their share of the cores: torch's default of one
+# thread per core in every worker oversubscribes a many-core machine, and the timed tests (the learner tuner's
+# measurements, stall timeouts) then measure the contention instead of the code.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip the ``cuda`` tests where no GPU is present."""
@@ -31,6 +39,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """Append each failure's report to ``$AESGD_TEST_FAILURE_LOG`` as it happens (a time-boxed run, on a borrowed
+    GPU machine say, may be stopped before pytest prints its summary)."""
+    path = os.environ.get("AESGD_TEST_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 @pytest.fixture(autouse=True)
