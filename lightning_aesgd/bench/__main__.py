@@ -4,4 +4,5 @@ import sys
 
 from lightning_aesgd.bench.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a process spawned by a benchmark imports this module too
+    sys.exit(main())

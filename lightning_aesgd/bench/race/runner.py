@@ -8,8 +8,10 @@ collective), no progress bar and no test.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,18 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
 
 
 def run_once(cfg: DictConfig, run_dir: Path, threads: int | None = None) -> RunRecord:
-    """Fit ``cfg`` with its outputs in ``run_dir``; returns what rank zero recorded (see :func:`fit_recorded`)."""
+    """Fit ``cfg`` with its outputs in ``run_dir``, in a fresh process; returns what rank zero recorded.
+
+    Each run gets a process of its own (see :func:`fit_recorded`). A run that trains in the benchmark's process
+    (``single_device``) leaves GNU OpenMP's thread team there, and replicas forked from that process afterwards
+    deadlock in their first parallel region (OpenMP is not fork-safe). A fresh process also keeps one run's
+    threads, memory and CUDA state from the next one's figures.
+    """
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_record_of_fit, cfg, run_dir, threads).result()
+
+
+def _record_of_fit(cfg: DictConfig, run_dir: Path, threads: int | None) -> RunRecord:
     return fit_recorded(cfg, run_dir, threads)[0]
 
 
