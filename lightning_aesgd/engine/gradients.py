@@ -173,6 +173,11 @@ class GradientSum:
         if bucket.is_last() and self.on_last_bucket is not None:
             self.on_last_bucket()
         buffer = bucket.buffer()
+        if not (self.delay or buffer.is_sparse) and self._comm(buffer.device).world_size == 1:
+            # Alone, the sum is the bucket itself, and its non-finite values can reach no other replica's update:
+            # as under DDP, no copy, no collective and no finiteness test (a pass over every gradient, which on
+            # one device was the largest part of the strategy's cost per step).
+            return _completed(buffer)
         result, flags = self._sum_sparse(buffer) if buffer.is_sparse else self._sum_dense(buffer)
         if not self.delay:
             self._step_flags.append(flags)

@@ -65,6 +65,18 @@ def test_the_sum_takes_the_weighted_gradients_as_they_are_and_reports_the_arriva
     assert arrivals == [True]
 
 
+@pytest.mark.usefixtures("one_process_group")
+def test_alone_the_sum_is_the_bucket_itself_unguarded_as_under_ddp():
+    """One replica: no copy, no collective and no finiteness pass; its NaN is its own, as DDP leaves it."""
+    reduce = GradientSum()
+    reduce.begin_step()
+    bucket = FakeBucket(_params(), [torch.full((2, 2), float("nan")), torch.ones(3)])
+    summed = reduce.reduce(bucket).wait()
+    reduce.end_step()
+    assert summed is bucket.flat
+    assert reduce.exclusions.read() == (0, 0)
+
+
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_non_finite_replica_is_left_out_and_the_sum_renormalised_over_the_finite_shares(delay):
     """Three replicas with shares ¼, ¼, ½, whose gradients (already weighted by their shares) are 1, 2 and NaN:
