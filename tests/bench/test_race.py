@@ -59,13 +59,16 @@ def test_aggregate_takes_medians_and_ratios_to_ddp():
     assert rows["ddp"].time_to_target == 12.0  # the missed target counts as infinitely late
     assert rows["adaptive_sgd"].throughput_vs_ddp == pytest.approx(201 / 110)
     assert rows["adaptive_sgd"].time_to_target_vs_ddp == pytest.approx(5 / 12)
+    # Repeat by repeat: 200/100, 201/120, 202/110, each against the DDP run beside it.
+    assert rows["adaptive_sgd"].throughput_vs_ddp_range == pytest.approx((201 / 120, 200 / 100))
+    assert rows["ddp"].throughput_vs_ddp_range == (1.0, 1.0)
 
 
 def test_race_table_marks_missing_figures():
     rows = aggregate([RunFigures("strong", "ddp", 0, throughput=100.0, efficiency=0.5)])
     lines = race_table(rows, Target("val/acc", 0.9)).splitlines()
     assert lines[0].startswith("| profile | algorithm | samples/s | efficiency | time to val/acc=0.9 (s) |")
-    assert lines[2] == "| strong | ddp | 100.0 | 50% | not reached | – | 1.00 | – |"
+    assert lines[2] == "| strong | ddp | 100.0 | 50% | not reached | – | 1.00 | 1.00-1.00 | – |"
 
 
 def test_record_round_trips_through_json(tmp_path: Path):

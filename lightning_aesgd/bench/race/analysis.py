@@ -50,6 +50,8 @@ class AggregateFigures:
     final_metric: float | None
     throughput_vs_ddp: float | None = None
     time_to_target_vs_ddp: float | None = None
+    throughput_vs_ddp_range: tuple[float, float] | None = None
+    """The lowest and highest throughput ÷ DDP's of the same repeat: a claim beyond the spread lies outside it."""
 
 
 def ideal_throughput(solo: float, profile: SlowdownProfile | None, num_replicas: int, samples: Sequence[int]) -> float:
@@ -115,7 +117,18 @@ def aggregate(runs: Sequence[RunFigures]) -> list[AggregateFigures]:
         if baseline is not None:
             row.throughput_vs_ddp = _ratio(row.throughput, baseline.throughput)
             row.time_to_target_vs_ddp = _ratio(row.time_to_target, baseline.time_to_target)
+            row.throughput_vs_ddp_range = _repeat_range(
+                groups[(row.profile, row.algorithm)], groups[(row.profile, BASELINE)]
+            )
     return result
+
+
+def _repeat_range(group: Sequence[RunFigures], baseline: Sequence[RunFigures]) -> tuple[float, float] | None:
+    """The lowest and highest throughput ratio of a repeat to DDP's repeat of the same index (run beside it)."""
+    reference = {run.repeat: run.throughput for run in baseline}
+    ratios = [_ratio(run.throughput, reference.get(run.repeat)) for run in group]
+    known = [ratio for ratio in ratios if ratio is not None]
+    return (min(known), max(known)) if known else None
 
 
 def _medians(profile: str, algorithm: str, group: Sequence[RunFigures]) -> AggregateFigures:

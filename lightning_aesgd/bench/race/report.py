@@ -23,7 +23,8 @@ def race_table(rows: Sequence[AggregateFigures], target: Target) -> str:
 
     Columns: throughput in samples per training-clock second; efficiency = throughput / Σᵢ solo speed /
     (b·fᵢ); time to the target on the training clock; the target metric after the last epoch; throughput ÷ DDP's
-    (above 1 is faster); time to target ÷ DDP's (below 1 is faster).
+    (above 1 is faster), and the range of its ratios repeat by repeat; time to target ÷ DDP's (below 1 is
+    faster).
     """
     metric = target.metric
     header = [
@@ -34,6 +35,7 @@ def race_table(rows: Sequence[AggregateFigures], target: Target) -> str:
         f"time to {target} (s)",
         f"final {metric}",
         f"throughput ÷ {BASELINE}",
+        "per repeat",
         f"time to target ÷ {BASELINE}",
     ]
     return markdown_table(header, [_cells(row) for row in rows])
@@ -48,8 +50,13 @@ def _cells(row: AggregateFigures) -> list[str]:
         format_number(row.time_to_target, ".1f", missing="not reached"),
         format_number(row.final_metric, ".4f"),
         format_number(row.throughput_vs_ddp, ".2f"),
+        _range(row.throughput_vs_ddp_range),
         format_number(row.time_to_target_vs_ddp, ".2f"),
     ]
+
+
+def _range(bounds: tuple[float, float] | None) -> str:
+    return "–" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
 
 
 def write_results(
