@@ -137,6 +137,7 @@ class GradientSync(StepPipeline):
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.reduce.comm = comm  # every sum, sparse ones included, goes through the communicator
+        self.reduce.alone = comm.world_size == 1  # the whole job, not a segment's group of present replicas
         scaler = self.hooks.grad_scaler
         self.reduce.guard = scaler is None or not scaler.is_enabled()  # a scaler handles overflow itself
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
@@ -157,6 +158,7 @@ class GradientSync(StepPipeline):
         self._optimizer = None
         self.reports.start()  # nothing of this fit is awaited past its end
         self.reduce.comm = None
+        self.reduce.alone = False
 
     def configure_model(self, model: nn.Module) -> None:
         """Register the gradient sum as DistributedDataParallel's communication hook on the wrapped ``model``."""

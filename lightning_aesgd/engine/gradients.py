@@ -113,6 +113,7 @@ class GradientSum:
         # Leave non-finite contributions out (finite_guard). Off under a GradScaler, which must see the overflow
         # in the sum to skip the step and lower its scale, on every replica alike.
         self.guard = True
+        self.alone = False  # the job is one replica (set at a fit's start): its dense sums go unguarded, as DDP's
         self.exclusions = Exclusions()
         self._launched: list[Launched] = []
         self._previous: list[Launched] = []
@@ -173,10 +174,11 @@ class GradientSum:
         if bucket.is_last() and self.on_last_bucket is not None:
             self.on_last_bucket()
         buffer = bucket.buffer()
-        if not (self.delay or buffer.is_sparse) and self._comm(buffer.device).world_size == 1:
-            # Alone, the sum is the bucket itself, and its non-finite values can reach no other replica's update:
-            # as under DDP, no copy, no collective and no finiteness test (a pass over every gradient, which on
-            # one device was the largest part of the strategy's cost per step).
+        if self.alone and not (self.delay or buffer.is_sparse):
+            # A job of one replica: the sum is the bucket itself, and its non-finite values can reach no other
+            # replica's update. As under DDP: no copy, no collective and no finiteness test (a pass over every
+            # gradient, which on one device was the largest part of the strategy's cost per step). Not so for a
+            # segment's group of one present replica (others sitting out): they take its model at the handoff.
             return _completed(buffer)
         result, flags = self._sum_sparse(buffer) if buffer.is_sparse else self._sum_dense(buffer)
         if not self.delay:

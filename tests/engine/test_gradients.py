@@ -69,12 +69,24 @@ def test_the_sum_takes_the_weighted_gradients_as_they_are_and_reports_the_arriva
 def test_alone_the_sum_is_the_bucket_itself_unguarded_as_under_ddp():
     """One replica: no copy, no collective and no finiteness pass; its NaN is its own, as DDP leaves it."""
     reduce = GradientSum()
+    reduce.alone = True
     reduce.begin_step()
     bucket = FakeBucket(_params(), [torch.full((2, 2), float("nan")), torch.ones(3)])
     summed = reduce.reduce(bucket).wait()
     reduce.end_step()
     assert summed is bucket.flat
     assert reduce.exclusions.read() == (0, 0)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_group_of_one_present_replica_is_still_guarded_for_those_sitting_out():
+    """Replicas sitting out take the present one's model at the handoff: its NaN is zeroed and counted."""
+    reduce = GradientSum()  # not alone: a segment's group happens to hold one replica
+    reduce.begin_step()
+    summed = reduce.reduce(FakeBucket(_params(), [torch.full((2, 2), float("nan")), torch.ones(3)])).wait()
+    reduce.end_step()
+    torch.testing.assert_close(summed, torch.zeros(7))
+    assert reduce.exclusions.read() == (1, 1)
 
 
 @pytest.mark.parametrize("delay", [0, 1])

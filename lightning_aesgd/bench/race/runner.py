@@ -8,13 +8,16 @@ collective), no progress bar and no test.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -54,12 +57,36 @@ def run_once(cfg: DictConfig, run_dir: Path, threads: int | None = None) -> RunR
     deadlock in their first parallel region (OpenMP is not fork-safe). A fresh process also keeps one run's
     threads, memory and CUDA state from the next one's figures.
     """
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # The process starts with this one's logger levels and warning filters (the program's --verbose or not).
+    loggers = logging.root.manager.loggerDict.items()
+    levels = {name: logger.level for name, logger in loggers if isinstance(logger, logging.Logger) and logger.level}
+    with ProcessPoolExecutor(
+        max_workers=1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_take_outputs,
+        initargs=(levels, list(warnings.filters)),
+    ) as pool:
         return pool.submit(_record_of_fit, cfg, run_dir, threads).result()
 
 
+def _take_outputs(levels: dict[str, int], filters: list[Any]) -> None:
+    """Set a run's process's logger levels and warning filters to those of the process that started it."""
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    cast(list[Any], warnings.filters)[:] = filters  # as they are: typeshed calls the list a Sequence
+
+
 def _record_of_fit(cfg: DictConfig, run_dir: Path, threads: int | None) -> RunRecord:
-    return fit_recorded(cfg, run_dir, threads)[0]
+    """:func:`fit_recorded`'s record, in the run's own process.
+
+    A failure is printed here and comes back as a ``RuntimeError`` naming it: some of the strategy's errors take
+    keyword-only arguments, which the trip back between processes cannot rebuild.
+    """
+    try:
+        return fit_recorded(cfg, run_dir, threads)[0]
+    except Exception as error:
+        traceback.print_exc()
+        raise RuntimeError(f"{type(error).__name__}: {error}") from None
 
 
 def fit_recorded(
