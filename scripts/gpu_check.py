@@ -97,7 +97,11 @@ def main(extra: list[str]) -> int:
         print(f"FAIL missing Python packages: {missing}. HINT: install them (or carry their wheels) first.")
         return 1
     only = re.compile(os.environ.get("AESGD_GPU_CHECK_ONLY", ""))
-    planned = [job for job in jobs(extra) if only.search(job[0])]
+    every = jobs(extra)
+    kept = {name for name, _ in every if only.search(name)}
+    # A kept XMC run is judged against DDP under its local optimizer: that reference runs too.
+    kept |= {_reference_name(local_optimizer(a)) for a in XMC_ALGORITHMS if f"xmc_mini {a}" in kept}
+    planned = [job for job in every if job[0] in kept]
     if not planned:
         print(f"FAIL no run's name matches AESGD_GPU_CHECK_ONLY={only.pattern!r}. HINT: e.g. 'xmc_mini|gpu_cpu'.")
         return 1

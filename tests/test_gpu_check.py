@@ -48,3 +48,14 @@ def test_a_filter_that_keeps_no_run_fails_instead_of_passing_empty(gpu_check, mo
     monkeypatch.setattr(gpu_check, "missing_modules", lambda names: [])
     assert gpu_check.main([]) == 1
     assert "FAIL no run's name matches AESGD_GPU_CHECK_ONLY='no run has this name'" in capsys.readouterr().out
+
+
+def test_a_kept_xmc_run_brings_its_ddp_reference(gpu_check, monkeypatch):
+    monkeypatch.setitem(os.environ, "AESGD_GPU_CHECK_ONLY", "adaptive_sgd_paper")
+    monkeypatch.setattr(gpu_check, "missing_modules", lambda names: [])
+    ran = []
+    monkeypatch.setattr(gpu_check, "run", lambda name, overrides: ran.append(name) or {"test/p@1": 0.85})
+    assert gpu_check.main([]) == 0
+    assert sorted(ran) == sorted(
+        ["xmc_mini adaptive_sgd_paper", gpu_check._reference_name(gpu_check.local_optimizer("adaptive_sgd_paper"))]
+    )
