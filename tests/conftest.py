@@ -26,7 +26,9 @@ if os.environ["AESGD_TEST_CUDA_PRESENT"] == "unknown":
 # thread per core in every worker oversubscribes a many-core machine, and the timed tests (the learner tuner's
 # measurements, stall timeouts) then measure the contention instead of the code.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    from lightning_aesgd.placement import available_cores  # the cores this process may use (affinity, quotas)
+
+    _THREADS = max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     torch.set_num_threads(_THREADS)
 
@@ -45,7 +47,8 @@ def pytest_runtest_logreport(report):
     """Append each failure's report to ``$AESGD_TEST_FAILURE_LOG`` as it happens (a time-boxed run, on a borrowed
     GPU machine say, may be stopped before pytest prints its summary)."""
     path = os.environ.get("AESGD_TEST_FAILURE_LOG")
-    if path and report.failed:
+    # Under pytest-xdist the controller sees each worker's report again (with its `node`): the worker wrote it.
+    if path and report.failed and not hasattr(report, "node"):
         with open(path, "a", encoding="utf-8") as log:
             log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
