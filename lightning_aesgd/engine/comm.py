@@ -148,6 +148,8 @@ class TorchCommunicator:
         self.device = device
         self.group = group
         self._calls = 0
+        # A group's size and this process's rank in it never change; torch's lookups cost microseconds per step.
+        self._world_size, self._rank = dist.get_world_size(group), dist.get_rank(group)
         # A subgroup's roll calls are its own: its collectives are numbered apart from the world's.
         self._roll_prefix = "" if group is None else "group_" + "_".join(map(str, self._members() or [])) + "/"
         self._host_group: Any = host_group if host_group is not None else group
@@ -163,11 +165,11 @@ class TorchCommunicator:
 
     @property
     def world_size(self) -> int:  # noqa: D102
-        return dist.get_world_size(self.group)
+        return self._world_size
 
     @property
     def rank(self) -> int:  # noqa: D102
-        return dist.get_rank(self.group)
+        return self._rank
 
     def all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
         self._collective("all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group))

@@ -270,7 +270,7 @@ class GradientSync(StepPipeline):
             world = self._comm()
             self.reports.launch(report.as_row(), self._step_comm(), self._device, world.rank, world.world_size)
             self.arrivals.continue_after_arrival()
-        if not self.reduce.delay:
+        if not self.reduce.delay and not self.reduce.alone:
             self.arrivals.begin_wait()  # DDP's reducer now waits for the slowest replica's buckets
 
     def _take_reports(self) -> None:

@@ -66,6 +66,15 @@ def test_options_of_the_original_loader_are_kept():
     assert all(rebuilt.loader_clock.read(step) > 0 for step in range(5))
 
 
+@pytest.mark.timeout(120)
+def test_loader_times_reach_the_replica_from_spawned_workers():
+    # A spawned worker gets the clock by pickling: its ring must still be the replica's shared memory.
+    loader = DataLoader(RegressionData(16), batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    rebuilt = _build(loader)
+    assert len(list(rebuilt)) == 2  # steps of 8 samples, this replica's 3 of each
+    assert all(rebuilt.loader_clock.read(step) > 0 for step in range(2))
+
+
 def test_rebuilt_loader_state_round_trips():
     rebuilt = _build(DataLoader(RegressionData(40), batch_size=4))
     assert not rebuilt.batch_sampler.sampler.shuffle
