@@ -46,6 +46,8 @@ class _Record(pl.Callback):
     def on_fit_end(self, trainer, pl_module):  # after the strategy's end of training: replicas caught up
         self.record["plans"] = trainer.strategy.plans.plan_book.state_dict()
         self.record["parameters"] = flat_parameters(pl_module).tolist()
+        states = trainer.optimizers[0].state_dict()["state"].values()
+        self.record["optimizer"] = [x for state in states for t in state.values() for x in t.reshape(-1).tolist()]
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
 
 
@@ -138,7 +140,7 @@ def test_a_replica_sitting_out_catches_up_before_validation_and_checkpoints(tmp_
     saves = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=7, save_top_k=-1)
     strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=90))
     pl.seed_everything(7)
-    model = _EpochModel(size=480, batch_size=BATCH)  # 20 steps an epoch
+    model = _EpochModel(size=480, batch_size=BATCH, momentum=0.9)  # 20 steps an epoch; momentum: optimizer state
     callbacks = [slow, _ValidationRecord(tmp_path), _Record(tmp_path), saves]
     trainer = cpu_trainer(
         strategy,
@@ -153,6 +155,8 @@ def test_a_replica_sitting_out_catches_up_before_validation_and_checkpoints(tmp_
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     assert records[2]["sat_out"] > 0
     assert records[2]["parameters"] == pytest.approx(records[0]["parameters"], abs=1e-6)
+    assert records[2]["optimizer"] == pytest.approx(records[0]["optimizer"], abs=1e-6)  # the handoff's momentum
+    assert len(records[0]["optimizer"]) == len(records[0]["parameters"])
     checks = [json.loads((tmp_path / f"validations{rank}.json").read_text()) for rank in range(3)]
     validated = [check[0] for check in checks[0] if check[1] is not None]
     saved = [check[0] for check in checks[0] if check[1] is None]

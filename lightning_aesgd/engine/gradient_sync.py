@@ -36,6 +36,7 @@ from lightning_aesgd.engine.gradients import (
     pending_to_list,
     update_skipped,
 )
+from lightning_aesgd.engine.handoff import broadcast_optimizer_state, broadcast_tensors
 from lightning_aesgd.engine.pipeline import NonFiniteReplicasError, StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.report_exchange import ReportExchange
@@ -350,17 +351,14 @@ class GradientSync(StepPipeline):
         world = self._comm()
         if self._module is not None:
             broadcast_tensors(world, [*self._module.parameters(), *self._module.buffers()], source)
-        optimizer = self._optimizer
+        broadcast_optimizer_state(world, self._optimizer, source, self._device, load=world.rank in absent)
         sent: dict[str, Any] = {}
         if world.rank == source:
-            sent["optimizer"] = None if optimizer is None else to_cpu(optimizer.state_dict())
             sent["plans"], sent["reports"] = self.plans.shared_state(), self.reports.state_dict()
             sent["exclusions"] = self.reduce.exclusions.state_dict()
         received = world.broadcast_object(sent, src=source)
         if world.rank not in absent:
             return
-        if received["optimizer"] is not None and optimizer is not None:
-            optimizer.load_state_dict(received["optimizer"])
         self.plans.adopt_shared_state(received["plans"])
         self.reports.load_state_dict(received["reports"])
         self.reduce.exclusions.load_state_dict(received["exclusions"], self._device)
@@ -477,29 +475,6 @@ def _judge_exclusions(excluded: int, run: int, global_step: int, logs: bool) -> 
             "training cannot continue. HINT: lower the learning rate, clip gradients (gradient_clip_val) or check "
             "the loss for NaN; resume from the last checkpoint."
         )
-
-
-def broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor], src: int) -> None:
-    """Overwrite ``tensors`` in place with replica ``src``'s: one broadcast per dtype and device."""
-    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor.data)
-    for same in kinds.values():
-        flat = torch.cat([tensor.reshape(-1) for tensor in same])
-        comm.broadcast_(flat, src=src)
-        for tensor, piece in zip(same, torch.split(flat, [tensor.numel() for tensor in same]), strict=True):
-            tensor.copy_(piece.view_as(tensor))
-
-
-def to_cpu(state: Any) -> Any:
-    """``state`` (nested dicts, lists and tuples) with every tensor copied to the CPU, for pickling."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {key: to_cpu(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(to_cpu(value) for value in state)
-    return state
 
 
 def _roll_call_key(global_step: int) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import pickle
 from contextlib import nullcontext
 from dataclasses import replace
@@ -18,7 +17,13 @@ from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
 from lightning_aesgd.engine.admission import Admission
 from lightning_aesgd.engine.comm import LocalCommunicator
-from lightning_aesgd.engine.gradient_sync import broadcast_tensors, to_cpu
+from lightning_aesgd.engine.handoff import (
+    TensorSlot,
+    broadcast_optimizer_state,
+    broadcast_tensors,
+    filled,
+    split_tensors,
+)
 from lightning_aesgd.engine.report_exchange import ReportExchange
 from lightning_aesgd.engine.sampler import PlanBook
 from lightning_aesgd.engine.sitting_out import LOCKSTEP_STEPS, SittingOut
@@ -235,31 +240,55 @@ def test_a_handoff_broadcasts_each_dtype_once_on_the_model_device(device):
     assert world.calls == ["broadcast_", "broadcast_"]
 
 
-def test_a_handoff_moves_optimizer_state_to_the_host_for_pickling():
-    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
-    optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
+def _adam(seed: int, device: str = "cpu") -> torch.optim.Adam:
+    torch.manual_seed(seed)
+    parameter = torch.nn.Parameter(torch.randn(3, device=device))
+    optimizer = torch.optim.Adam([parameter])
+    parameter.grad = torch.randn(3, device=device)
     optimizer.step()
-    state = to_cpu(optimizer.state_dict())
-    assert state["state"][0]["exp_avg"].device.type == "cpu"
-    assert math.isclose(float(state["state"][0]["exp_avg"][0]), 0.1, rel_tol=1e-6)
-    assert isinstance(state["param_groups"][0]["betas"], tuple)
+    return optimizer
+
+
+def test_optimizer_state_splits_into_a_picklable_skeleton_and_the_device_tensors():
+    state = _adam(seed=0).state_dict()
+    skeleton, tensors = split_tensors(state, torch.device("cpu"))
+    assert [slot.shape for slot in (skeleton["state"][0][key] for key in ("step", "exp_avg", "exp_avg_sq"))] == [
+        (),
+        (3,),
+        (3,),
+    ]
+    assert isinstance(skeleton["param_groups"][0]["betas"], tuple)
+    assert pickle.loads(pickle.dumps(skeleton)) == skeleton  # no tensor left in it
+    rebuilt = filled(skeleton, tensors)
+    assert all(torch.equal(rebuilt["state"][0][key], state["state"][0][key]) for key in state["state"][0])
+    # A tensor elsewhere than the model's device (Adam's step count beside a GPU model) travels in the skeleton.
+    on_meta, tensors = split_tensors(state, torch.device("meta"))
+    assert tensors == []
+    assert on_meta["state"][0]["step"].device.type == "cpu"
+    assert not isinstance(on_meta["state"][0]["step"], TensorSlot)
 
 
 class _Filling(FakeCommunicator):
-    """A world whose broadcasts bring replica ``src``'s tensors and object (given), as a receiver sees them."""
+    """A world whose broadcasts bring replica ``src``'s tensors and objects (given in order), as a receiver sees them.
 
-    def __init__(self, world_size: int, rank: int, tensors=None, sent=None) -> None:
+    It keeps what this rank broadcast (``tensors_sent``, ``objects``): a sender's record, for a receiver to replay.
+    """
+
+    def __init__(self, world_size: int, rank: int, tensors=None, objects=None) -> None:
         super().__init__(world_size, rank)
-        self.tensors, self.sent, self.objects = list(tensors or []), sent, []
+        self.tensors, self.sent = list(tensors or []), list(objects or [])
+        self.tensors_sent, self.objects = [], []
 
     def broadcast_(self, tensor, src=0):
         super().broadcast_(tensor, src)
+        self.tensors_sent.append(tensor.clone())
         if self.tensors:
             tensor.copy_(self.tensors.pop(0))
 
     def broadcast_object(self, obj, src=0):
         self.objects.append(obj)
-        return pickle.loads(pickle.dumps(self.sent if self.sent is not None else obj))  # as a broadcast carries it
+        carried = self.sent.pop(0) if self.sent else obj
+        return pickle.loads(pickle.dumps(carried))  # as a broadcast carries it
 
 
 def _flat(tensors):
@@ -300,8 +329,10 @@ def test_a_handoff_gives_a_replica_that_sat_out_the_model_optimizer_plans_and_co
     before = _flat(source_module.parameters()).tolist()
     source._handoff(0, frozenset({2}))  # the source sends: nothing of its own changes
     assert _flat(source_module.parameters()).tolist() == before
-    assert sender.calls.count("broadcast_") == 1  # one dtype: one broadcast
-    world = _Filling(3, 2, tensors=[_flat(source_module.parameters())], sent=sender.objects[-1])
+    # One dtype: one broadcast of the model, one of the optimizer's state; its structure and the plans by pickle.
+    assert sender.calls.count("broadcast_") == 2
+    assert split_tensors(sender.objects[0], torch.device("cpu"))[1] == []  # the state's tensors were broadcast
+    world = _Filling(3, 2, tensors=sender.tensors_sent, objects=sender.objects)
     receiver, module, optimizer = _engine(2, world, seed=2)
     receiver.plans.plan_book.sizes_at(3)  # its sampler had drawn up to step 3
     receiver._handoff(0, frozenset({2}))
@@ -312,6 +343,33 @@ def test_a_handoff_gives_a_replica_that_sat_out_the_model_optimizer_plans_and_co
     assert receiver.plans.plan_book.last_served_step == 6  # what its sampler drew stays drawn
     assert receiver.reports.state_dict() == source.reports.state_dict()
     assert receiver.plans.admission is not source.plans.admission  # a copy, as a broadcast carries
+
+
+def test_a_replica_without_optimizer_state_receives_new_tensors_and_one_that_took_part_keeps_its_own():
+    source = _adam(seed=1)
+    sender = _Filling(3, 0)
+    broadcast_optimizer_state(sender, source, src=0, device=torch.device("cpu"), load=False)
+    assert sender.calls == ["broadcast_"]  # one dtype (the step count too, on the model's device)
+    fresh = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))])  # it sat out from the start: no state yet
+    broadcast_optimizer_state(
+        _Filling(3, 2, sender.tensors_sent, sender.objects), fresh, src=0, device=torch.device("cpu"), load=True
+    )
+    theirs, mine = source.state_dict()["state"][0], fresh.state_dict()["state"][0]
+    assert all(torch.equal(mine[key], theirs[key]) for key in theirs)
+    present = _adam(seed=1)  # it took part: the same state, which the broadcast fills in place
+    moment = present.state_dict()["state"][0]["exp_avg"]
+    broadcast_optimizer_state(
+        _Filling(3, 1, sender.tensors_sent, sender.objects), present, src=0, device=torch.device("cpu"), load=False
+    )
+    assert present.state_dict()["state"][0]["exp_avg"] is moment
+    assert torch.equal(moment, theirs["exp_avg"])
+
+
+def test_a_source_without_optimizer_sends_only_that():
+    sender = _Filling(2, 0)
+    broadcast_optimizer_state(sender, None, src=0, device=torch.device("cpu"), load=False)
+    assert sender.objects == [None]
+    assert "broadcast_" not in sender.calls
 
 
 def test_a_stop_seen_while_a_replica_sits_out_waits_for_the_segment_end_and_then_stops_every_replica():

@@ -1,0 +1,116 @@
+"""Handing one replica's model and optimizer state to the others, as a segment's handoff does (:mod:`.sitting_out`).
+
+The model's tensors and the optimizer's state tensors on the model's device travel by broadcast on the world's
+backend, one per dtype, into tensors of the receiver's own where it has them. An optimizer's state is often twice
+the model (Adam's two moments): pickled to every rank, as it was before, one handoff of Adam's state took 2.5 to
+2.8 times as long (3 gloo processes on CPU, 10⁶ and 10⁷ parameters). Only the state's structure and its small
+host-side entries (Adam's step count beside a GPU model) travel pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_aesgd.engine.comm import Communicator
+
+
+def broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor], src: int) -> None:
+    """Overwrite ``tensors`` in place with replica ``src``'s: one broadcast per dtype and device."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor.data)
+    for same in kinds.values():
+        flat = torch.cat([tensor.reshape(-1) for tensor in same])
+        comm.broadcast_(flat, src=src)
+        for tensor, piece in zip(same, torch.split(flat, [tensor.numel() for tensor in same]), strict=True):
+            tensor.copy_(piece.view_as(tensor))
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where a state tensor sent by broadcast belongs: its position among the broadcast tensors, shape and dtype."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def split_tensors(state: Any, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+    """``state`` (nested dicts, lists, tuples) with each tensor on ``device`` replaced by a :class:`TensorSlot`.
+
+    Returns the skeleton, with every other tensor copied to the host for pickling, and the tensors the slots number.
+
+    Example:
+        >>> skeleton, tensors = split_tensors({"m": torch.zeros(2), "lr": 0.1}, torch.device("cpu"))
+        >>> skeleton["m"], skeleton["lr"], len(tensors)
+        (TensorSlot(index=0, shape=(2,), dtype=torch.float32), 0.1, 1)
+    """
+    tensors: list[torch.Tensor] = []
+
+    def skeleton_of(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.device != device:
+                return value.detach().cpu()
+            tensors.append(value.detach())
+            return TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype)
+        if isinstance(value, dict):
+            return {key: skeleton_of(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(skeleton_of(item) for item in value)
+        return value
+
+    return skeleton_of(state), tensors
+
+
+def slots_of(skeleton: Any) -> list[TensorSlot]:
+    """The slots of ``skeleton``, in the order of its tensors."""
+    found: list[TensorSlot] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, TensorSlot):
+            found.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(skeleton)
+    return sorted(found, key=lambda slot: slot.index)
+
+
+def filled(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """``skeleton`` with each :class:`TensorSlot` replaced by its tensor: the inverse of :func:`split_tensors`."""
+    if isinstance(skeleton, TensorSlot):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, dict):
+        return {key: filled(item, tensors) for key, item in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(filled(item, tensors) for item in skeleton)
+    return skeleton
+
+
+def broadcast_optimizer_state(
+    comm: Communicator, optimizer: torch.optim.Optimizer | None, src: int, device: torch.device, load: bool
+) -> None:
+    """Replica ``src``'s optimizer state to every replica (a collective of ``comm``); loaded where ``load``.
+
+    Its state tensors on ``device`` (this rank's model device) travel by :func:`broadcast_tensors`: a receiver whose
+    own state has the same tensors receives into them (replicas that took part hold the same values already), any
+    other into new ones. Nothing is sent where ``src`` has no optimizer.
+    """
+    own = split_tensors(optimizer.state_dict(), device) if optimizer is not None else (None, [])
+    skeleton = comm.broadcast_object(own[0] if comm.rank == src else None, src=src)
+    if skeleton is None:
+        return
+    slots = slots_of(skeleton)
+    tensors = own[1]
+    if comm.rank != src and [(tuple(t.shape), t.dtype) for t in tensors] != [(s.shape, s.dtype) for s in slots]:
+        tensors = [torch.empty(slot.shape, dtype=slot.dtype, device=device) for slot in slots]
+    broadcast_tensors(comm, tensors, src)
+    if load and comm.rank != src and optimizer is not None:
+        optimizer.load_state_dict(filled(skeleton, tensors))
