@@ -103,15 +103,23 @@ def test_a_solo_step_time_is_the_line_through_its_two_batch_sizes():
 
 def test_machinery_figures_are_medians_and_excesses_over_one_process():
     wall = {"solo": [700.0, 800.0, 720.0], "ddp": [10_000.0] * 3, "adaptive_elastic": [9_900.0] * 3}
+    wall |= {"ddp_one": [900.0, 950.0, 910.0], "adaptive_elastic_one": [930.0, 912.0, 930.0]}
     cpu = {"solo": [700.0] * 3, "ddp": [3_700.0] * 3, "adaptive_elastic": [3_800.0] * 3}
+    cpu |= {"ddp_one": [905.0] * 3, "adaptive_elastic_one": [925.0] * 3}
     figures = machinery_figures(wall, cpu, repeats=3)
     assert list(figures)[:3] == ["repeats", "solo_us_per_step", "solo_cpu_us_per_step"]
     assert figures["solo_us_per_step"] == 720.0
     assert figures["ddp_machinery_us"] == pytest.approx(9_280.0)
     assert figures["adaptive_elastic_machinery_cpu_us"] == pytest.approx(3_100.0)
     text = machinery_table(figures)
-    assert text.splitlines()[2] == "| one process, no strategy | 720 | – | 700 | – |"
-    assert "| adaptive_elastic, 4 replicas | 9900 | 9180 | 3800 | 3100 |" in text
+    assert figures["ddp_one_machinery_us"] == pytest.approx(190.0)
+    # Repeat by repeat: 930/900, 912/950, 930/910.
+    assert figures["adaptive_elastic_one_vs_ddp_low"] == 0.96
+    assert figures["adaptive_elastic_one_vs_ddp_high"] == 930 / 900
+    assert text.splitlines()[2] == "| one process, no strategy | 720 | – | 700 | – | – |"
+    assert "| DDP, 4 replicas | 10000 | 9280 | 3700 | 3000 | – |" in text
+    assert "| adaptive_elastic, 4 replicas | 9900 | 9180 | 3800 | 3100 | 0.99-0.99 |" in text
+    assert text.splitlines()[-1] == "| adaptive_elastic, 1 replica | 930 | 210 | 925 | 225 | 0.96-1.03 |"
 
 
 def test_the_report_keeps_the_published_keys(tmp_path: Path):

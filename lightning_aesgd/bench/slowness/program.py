@@ -16,7 +16,7 @@ Per case it reports:
   error), how closely the replicas finish their steps by the strategy's own clocks, and the smallest batch any
   replica got;
 * a ``machinery`` case: wall time per step of a model that does almost nothing, for one process without any
-  strategy, DDP and ``adaptive_elastic``: the difference is each strategy's per-step cost.
+  strategy, DDP and ``adaptive_elastic`` (4 replicas, and 1): the difference is each strategy's per-step cost.
 
 Results are ratios measured within one run on this machine, never absolute device speeds.
 """

@@ -28,7 +28,12 @@ _CASE_HEADER = (
     "smallest batch",
     "final plan",
 )
-_STRATEGIES = (("ddp", "DDP, 4 replicas"), ("adaptive_elastic", "adaptive_elastic, 4 replicas"))
+_STRATEGIES = (
+    ("ddp", "DDP, 4 replicas"),
+    ("adaptive_elastic", "adaptive_elastic, 4 replicas"),
+    ("ddp_one", "DDP, 1 replica"),
+    ("adaptive_elastic_one", "adaptive_elastic, 1 replica"),
+)
 
 
 def write_report(
@@ -59,12 +64,15 @@ def machinery_table(figures: dict[str, float]) -> str:
         "machinery µs",
         "CPU µs of rank 0",
         "machinery CPU µs",
+        "wall ÷ DDP's, per repeat",
     )
     solo = (figures["solo_us_per_step"], figures["solo_cpu_us_per_step"])
-    rows = [["one process, no strategy", f"{solo[0]:.0f}", "–", f"{solo[1]:.0f}", "–"]]
+    rows = [["one process, no strategy", f"{solo[0]:.0f}", "–", f"{solo[1]:.0f}", "–", "–"]]
     for name, label in _STRATEGIES:
         keys = (f"{name}_us_per_step", f"{name}_machinery_us", f"{name}_cpu_us_per_step", f"{name}_machinery_cpu_us")
-        rows.append([label, *(f"{figures[key]:.0f}" for key in keys)])
+        low, high = figures.get(f"{name}_vs_ddp_low"), figures.get(f"{name}_vs_ddp_high")
+        versus = "–" if low is None or high is None else f"{low:.2f}-{high:.2f}"
+        rows.append([label, *(f"{figures[key]:.0f}" for key in keys), versus])
     return markdown_table(header, rows)
 
 
