@@ -195,9 +195,10 @@ class AdaptiveElasticMixin(SharedDevices):
         """Leave the model unwrapped (replicas are merged), or, for ``sync="gradients"``, wrap it as DDP does.
 
         Under gradient synchronisation the wrapper's communication hook sums the replicas' gradients, each weighted
-        by its share of the step's samples (see :meth:`backward`).
+        by its share of the step's samples (see :meth:`backward`); a job of one replica has no sum to run and
+        trains its model unwrapped (:meth:`~lightning_aesgd.engine.gradient_sync.GradientSync.wraps_model`).
         """
-        if self.engine.wraps_model:
+        if self.engine.wraps_model(self.world_size):
             super().configure_ddp()
             assert self.model is not None
             self.engine.configure_model(self.model)
@@ -287,7 +288,8 @@ class AdaptiveElasticMixin(SharedDevices):
             return bare_zero(self._module)  # no collective: not even DDP's forward, which would expect a sum
         if isinstance(batch, IdleBatch):
             # Gradient sums need every parameter's zero gradient, and a grad scaler its inf checks; merges neither.
-            every_parameter = self.engine.wraps_model or getattr(self.precision_plugin, "scaler", None) is not None
+            wrapped = self.engine.wraps_model(self.world_size)
+            every_parameter = wrapped or getattr(self.precision_plugin, "scaler", None) is not None
             with idle_training_step(self.lightning_module, every_parameter):
                 return super().training_step(*args, **kwargs)
         learner_step = self.engine.learner_step if self.engine.ready else None

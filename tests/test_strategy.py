@@ -13,6 +13,7 @@ import pytorch_lightning as pl
 import torch
 from helpers import RegressionData, RegressionModel, flat_parameters
 from pytorch_lightning.callbacks import ModelCheckpoint
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from lightning_aesgd import SMA, AdaptiveElasticStrategy
@@ -44,6 +45,34 @@ def test_fit_covers_every_sample_each_epoch_then_evaluates_and_predicts():
     assert validated == pytest.approx(tested)
     predictions = trainer.predict(model, dataloaders=model.val_dataloader())
     assert sum(len(p) for p in predictions) == 32
+
+
+class _Wrapped(pl.Callback):
+    """Whether the strategy trained the model wrapped in DistributedDataParallel (unwrapped again at teardown)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.wrapped = isinstance(trainer.strategy.model, DistributedDataParallel)
+
+
+def _one_replica_run(strategy):
+    pl.seed_everything(3)
+    model = RegressionModel(size=48, batch_size=8, momentum=0.9, shuffle=False)
+    wrapped = _Wrapped()
+    trainer = _trainer(strategy, max_epochs=2, limit_val_batches=0, callbacks=[wrapped])
+    trainer.fit(model)
+    return trainer, flat_parameters(model), wrapped.wrapped
+
+
+def test_one_replica_trains_its_model_unwrapped_with_ddps_updates():
+    trainer, trained, wrapped = _one_replica_run(AdaptiveElasticStrategy())
+    assert not wrapped  # nothing to sum: no reducer, no hooks
+    assert trainer.strategy.engine.sync_count == 12
+    assert "gradient sums: 12" in trainer.strategy.engine.summary()
+    _, ddp, ddp_wrapped = _one_replica_run("ddp")  # the same order of samples (DistributedSampler's)
+    assert ddp_wrapped
+    assert trained.tolist() == pytest.approx(ddp.tolist(), abs=1e-6)
+    # ABS-SGD's delayed sum needs the hook, which holds it for a step.
+    assert _one_replica_run(AdaptiveElasticStrategy(gradient_delay=1))[2]
 
 
 def test_model_checkpoint_loads_into_the_plain_module(tmp_path):

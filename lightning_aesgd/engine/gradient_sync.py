@@ -65,7 +65,6 @@ class GradientSync(StepPipeline):
         **step_options: the pipeline's own options (:class:`~lightning_aesgd.engine.pipeline.StepPipeline`).
     """
 
-    wraps_model = True  # DistributedDataParallel's reducer runs the sums, through GradientSum's hook
     sync_name = "gradient sums"
 
     def __init__(
@@ -100,6 +99,7 @@ class GradientSync(StepPipeline):
         self._device = torch.device("cpu")
         self._module: nn.Module | None = None
         self._arrived = 0.0
+        self._hooked = True  # whether DDP's reducer calls GradientSum's hook (see wraps_model)
         # Replicas apply the same summed gradient, but CPU and CUDA kernels may round an update differently: where
         # replicas run on different device types, rank zero's parameters travel with its buffers (set by the strategy).
         self.share_parameters = False
@@ -110,6 +110,15 @@ class GradientSync(StepPipeline):
         self.sit_out_allowed = True
         self._stop_decided = False  # a stop the replicas agreed on at a segment's start (engine.sitting_out)
         self._failure: NonFiniteReplicasError | None = None  # held until a segment's start while a replica sits out
+
+    def wraps_model(self, world_size: int) -> bool:
+        """DistributedDataParallel's reducer runs the sums, through GradientSum's hook; not for one replica alone.
+
+        A job of one replica has nothing to sum: its model trains unwrapped, as Lightning's single-device strategy
+        trains it (DDP's reducer and hooks cost a small model's step a third of its time on one core), and the
+        arrival comes after the backward. A delayed sum (ABS-SGD) still needs the hook to hold it for a step.
+        """
+        return world_size > 1 or self._delay > 0
 
     @property
     def delay(self) -> int:
@@ -139,6 +148,7 @@ class GradientSync(StepPipeline):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.reduce.comm = comm  # every sum, sparse ones included, goes through the communicator
         self.reduce.alone = comm.world_size == 1  # the whole job, not a segment's group of present replicas
+        self._hooked = self.wraps_model(comm.world_size)  # otherwise no hook marks the arrival: the closure does
         scaler = self.hooks.grad_scaler
         self.reduce.guard = scaler is None or not scaler.is_enabled()  # a scaler handles overflow itself
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
@@ -174,6 +184,8 @@ class GradientSync(StepPipeline):
             output = closure()
             if self.sitting.sits_out:
                 return output
+            if not self._hooked:
+                self._arrive()  # the backward is over: an unwrapped model's gradients are its sum
             self._take_reports()
             if not self.reduce.delay:
                 # DDP's reducer has made the compute stream wait for the sums: on CUDA the stamp lands after them.

@@ -105,9 +105,6 @@ class StepPipeline(ABC):
         sample_costs: per-sample costs for cost-aware splitting (see :func:`~.loading.resolve_sample_costs`).
     """
 
-    wraps_model = False
-    """Whether the strategy wraps the model in DistributedDataParallel for this sync mode."""
-
     learners = 1
     """Models each replica trains side by side (``learners_per_device``); batches are multiples of it."""
 
@@ -172,9 +169,13 @@ class StepPipeline(ABC):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, run_step: Callable[[], T]) -> T:
         """Run one step (``run_step``: Lightning's optimizer step) and this sync mode's synchronisation."""
 
+    def wraps_model(self, world_size: int) -> bool:
+        """Whether the strategy wraps the model in DistributedDataParallel, for a job of ``world_size`` replicas."""
+        return False
+
     @abstractmethod
     def configure_model(self, model: nn.Module) -> None:
-        """Take the model as the strategy prepared it (DistributedDataParallel where :attr:`wraps_model`)."""
+        """Take the model as the strategy prepared it (DistributedDataParallel where :meth:`wraps_model`)."""
 
     def after_backward_of(self, closure: Callable[[], T]) -> Callable[[], T]:
         """Lightning's closure (forward and backward) as the optimizer step should run it: unchanged by default."""
