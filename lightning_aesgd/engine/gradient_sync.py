@@ -363,7 +363,7 @@ class GradientSync(StepPipeline):
         world = self._comm()
         if self._module is not None:
             broadcast_tensors(world, [*self._module.parameters(), *self._module.buffers()], source)
-        broadcast_optimizer_state(world, self._optimizer, source, self._device, load=world.rank in absent)
+        optimizer_state = broadcast_optimizer_state(world, self._optimizer, source, self._device)
         sent: dict[str, Any] = {}
         if world.rank == source:
             sent["plans"], sent["reports"] = self.plans.shared_state(), self.reports.state_dict()
@@ -371,6 +371,8 @@ class GradientSync(StepPipeline):
         received = world.broadcast_object(sent, src=source)
         if world.rank not in absent:
             return
+        if optimizer_state is not None and self._optimizer is not None:  # after the collectives: see the callee
+            self._optimizer.load_state_dict(optimizer_state)
         self.plans.adopt_shared_state(received["plans"])
         self.reports.load_state_dict(received["reports"])
         self.reduce.exclusions.load_state_dict(received["exclusions"], self._device)

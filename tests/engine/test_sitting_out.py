@@ -252,20 +252,25 @@ def _adam(seed: int, device: str = "cpu") -> torch.optim.Adam:
 def test_optimizer_state_splits_into_a_picklable_skeleton_and_the_device_tensors():
     state = _adam(seed=0).state_dict()
     skeleton, tensors = split_tensors(state, torch.device("cpu"))
-    assert [slot.shape for slot in (skeleton["state"][0][key] for key in ("step", "exp_avg", "exp_avg_sq"))] == [
-        (),
-        (3,),
-        (3,),
-    ]
+    moments = [skeleton["state"][0][key] for key in ("exp_avg", "exp_avg_sq")]
+    assert moments == [TensorSlot(0, (3,), torch.float32), TensorSlot(1, (3,), torch.float32)]
     assert isinstance(skeleton["param_groups"][0]["betas"], tuple)
-    assert pickle.loads(pickle.dumps(skeleton)) == skeleton  # no tensor left in it
-    rebuilt = filled(skeleton, tensors)
+    # Adam's step count, a scalar, stays in the skeleton on the host on every device: the same slots on a GPU
+    # replica as on a CPU one, and never a step count on the GPU.
+    assert torch.equal(skeleton["state"][0]["step"], state["state"][0]["step"])
+    assert split_tensors(state, torch.device("meta"))[0]["state"][0]["step"].device.type == "cpu"
+    rebuilt = filled(pickle.loads(pickle.dumps(skeleton)), tensors)
     assert all(torch.equal(rebuilt["state"][0][key], state["state"][0][key]) for key in state["state"][0])
-    # A tensor elsewhere than the model's device (Adam's step count beside a GPU model) travels in the skeleton.
-    on_meta, tensors = split_tensors(state, torch.device("meta"))
-    assert tensors == []
-    assert on_meta["state"][0]["step"].device.type == "cpu"
-    assert not isinstance(on_meta["state"][0]["step"], TensorSlot)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_large_states_travel_in_chunks_and_large_tensors_in_place(monkeypatch, device):
+    monkeypatch.setattr("lightning_aesgd.engine.handoff.CHUNK_BYTES", 64)  # 16 floats
+    tensors = [torch.zeros(4, device=device), torch.zeros(8, device=device), torch.zeros(8, device=device)]
+    tensors.append(torch.zeros(40, device=device))  # alone, broadcast as it is
+    world = FakeCommunicator(world_size=2, device=device)
+    broadcast_tensors(world, tensors, src=0)
+    assert world.calls == ["broadcast_", "broadcast_", "broadcast_"]  # [4, 8], [8], [40]
 
 
 class _Filling(FakeCommunicator):
@@ -348,28 +353,41 @@ def test_a_handoff_gives_a_replica_that_sat_out_the_model_optimizer_plans_and_co
 def test_a_replica_without_optimizer_state_receives_new_tensors_and_one_that_took_part_keeps_its_own():
     source = _adam(seed=1)
     sender = _Filling(3, 0)
-    broadcast_optimizer_state(sender, source, src=0, device=torch.device("cpu"), load=False)
-    assert sender.calls == ["broadcast_"]  # one dtype (the step count too, on the model's device)
+    assert broadcast_optimizer_state(sender, source, src=0, device=torch.device("cpu")) is None  # nothing to load
+    assert sender.calls == ["broadcast_"]  # one dtype: both moments together
     fresh = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))])  # it sat out from the start: no state yet
-    broadcast_optimizer_state(
-        _Filling(3, 2, sender.tensors_sent, sender.objects), fresh, src=0, device=torch.device("cpu"), load=True
+    state = broadcast_optimizer_state(
+        _Filling(3, 2, sender.tensors_sent, sender.objects), fresh, src=0, device=torch.device("cpu")
     )
+    fresh.load_state_dict(state)
     theirs, mine = source.state_dict()["state"][0], fresh.state_dict()["state"][0]
     assert all(torch.equal(mine[key], theirs[key]) for key in theirs)
     present = _adam(seed=1)  # it took part: the same state, which the broadcast fills in place
     moment = present.state_dict()["state"][0]["exp_avg"]
-    broadcast_optimizer_state(
-        _Filling(3, 1, sender.tensors_sent, sender.objects), present, src=0, device=torch.device("cpu"), load=False
-    )
+    broadcast_optimizer_state(_Filling(3, 1, sender.tensors_sent, sender.objects), present, 0, torch.device("cpu"))
     assert present.state_dict()["state"][0]["exp_avg"] is moment
     assert torch.equal(moment, theirs["exp_avg"])
 
 
 def test_a_source_without_optimizer_sends_only_that():
     sender = _Filling(2, 0)
-    broadcast_optimizer_state(sender, None, src=0, device=torch.device("cpu"), load=False)
+    assert broadcast_optimizer_state(sender, None, src=0, device=torch.device("cpu")) is None
     assert sender.objects == [None]
     assert "broadcast_" not in sender.calls
+
+
+def test_a_replica_that_cannot_load_the_state_fails_after_the_handoffs_collectives():
+    source, source_module, _ = _engine(0, FakeCommunicator(3, 0), seed=1)
+    source._optimizer = torch.optim.SGD(source_module.parameters(), lr=0.1, momentum=0.9)  # another optimizer
+    source._optimizer.step()
+    sender = _Filling(3, 0)
+    source._comm_in_use = sender
+    source._handoff(0, frozenset({2}))
+    world = _Filling(3, 2, tensors=sender.tensors_sent, objects=sender.objects)
+    receiver, _, _ = _engine(2, world, seed=2)  # Adam cannot take SGD's state
+    with pytest.raises(KeyError):
+        receiver._handoff(0, frozenset({2}))
+    assert len(world.objects) == 2  # both broadcasts joined: the others wait for nobody
 
 
 def test_a_stop_seen_while_a_replica_sits_out_waits_for_the_segment_end_and_then_stops_every_replica():

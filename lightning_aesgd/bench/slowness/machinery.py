@@ -41,7 +41,7 @@ def measure_machinery(dataset: TensorDataset, steps: int, out: Path, repeats: in
     for _ in range(repeats):
         for name, (algorithm, factors) in RUNS.items():
             run_steps = steps * ONE_PROCESS_STEPS if len(factors) == 1 else steps
-            result = run_once(MACHINERY, algorithm, dataset, run_steps, out, factors=factors)
+            result = run_once(MACHINERY, algorithm, dataset, run_steps, out, factors=factors, name=name)
             wall[name].append(1e6 * result.seconds_per_step)
             cpu[name].append(1e6 * result.cpu_seconds_per_step)
     return machinery_figures(wall, cpu, repeats)

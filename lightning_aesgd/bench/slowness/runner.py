@@ -82,15 +82,16 @@ def run_once(
     out: Path,
     factors: tuple[float, ...] | None = None,
     batch_size: int = BATCH,
+    name: str | None = None,
 ) -> RunResult:
     """Train ``steps`` steps of ``case`` under ``algorithm`` (``ddp``, ``adaptive_elastic`` or ``solo``).
 
     ``factors`` replace the case's own (their number is the number of processes), e.g. ``(1.0,)`` for one
     replica alone, which under a CPU quota still gets the share of the cores one of the case's replicas gets.
-    ``batch_size`` is per replica and step.
+    ``batch_size`` is per replica and step; ``name`` names the run's record (the algorithm by default).
     """
     factors = factors or case.factors
-    path = out / "runs" / f"{case.name}-{algorithm}.json"
+    path = out / "runs" / f"{case.name}-{name or algorithm}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     strategy, slowdown = _strategy(algorithm, case.profile(factors), replicas_sharing=len(case.factors))
