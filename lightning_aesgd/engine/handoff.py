@@ -3,8 +3,8 @@
 The model's tensors and the optimizer's state tensors on the model's device travel by broadcast on the world's
 backend, one per dtype, into tensors of the receiver's own where it has them. An optimizer's state is often twice
 the model (Adam's two moments): pickled to every rank, as it was before, one handoff of Adam's state took 2.5 to
-3.9 times as long (3 gloo processes on CPU, 10⁶ and 10⁷ parameters, two runs). Only the state's structure and its small
-host-side entries (Adam's step count beside a GPU model) travel pickled.
+3.9 times as long (3 gloo processes on CPU, 10⁶ and 10⁷ parameters, two runs). Only the state's structure and its
+scalars (Adam's step count) travel pickled.
 """
 
 from __future__ import annotations
