@@ -258,7 +258,8 @@ class AdaptiveElasticMixin(SharedDevices):
         """
         batch = self.batch_to_device(next(iter(dataloader)))
         run_step = super().training_step
-        engine.choose_learners(lambda learners: measure_learners(self._module, run_step, batch, learners))
+        quiet = not self.is_global_zero  # every replica measures the same step: one warning is enough
+        engine.choose_learners(lambda learners: measure_learners(self._module, run_step, batch, learners, quiet=quiet))
 
     # --- training -----------------------------------------------------------------------------------------
 

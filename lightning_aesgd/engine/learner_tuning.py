@@ -109,12 +109,13 @@ def fits_in_memory(peak_bytes: int, parameter_bytes: int, learners: int, total_b
 
 
 def measure_learners(
-    module: nn.Module, run_step: Callable[..., Any], batch: Any, learners: int, repeats: int = 3
+    module: nn.Module, run_step: Callable[..., Any], batch: Any, learners: int, repeats: int = 3, quiet: bool = False
 ) -> float:
     """Samples per second of ``learners`` learners' forward and backward, each on ``batch``; 0 where they do not fit.
 
     They do not fit when the device runs out of memory, or leaves no room for their optimizer state
     (:func:`fits_in_memory`). One learner runs the step as it is (no batching), as ``learners_per_device=1`` trains.
+    A step that cannot run batched is a warning, or with ``quiet`` (every replica but one) a debug message.
     """
     device = module_device(module)
     if device.type == "cuda":
@@ -136,7 +137,8 @@ def measure_learners(
             torch.cuda.empty_cache()
             return 0.0
         except LearnerStepError as error:  # "auto" keeps the learners that can run: one, unbatched
-            log.warning("learners_per_device='auto' keeps 1 learner: %s", error)
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "learners_per_device='auto' keeps 1 learner: %s", error)
             return 0.0
     rate = learners * rows_each * repeats / max(time.perf_counter() - start, 1e-9)
     if device.type == "cuda" and not _fits_device(module, device, learners):

@@ -356,6 +356,10 @@ def test_auto_keeps_one_learner_where_the_step_cannot_run_batched(caplog):
         assert measure_learners(net, reads_the_loss, _batch(8, seed=0), 1, repeats=1) > 0.0
     assert "learners_per_device='auto' keeps 1 learner: The training step failed batched" in caplog.text
     assert [p.dim() for p in net.parameters()] == [p.dim() for p in Net().parameters()]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_aesgd"):  # another replica's measurement: no second warning
+        assert measure_learners(net, reads_the_loss, _batch(8, seed=0), 2, repeats=1, quiet=True) == 0.0
+    assert "keeps 1 learner" not in caplog.text
 
 
 def test_measuring_learners_leaves_the_module_as_it_was():
