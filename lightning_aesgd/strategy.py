@@ -48,7 +48,14 @@ from lightning_aesgd.settings import StrategySettings, check_timeout, refuse_unk
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
 from lightning_aesgd.torchrun_store import destroy_group_at_exit, end_launched_replicas, init_attempt_group
 from lightning_aesgd.trainer_io import SUMMARY_FILE as SUMMARY_FILE  # re-exported: where tests and users import it
-from lightning_aesgd.trainer_io import clip_gradients, log_metrics, logs_this_step, resumed_position, save_summary
+from lightning_aesgd.trainer_io import (
+    before_train_end,
+    clip_gradients,
+    log_metrics,
+    logs_this_step,
+    resumed_position,
+    save_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +161,8 @@ class AdaptiveElasticMixin(SharedDevices):
         self._checkpoint_extras: dict[str, Any] | None = None
         self._idle_safety_checked = False  # whether the training step was checked for collectives (once per fit)
         self._stop_check: StopCheck | None = None
+        self._undo_train_end: Callable[[], None] | None = None
+        self._fit_finished = False
 
     # LightningCLI's help describes each argument from the docstrings: the training options' are the settings'.
     __init__.__doc__ = StrategySettings.__doc__
@@ -241,6 +250,8 @@ class AdaptiveElasticMixin(SharedDevices):
         if isinstance(self.engine, GradientSync):  # CPU and CUDA kernels may round the same update differently
             self.engine.share_parameters = mixes_device_types(self.parallel_devices or [])
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
+        self._fit_finished = False
+        self._undo_train_end = before_train_end(trainer, self._finish_fit)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -353,16 +364,24 @@ class AdaptiveElasticMixin(SharedDevices):
             self.engine.end_evaluation()
         super().on_validation_end()
 
+    def _finish_fit(self) -> None:
+        """End the fit (a collective, once): the module leaves fit holding the merged model.
+
+        Run before Lightning's ``on_train_end`` hooks, so that they, ``trainer.test`` and users' code see it.
+        """
+        if self._fit_finished or not self.engine.running:
+            return
+        self._fit_finished = True
+        self.engine.finish()
+        self._fit_optimizer_states()  # the module holds one model now, and so should its optimizer
+        table = self.engine.summary() if self.telemetry and self.is_global_zero else None
+        if table is not None:
+            log.info("%s", table)
+            save_summary(self._module.trainer, self.engine.summary_record())
+
     @override
     def on_train_end(self) -> None:
-        # The module leaves fit holding the merged model: that is what `trainer.test` and users' code see.
-        if self.engine.running:
-            self.engine.finish()
-            self._fit_optimizer_states()  # the module holds one model now, and so should its optimizer
-            table = self.engine.summary() if self.telemetry and self.is_global_zero else None
-            if table is not None:
-                log.info("%s", table)
-                save_summary(self._module.trainer, self.engine.summary_record())
+        self._finish_fit()  # done already where the fit loop's end ran it
         super().on_train_end()
 
     @override
@@ -378,6 +397,9 @@ class AdaptiveElasticMixin(SharedDevices):
         if self._stop_check is not None:
             self._stop_check.restore()
             self._stop_check = None
+        if self._undo_train_end is not None:
+            self._undo_train_end()
+            self._undo_train_end = None
         self.engine.stop()
         self._fit_optimizer_states()
         super().teardown()

@@ -1,6 +1,7 @@
 """What the strategy reads from the Trainer and hands to its loggers, outside Lightning's hooks.
 
-Where a restored training loop resumes, the Trainer's gradient clipping for updates the strategy applies itself,
+Where a restored training loop resumes, the end of the fit loop (where the strategy finishes the fit), the
+Trainer's gradient clipping for updates the strategy applies itself,
 whether the loggers write at this step, the telemetry metrics handed to them, and the end-of-fit summary saved as
 JSON next to their logs. Each takes the Trainer (or module) of either Lightning namespace; nothing here imports
 Lightning.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,31 @@ def resumed_position(trainer: Any) -> tuple[int, int] | None:
     if not trainer.fit_loop.restarting:
         return None
     return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def before_train_end(trainer: Any, run: Callable[[], None]) -> Callable[[], None] | None:
+    """Run ``run`` when the fit loop ends, before Lightning's ``on_train_end`` hooks; returns what undoes it.
+
+    Lightning calls the callbacks' and the module's ``on_train_end`` before the strategy's: the strategy finishes
+    the fit first, so that they see the trained model. ``None`` where the Trainer has no such loop (the strategy's
+    own ``on_train_end`` then finishes the fit).
+    """
+    loop: Any = getattr(trainer, "fit_loop", None)
+    original = getattr(loop, "on_run_end", None)
+    if loop is None or original is None:
+        return None
+
+    def on_run_end(*args: Any, **kwargs: Any) -> Any:
+        run()
+        return original(*args, **kwargs)
+
+    loop.on_run_end = on_run_end  # the instance's, over the class's method
+
+    def undo() -> None:
+        if vars(loop).get("on_run_end") is on_run_end:
+            del loop.on_run_end
+
+    return undo
 
 
 def clip_gradients(module: Any, optimizer: Any) -> None:

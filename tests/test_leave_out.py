@@ -37,11 +37,13 @@ class _Record(pl.Callback):
         self.directory = directory
         self.record = {}
 
+    def on_train_epoch_end(self, trainer, pl_module):  # the last one: before the strategy's end of training
+        self.record["plans_in_training"] = trainer.strategy.plans.plan_book.state_dict()
+
     def on_train_end(self, trainer, pl_module):
         strategy = trainer.strategy
-        self.record = {"seen": pl_module.seen, "summary": strategy.engine.summary_record()}
+        self.record |= {"seen": pl_module.seen, "summary": strategy.engine.summary_record()}
         self.record["sat_out"] = getattr(strategy.engine, "sat_out_steps", 0)
-        self.record["plans_in_training"] = strategy.plans.plan_book.state_dict()  # before the strategy's handoff
 
     def on_fit_end(self, trainer, pl_module):  # after the strategy's end of training: replicas caught up
         self.record["plans"] = trainer.strategy.plans.plan_book.state_dict()

@@ -84,7 +84,7 @@ SCRIPT = textwrap.dedent(
 
 
     class Report(pl.Callback):
-        # Callbacks' on_train_end runs before the strategy's, which ends the engine.
+        # Callbacks' on_train_end runs before the strategy's teardown, which ends the engine.
         def on_train_end(self, trainer, pl_module):
             strategy = trainer.strategy
             plans = strategy.plans
