@@ -75,6 +75,19 @@ def test_one_replica_trains_its_model_unwrapped_with_ddps_updates():
     assert _one_replica_run(AdaptiveElasticStrategy(gradient_delay=1))[2]
 
 
+def test_the_fit_ends_before_the_train_end_hooks_and_the_loop_is_left_as_it_was():
+    ended = []
+
+    class Hooks(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            ended.append(trainer.strategy._fit_finished)
+
+    trainer = _trainer(max_steps=3, limit_val_batches=0, callbacks=[Hooks()])
+    trainer.fit(RegressionModel())
+    assert ended == [True]  # the strategy had finished the fit when the callbacks' on_train_end ran
+    assert "on_run_end" not in vars(trainer.fit_loop)  # the fit loop's own method again after teardown
+
+
 def test_model_checkpoint_loads_into_the_plain_module(tmp_path):
     model = RegressionModel()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last", every_n_train_steps=6)
