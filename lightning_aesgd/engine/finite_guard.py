@@ -25,26 +25,33 @@ FLAG_SLOTS = 2
 """Numbers appended to a guarded contribution: the finite share ``fᵢ·sᵢ`` and the non-finite count ``1 − fᵢ``."""
 
 
-def guarded(buffer: Tensor, share: float) -> Tensor:
+def guarded(buffer: Tensor, share: float, rider: Tensor | None = None) -> Tensor:
     """A copy of the flat dense ``buffer``, zeros if any element is not finite, with the two flags appended.
 
     The finiteness test reads the buffer's sum (one pass): a NaN or an infinity makes it non-finite, and so,
     harmlessly, does a sum that overflows. On a device it is decided there, without waiting for the device; on
     the host it is read at once, which saves the small tensor operations that dominate short steps.
+
+    A ``rider`` (of the buffer's dtype) travels after the flags, whatever the buffer holds: numbers that share the
+    bucket's all-reduce (the replicas' reports). The guarded part is the first ``buffer.numel() + FLAG_SLOTS``.
     """
-    contribution = torch.empty(buffer.numel() + FLAG_SLOTS, dtype=buffer.dtype, device=buffer.device)
+    extra = 0 if rider is None else rider.numel()
+    contribution = torch.empty(buffer.numel() + FLAG_SLOTS + extra, dtype=buffer.dtype, device=buffer.device)
+    if rider is not None:
+        contribution[buffer.numel() + FLAG_SLOTS :].copy_(rider)
+    head = contribution[: buffer.numel() + FLAG_SLOTS]
     if _on_host(buffer):
         if math.isfinite(buffer.sum().item()):
-            contribution[:-2].copy_(buffer)
-            contribution[-2:] = torch.tensor([share, 0.0], dtype=buffer.dtype)
+            head[:-2].copy_(buffer)
+            head[-2:] = torch.tensor([share, 0.0], dtype=buffer.dtype)
         else:
-            contribution.zero_()
-            contribution[-1] = 1.0
+            head.zero_()
+            head[-1] = 1.0
         return contribution
     finite = torch.isfinite(buffer.sum())
     zero = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
-    torch.where(finite, buffer, zero, out=contribution[:-2])
-    contribution[-2:] = torch.stack([finite * share, ~finite]).to(buffer.dtype)
+    torch.where(finite, buffer, zero, out=head[:-2])
+    head[-2:] = torch.stack([finite * share, ~finite]).to(buffer.dtype)
     return contribution
 
 

@@ -3,8 +3,8 @@
 :class:`GradientSync` is the :class:`~lightning_aesgd.engine.pipeline.StepPipeline` whose sync point is every
 step's gradient sum: it gives each step's gradient the weight ``bᵢ/M`` (``loss_weight``, by which the strategy
 scales the loss) for DDP's communication hook to sum
-(:class:`~lightning_aesgd.engine.gradients.GradientSum`), and the replicas' reports travel in a small all-reduce
-launched with the last gradient bucket. Every replica holds the same model and optimizer state, as
+(:class:`~lightning_aesgd.engine.gradients.GradientSum`), and the replicas' reports ride in the last gradient
+bucket's all-reduce. Every replica holds the same model and optimizer state, as
 under DDP, so evaluation and checkpoints need no merged model.
 """
 
@@ -267,7 +267,7 @@ class GradientSync(StepPipeline):
         return self.sitting.comm if self.sitting.comm is not None else self._comm()
 
     def _arrive(self) -> None:
-        """The last bucket is ready: report this replica's period in a small all-reduce launched before it.
+        """The last bucket is ready: report this replica's period, carried in that bucket's sum where it can be.
 
         The arrival clock stamps the arrival before any collective is launched; on CUDA the stamp lies on the compute
         stream, after the backward, so the host does not wait for the device here. The forward and backward's
@@ -280,8 +280,10 @@ class GradientSync(StepPipeline):
             # The period's report travels beside the sums; the replica works on from its arrival (the time it then
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).
             report = self.arrivals.arrive(self._share, stop=self.hooks.stop_requested())
-            world = self._comm()
-            self.reports.launch(report.as_row(), self._step_comm(), self._device, world.rank, world.world_size)
+            world, step_comm = self._comm(), self._step_comm()
+            # In the last bucket's sum where it can (over the same replicas): no collective of the report's own.
+            carrier = self.reduce.carry if self._hooked and self.reduce.comm is step_comm else None
+            self.reports.launch(report.as_row(), step_comm, self._device, world.rank, world.world_size, carrier)
             self.arrivals.continue_after_arrival()
         if not self.reduce.delay and not self.reduce.alone:
             self.arrivals.begin_wait()  # DDP's reducer now waits for the slowest replica's buckets

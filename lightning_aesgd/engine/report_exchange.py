@@ -1,6 +1,7 @@
 """Reports beside the gradient sums: launched with a step's last bucket, taken in after its backward.
 
-Under gradient synchronisation every step is a sync point, but a report is a collective of its own. The
+Under gradient synchronisation every step is a sync point: a report rides in the last gradient bucket's
+all-reduce, and has a small all-reduce of its own only where that bucket cannot carry it. The
 :class:`ReportExchange` sends one every ``lag + 1`` steps until the plan is settled (a plan is made only after
 the previous one has been applied and measured), then about every quarter second of training
 (:func:`~lightning_aesgd.core.schedule.report_interval`). Every replica decides from the same received reports,
@@ -14,11 +15,15 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_aesgd.core.schedule import report_interval
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.comm import Communicator, copy_from_host
 from lightning_aesgd.engine.plan_loop import PlanLoop
+
+Carrier = Callable[[Tensor], "torch.futures.Future[Tensor] | None"]
+"""Takes a report table into a sum launched anyway and returns its future, or ``None`` where it cannot."""
 
 SETTLED_SPREAD = 0.1
 """A plan whose predicted step times agree within this fraction counts as settled: reports may then space out."""
@@ -28,7 +33,7 @@ class ReportExchange:
     """When reports are due, and the report all-reduces in flight, for one replica under gradient sync."""
 
     def __init__(self) -> None:
-        self._in_flight: list[torch.futures.Future[Any]] = []
+        self._in_flight: list[torch.futures.Future[Tensor]] = []
         self._next_report = 0  # the global step of the next report (the first step of a fit reports)
         self._every = 0  # steps between reports, from the latest reports (0: none received yet)
 
@@ -44,23 +49,33 @@ class ReportExchange:
         return True
 
     def launch(
-        self, row: list[float], comm: Communicator, device: torch.device, slot: int | None = None, rows: int = 0
+        self,
+        row: list[float],
+        comm: Communicator,
+        device: torch.device,
+        slot: int | None = None,
+        rows: int = 0,
+        carrier: Carrier | None = None,
     ) -> None:
-        """Launch the all-reduce of every replica's report row, this replica's ``row`` in its own place.
+        """Launch the sum of every replica's report row, this replica's ``row`` in its own place.
 
         Over a group of some replicas (the others sitting out), ``slot`` is this replica's world rank and ``rows``
-        the world's size: the rows of the replicas outside the group arrive as zeros.
+        the world's size: the rows of the replicas outside the group arrive as zeros. A ``carrier`` takes the
+        table into a sum it launches anyway over ``comm`` (the last gradient bucket's:
+        :meth:`~lightning_aesgd.engine.gradients.GradientSum.carry`); where it cannot, the table has an all-reduce
+        of its own.
         """
         table = torch.zeros(rows or comm.world_size, len(row), dtype=torch.float64, device=device)
         copy_from_host(table[comm.rank if slot is None else slot], row)  # pinned, non-blocking: no wait here
-        self._in_flight.append(comm.all_reduce_sum_async(table))
+        carried = carrier(table) if carrier is not None else None
+        self._in_flight.append(carried if carried is not None else _summed(table, comm))
 
     def received(self, keep: int, waiting: Callable[[], AbstractContextManager[Any]]) -> Iterator[list[list[float]]]:
         """Every exchange but the latest ``keep``, oldest first, as rows; the wait for each inside ``waiting()``."""
         while len(self._in_flight) > keep:
             future = self._in_flight.pop(0)
             with waiting():
-                rows = future.wait()[0]
+                rows = future.wait()
             yield rows.cpu().tolist()
 
     def state_dict(self) -> dict[str, int]:
@@ -83,6 +98,12 @@ class ReportExchange:
         reports = [report for rank, report in enumerate(plans.latest_reports) if rank not in plans.held_out]
         settled = plans.balanced_within(SETTLED_SPREAD) and all(report.steps >= shortest for report in reports)
         self._every = report_interval(_step_seconds(reports), shortest) if settled else shortest
+
+
+def _summed(table: Tensor, comm: Communicator) -> torch.futures.Future[Tensor]:
+    """The all-reduce of a report table on its own."""
+    summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(table)
+    return summed.then(lambda future: future.value()[0])
 
 
 def _step_seconds(reports: list[PeriodReport]) -> float:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
 from lightning_aesgd.checks import UnsupportedSettingError, check_gradient_settings
+from lightning_aesgd.engine import report_exchange
 
 TIMEOUT = timedelta(seconds=90)
 
@@ -80,14 +81,21 @@ class _PlanWriter(pl.Callback):
             self.path.write_text(json.dumps(trainer.strategy.plans.plan_book.state_dict()))
 
 
+def _no_report_on_its_own(table: Tensor, comm: Any) -> Any:
+    raise AssertionError("a report table had an all-reduce of its own instead of riding in the last bucket's sum")
+
+
 # --- equivalence with DDP -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum"])
 @multiprocess
-def test_gradient_sync_follows_ddp_at_uneven_changing_plans(tmp_path, optimizer):
+def test_gradient_sync_follows_ddp_at_uneven_changing_plans(tmp_path, monkeypatch, optimizer):
     """Replica 1's hooks take 3× as long per sample: the plan moves from 8:8 towards 12:4, and every step's update
-    is still DDP's, Σ (bᵢ/M)·gᵢ over the same M samples, so Adam's trajectory is DDP's (models mode misses it)."""
+    is still DDP's, Σ (bᵢ/M)·gᵢ over the same M samples, so Adam's trajectory is DDP's (models mode misses it).
+
+    The reports that move the plan ride in the last bucket's sum: none has an all-reduce of its own."""
+    monkeypatch.setattr(report_exchange, "_summed", _no_report_on_its_own)  # the forked replicas inherit it
     model_class = AdamRegression if optimizer == "adam" else RegressionModel
     model_kwargs: dict[str, Any] = {"size": 256, "batch_size": 8}
     if optimizer == "sgd_momentum":

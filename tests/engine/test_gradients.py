@@ -370,3 +370,77 @@ def test_a_non_finite_sparse_gradient_is_left_out_of_its_sum(method):
     reduce.end_step()
     torch.testing.assert_close(summed.to_dense(), torch.zeros(5, 2))
     assert reduce.exclusions.read() == (2, 1)
+
+
+def _carrying(reduce: GradientSum, table: torch.Tensor, carried: list) -> None:
+    """An ``on_last_bucket`` that hands ``reduce`` a report table, as the strategy's arrival does."""
+    reduce.on_last_bucket = lambda: carried.append(reduce.carry(table))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("delay", [0, 1])
+def test_the_last_bucket_carries_a_report_table_in_its_own_all_reduce(dtype, delay):
+    """Two replicas (the fake's peer sends what this one does): one collective returns the bucket's sum and the
+    table's, in float64 to far more than float32's 7 digits."""
+    comm = FakeCommunicator(world_size=2)
+    reduce, carried = GradientSum(delay=delay, comm=comm), []
+    table = torch.tensor([[1.0 / 3.0, 12345.678901234], [0.0, 0.0]], dtype=torch.float64)
+    _carrying(reduce, table, carried)
+    params = _params()
+    grads = [g.to(dtype) for g in _grads(0.5)]
+    reduce.begin_step()
+    summed = reduce.reduce(FakeBucket(params, grads)).wait()
+    reduce.end_step()
+    assert comm.calls == ["all_reduce_sum_async"]
+    (future,) = carried
+    torch.testing.assert_close(future.wait(), 2 * table, rtol=1e-13, atol=0)
+    if delay:  # the first delayed step applies nothing; its sum is the pending one
+        pending = reduce.take_pending()
+        summed = torch.cat([pending[id(p)] for p in params])
+    torch.testing.assert_close(summed, torch.full((7,), 1.0, dtype=dtype))
+    assert reduce.exclusions.read() == (0, 0)
+
+
+def test_a_non_finite_bucket_still_carries_the_table():
+    """The guard zeroes a NaN replica's gradients, never the report that rides with them."""
+    reduce, carried = GradientSum(comm=FakeCommunicator(world_size=2)), []
+    _carrying(reduce, torch.ones(2, 3, dtype=torch.float64), carried)
+    reduce.begin_step()
+    summed = reduce.reduce(FakeBucket(_params(), [torch.full((2, 2), float("nan")), torch.ones(3)])).wait()
+    reduce.end_step()
+    torch.testing.assert_close(summed, torch.zeros(7))
+    torch.testing.assert_close(carried[0].wait(), torch.full((2, 3), 2.0, dtype=torch.float64))
+    assert reduce.exclusions.read() == (2, 1)
+
+
+def _bucket_that_cannot_carry(case: str) -> tuple[GradientSum, FakeBucket | SparseBucket]:
+    reduce = GradientSum(comm=FakeCommunicator(world_size=2))
+    if case == "sparse":
+        grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 2), (5, 2))
+        return reduce, SparseBucket(nn.Parameter(torch.zeros(5, 2)), grad)
+    grads = _grads(1.0)
+    if case == "bfloat16":
+        grads = [g.to(torch.bfloat16) for g in grads]
+    reduce.guard = case != "grad_scaler"
+    reduce.alone = case == "alone"
+    return reduce, FakeBucket(_params(), grads)
+
+
+@pytest.mark.parametrize("case", ["sparse", "bfloat16", "grad_scaler", "alone"])
+def test_a_bucket_that_cannot_carry_the_table_declines_it(case):
+    """Sparse and half-precision buckets, DDP's own in-place sum under a grad scaler, and a lone replica's bucket
+    (no sum at all): the report then has an all-reduce of its own, decided alike on every replica."""
+    reduce, bucket = _bucket_that_cannot_carry(case)
+    carried: list = []
+    _carrying(reduce, torch.ones(2, 3, dtype=torch.float64), carried)
+    reduce.begin_step()
+    reduce.reduce(bucket).wait()
+    assert carried == [None]
+
+
+def test_carrying_is_only_offered_during_the_last_buckets_arrival():
+    reduce = GradientSum(comm=FakeCommunicator(world_size=2))
+    assert reduce.carry(torch.ones(2, 3, dtype=torch.float64)) is None
+    reduce.begin_step()
+    reduce.reduce(FakeBucket(_params(), _grads(1.0), last=False)).wait()
+    assert reduce.carry(torch.ones(2, 3, dtype=torch.float64)) is None

@@ -27,6 +27,7 @@ from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import WeightedAllReduce
 from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
 from lightning_aesgd.engine.flat import FlatView, to_host
+from lightning_aesgd.engine.gradients import GradientSum
 from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.pipeline import TrainerHooks
 from lightning_aesgd.engine.plan_settings import PlanSettings
@@ -230,6 +231,37 @@ def test_the_finite_guard_stays_on_the_device_without_reading_it():
     assert (summed.device.type, summed.numel()) == ("meta", 5)
     exclusions = Exclusions()
     exclusions.add_step([flags_of(contribution), flags_of(contribution)], world_size=4)  # counted on the device
+
+
+class _MetaBucket:
+    """DDP's last gradient bucket as the hook sees it, on ``meta``."""
+
+    def __init__(self) -> None:
+        self.params = [nn.Parameter(torch.empty(2, 2, device="meta")), nn.Parameter(torch.empty(3, device="meta"))]
+
+    def buffer(self) -> Tensor:
+        return torch.empty(7, device="meta")
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.params
+
+
+def test_a_report_carried_in_the_last_buckets_sum_stays_on_the_device():
+    """The table rides in the bucket's all-reduce and comes back on the device, split and joined there."""
+    reduce = GradientSum(comm=FakeCommunicator(world_size=2, device="meta"))
+    table = torch.empty(2, 11, dtype=torch.float64, device="meta")
+    carried: list[torch.futures.Future[Tensor] | None] = []
+    reduce.on_last_bucket = lambda: carried.append(reduce.carry(table))
+    reduce.begin_step()
+    summed = reduce.reduce(_MetaBucket()).wait()
+    reduce.end_step()
+    assert carried[0] is not None
+    rows = carried[0].wait()
+    assert (summed.device.type, summed.numel()) == ("meta", 7)
+    assert (rows.device.type, rows.dtype, rows.shape) == ("meta", torch.float64, table.shape)
 
 
 @pytest.mark.parametrize("device", DEVICES)

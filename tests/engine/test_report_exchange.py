@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from helpers import FakeCommunicator
@@ -80,3 +80,25 @@ def test_a_new_fit_reports_at_its_first_step_again():
     assert not exchange.due(1, plans)
     exchange.start()
     assert exchange.due(0, plans)
+
+
+def test_a_carried_table_needs_no_all_reduce_of_its_own_and_a_declined_one_gets_one():
+    exchange, comm = ReportExchange(), FakeCommunicator(world_size=2, rank=1)
+    row = PeriodReport(0.5, work=16.0, steps=1.0).as_row()
+    carried: list[torch.Tensor] = []
+
+    def carrier(table: torch.Tensor) -> torch.futures.Future:
+        carried.append(table)
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(table * 3)  # what the carrying sum returns
+        return future
+
+    exchange.launch(row, comm, torch.device("cpu"), carrier=carrier)
+    assert comm.calls == []
+    torch.testing.assert_close(carried[0][1], torch.tensor(row, dtype=torch.float64))
+    (rows,) = list(exchange.received(keep=0, waiting=nullcontext))
+    assert PeriodReport.from_row(rows[1]).work == 48.0
+    exchange.launch(row, comm, torch.device("cpu"), carrier=lambda table: None)
+    assert comm.calls == ["all_reduce_sum_async"]
+    (rows,) = list(exchange.received(keep=0, waiting=nullcontext))
+    assert PeriodReport.from_row(rows[1]).work == 32.0  # the fake's peer sends the same row
