@@ -63,6 +63,9 @@ from lightning_aesgd.engine.finite_guard import FLAG_SLOTS, Exclusions, flags_of
 Launched = tuple[list[nn.Parameter], torch.futures.Future[Tensor], Tensor]
 """A bucket's sum in flight: its parameters, the future of the sum, and the sum's finite flags (finite_guard)."""
 
+Rider = tuple[Tensor, "torch.futures.Future[Tensor]"]
+"""A float64 table that rides in the last bucket's sum, and the future of its own sum (:meth:`GradientSum.carry`)."""
+
 Pending = dict[int, Tensor]
 """Reduced gradients awaiting their update, keyed by ``id`` of the parameter: flat chunks in DDP's bucket layout
 (a sparse gradient as it is)."""
@@ -121,8 +124,8 @@ class GradientSum:
         self._ready: Pending | None = None  # the previous step's sums, per parameter, once awaited
         self._took_previous = False
         self._step_flags: list[Tensor] = []  # the flags of this step's synchronous sums
-        self._carriable = False  # while on_last_bucket runs: whether the last bucket's sum can carry (see carry)
-        self._rider: tuple[Tensor, torch.futures.Future[Tensor]] | None = None  # what it carries, and its future
+        self._carrier: torch.device | None = None  # while on_last_bucket runs: the last bucket's, if it can carry
+        self._rider: Rider | None = None  # what on_last_bucket handed it (see carry)
         self.compensate_momentum = compensate_momentum
         self._momentum: dict[int, float] = {}  # μ per parameter (id) where compensated
         self.applied: Pending = {}  # the raw sums of the latest update, for parameters with momentum
@@ -185,33 +188,41 @@ class GradientSum:
             itself: a sparse, half-precision or unguarded (grad-scaled) bucket, or one replica alone. Every
             replica decides alike, from what they all share, so the all-reduce has one size on every replica.
         """
-        if not self._carriable:
+        if self._carrier is None:
             return None
         # On CUDA a future of the device's, so that whoever waits for it waits for the stream that joined the parts.
-        devices: list[int | str | torch.device] | None = [table.device] if table.device.type == "cuda" else None
+        on_cuda = self._carrier.type == "cuda"
+        devices: list[int | str | torch.device] | None = [self._carrier] if on_cuda else None
         carried: torch.futures.Future[Tensor] = torch.futures.Future(devices=devices)
         self._rider = (table, carried)
         return carried
 
-    def _can_carry(self, buffer: Tensor) -> bool:
-        return self.guard and not self.alone and not buffer.is_sparse and buffer.dtype in CARRIERS
+    def _arrival(self, buffer: Tensor, on_last_bucket: Callable[[], None]) -> Rider | None:
+        """Call ``on_last_bucket`` with the last bucket's sum offered to :meth:`carry`; what it handed over.
+
+        Nothing handed over outlives this call (an exception in ``on_last_bucket`` included): no other bucket
+        ever carries a table.
+        """
+        if self.guard and not self.alone and not buffer.is_sparse and buffer.dtype in CARRIERS:
+            self._carrier = buffer.device
+        try:
+            on_last_bucket()
+            return self._rider
+        finally:
+            self._carrier, self._rider = None, None
 
     def reduce(self, bucket: Any) -> torch.futures.Future[Tensor]:
         """DDP's hook body: sum the bucket over replicas; return this step's sum or the previous one's."""
         buffer = bucket.buffer()
-        if bucket.is_last() and self.on_last_bucket is not None:
-            self._carriable = self._can_carry(buffer)
-            try:
-                self.on_last_bucket()
-            finally:
-                self._carriable = False
+        arrive = self.on_last_bucket if bucket.is_last() else None
+        rider = self._arrival(buffer, arrive) if arrive is not None else None
         if self.alone and not (self.delay or buffer.is_sparse):
             # A job of one replica: the sum is the bucket itself, and its non-finite values can reach no other
             # replica's update. As under DDP: no copy, no collective and no finiteness test (a pass over every
             # gradient, which on one device was the largest part of the strategy's cost per step). Not so for a
             # segment's group of one present replica (others sitting out): they take its model at the handoff.
             return _completed(buffer)
-        result, flags = self._sum_sparse(buffer) if buffer.is_sparse else self._sum_dense(buffer)
+        result, flags = self._sum_sparse(buffer) if buffer.is_sparse else self._sum_dense(buffer, rider)
         if not self.delay:
             self._step_flags.append(flags)
             return result
@@ -220,8 +231,8 @@ class GradientSum:
         ready = self._previous_sums()
         return _completed(_assemble(ready, params) if ready is not None else _nothing_to_apply(buffer))
 
-    def _sum_dense(self, buffer: Tensor) -> tuple[torch.futures.Future[Tensor], Tensor]:
-        """Launch the sum of a dense bucket, guarded (:mod:`~lightning_aesgd.engine.finite_guard`).
+    def _sum_dense(self, buffer: Tensor, rider: Rider | None = None) -> tuple[torch.futures.Future[Tensor], Tensor]:
+        """Launch the sum of a dense bucket, guarded (:mod:`~lightning_aesgd.engine.finite_guard`), with a ``rider``.
 
         The guarded contribution is a copy, which a delayed sum needs anyway: DDP refills the bucket's buffer with
         the next step's gradients, possibly while a slower replica has not joined this sum yet.
@@ -231,13 +242,11 @@ class GradientSum:
             held = _held_contribution(buffer) if self.delay else buffer
             plain: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(held)
             return plain.then(lambda future: future.value()[0]), torch.zeros(2, device=buffer.device)
-        rider, self._rider = self._rider, None
         if rider is None:
             contribution = guarded(buffer, self.share)
             summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(contribution)
             return summed.then(lambda future: renormalised(future.value()[0])), flags_of(contribution)
         table, carried = rider
-        contribution = guarded(buffer, self.share, split_wide(table, buffer.dtype))
         length = buffer.numel() + FLAG_SLOTS
 
         def unloaded(future: torch.futures.Future[list[Tensor]]) -> Tensor:
@@ -249,7 +258,13 @@ class GradientSum:
             carried.set_result(joined_wide(total[length:], table.shape))
             return renormalised(total[:length])
 
-        return comm.all_reduce_sum_async(contribution).then(unloaded), flags_of(contribution[:length])
+        try:
+            contribution = guarded(buffer, self.share, split_wide(table, buffer.dtype))
+            launched: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(contribution)
+        except Exception as error:  # whoever waits for the table learns why it never came
+            carried.set_exception(error)  # type: ignore[arg-type]
+            raise
+        return launched.then(unloaded), flags_of(contribution[:length])
 
     def _comm(self, device: torch.device) -> Communicator:
         if self.comm is None:

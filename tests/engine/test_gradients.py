@@ -444,3 +444,45 @@ def test_carrying_is_only_offered_during_the_last_buckets_arrival():
     reduce.begin_step()
     reduce.reduce(FakeBucket(_params(), _grads(1.0), last=False)).wait()
     assert reduce.carry(torch.ones(2, 3, dtype=torch.float64)) is None
+
+
+def test_a_table_handed_over_by_an_arrival_that_then_fails_rides_in_no_later_sum():
+    """An exception after ``carry`` (an interrupt in the arrival) leaves nothing behind for another bucket: a sum
+    longer than the peers' would hang them."""
+    sizes: list[int] = []
+
+    class Sized(FakeCommunicator):
+        def all_reduce_sum_async(self, tensor: torch.Tensor) -> torch.futures.Future:
+            sizes.append(tensor.numel())
+            return super().all_reduce_sum_async(tensor)
+
+    reduce = GradientSum(comm=Sized(world_size=2))
+
+    def failing_arrival() -> None:
+        reduce.carry(torch.ones(2, 3, dtype=torch.float64))
+        raise KeyboardInterrupt
+
+    reduce.on_last_bucket = failing_arrival
+    reduce.begin_step()
+    with pytest.raises(KeyboardInterrupt):
+        reduce.reduce(FakeBucket(_params(), _grads(1.0)))
+    reduce.on_last_bucket = None
+    reduce.begin_step()
+    reduce.reduce(FakeBucket(_params(), _grads(1.0), last=False)).wait()
+    assert sizes == [7 + 2]  # the bucket and its flags: no table
+    assert reduce.carry(torch.ones(2, 3, dtype=torch.float64)) is None
+
+
+def test_a_sum_that_cannot_be_launched_fails_the_carried_table_too():
+    class Unlaunchable(FakeCommunicator):
+        def all_reduce_sum_async(self, tensor: torch.Tensor) -> torch.futures.Future:
+            raise RuntimeError("the communicator was aborted")
+
+    reduce, carried = GradientSum(comm=Unlaunchable(world_size=2)), []
+    _carrying(reduce, torch.ones(2, 3, dtype=torch.float64), carried)
+    reduce.begin_step()
+    with pytest.raises(RuntimeError, match="aborted"):
+        reduce.reduce(FakeBucket(_params(), _grads(1.0)))
+    assert carried[0].done()  # failed, not left for a waiter to hang on
+    with pytest.raises(RuntimeError, match="aborted"):
+        carried[0].wait()
