@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionModel, cpu_trainer, flat_parameters
+from helpers import RegressionModel, cpu_trainer, flat_parameters, no_report_on_its_own
 
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
+from lightning_aesgd.engine import report_exchange
 from lightning_aesgd.engine.loading import IdleBatch
 from lightning_aesgd.engine.model_merge import MAX_STEPS_ALONE
 from lightning_aesgd.engine.sitting_out import SEGMENT_STEPS
@@ -83,7 +84,9 @@ def test_lr_scaling_under_merges_lets_an_idle_replica_step(tmp_path):
 
 
 @pytest.mark.parametrize("sync", ["gradients", "models"])
-def test_a_replica_50x_slower_is_left_out_and_every_sample_is_still_used_once(tmp_path, sync):
+def test_a_replica_50x_slower_is_left_out_and_every_sample_is_still_used_once(tmp_path, monkeypatch, sync):
+    """Under gradient sync the reports ride in the sums of the replicas taking part, none in a collective of its own."""
+    monkeypatch.setattr(report_exchange, "_summed", no_report_on_its_own)  # the forked replicas inherit it
     size, epochs = 480, 2
     steps_per_epoch = size // (3 * BATCH)  # 20
     slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": 0.0003})

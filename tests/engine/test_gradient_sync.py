@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionModel, cpu_trainer, flat_parameters
+from helpers import RegressionModel, cpu_trainer, flat_parameters, no_report_on_its_own
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
@@ -81,10 +81,6 @@ class _PlanWriter(pl.Callback):
             self.path.write_text(json.dumps(trainer.strategy.plans.plan_book.state_dict()))
 
 
-def _no_report_on_its_own(table: Tensor, comm: Any) -> Any:
-    raise AssertionError("a report table had an all-reduce of its own instead of riding in the last bucket's sum")
-
-
 # --- equivalence with DDP -------------------------------------------------------------------------------------
 
 
@@ -95,7 +91,7 @@ def test_gradient_sync_follows_ddp_at_uneven_changing_plans(tmp_path, monkeypatc
     is still DDP's, Σ (bᵢ/M)·gᵢ over the same M samples, so Adam's trajectory is DDP's (models mode misses it).
 
     The reports that move the plan ride in the last bucket's sum: none has an all-reduce of its own."""
-    monkeypatch.setattr(report_exchange, "_summed", _no_report_on_its_own)  # the forked replicas inherit it
+    monkeypatch.setattr(report_exchange, "_summed", no_report_on_its_own)  # the forked replicas inherit it
     model_class = AdamRegression if optimizer == "adam" else RegressionModel
     model_kwargs: dict[str, Any] = {"size": 256, "batch_size": 8}
     if optimizer == "sgd_momentum":
@@ -180,10 +176,11 @@ def test_every_replica_evaluates_with_rank_zeros_buffers(tmp_path, delay):
 
 @multiprocess
 @pytest.mark.parametrize(("validate", "warmup"), [(False, 0), (True, 0), (True, 3)])
-def test_delayed_sums_are_each_applied_exactly_once(validate, warmup):
+def test_delayed_sums_are_each_applied_exactly_once(monkeypatch, validate, warmup):
     """With a gradient independent of the parameters, one-step-stale updates end where DDP ends, exactly: the
     first step applies nothing, validation (a flush) and the end of fit apply what is in flight, none twice; so
-    does a synchronous warm-up, across the switch to the delay."""
+    does a synchronous warm-up, across the switch to the delay. The reports ride in the delayed sums too."""
+    monkeypatch.setattr(report_exchange, "_summed", no_report_on_its_own)
     kwargs: dict[str, Any] = {"max_steps": 12}
     if validate:
         kwargs.update(limit_val_batches=2, val_check_interval=5)
