@@ -101,7 +101,11 @@ class ReportExchange:
 
 
 def _summed(table: Tensor, comm: Communicator) -> torch.futures.Future[Tensor]:
-    """The all-reduce of a report table on its own."""
+    """The all-reduce of a report table on its own; none over a group of one replica, whose table is the sum."""
+    if comm.world_size == 1:  # a job of one replica, or the one replica present in a segment
+        alone: torch.futures.Future[Tensor] = torch.futures.Future()
+        alone.set_result(table)
+        return alone
     summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(table)
     return summed.then(lambda future: future.value()[0])
 

@@ -102,3 +102,13 @@ def test_a_carried_table_needs_no_all_reduce_of_its_own_and_a_declined_one_gets_
     assert comm.calls == ["all_reduce_sum_async"]
     (rows,) = list(exchange.received(keep=0, waiting=nullcontext))
     assert PeriodReport.from_row(rows[1]).work == 32.0  # the fake's peer sends the same row
+
+
+def test_one_replica_alone_sums_its_report_without_a_collective():
+    """A job of one replica (or the one present while the others sit out): its table, in its world rows, is the sum."""
+    exchange, comm = ReportExchange(), FakeCommunicator(world_size=1, rank=0)
+    row = PeriodReport(1.0, work=16.0, steps=1.0).as_row()
+    exchange.launch(row, comm, torch.device("cpu"), slot=2, rows=3)
+    (rows,) = list(exchange.received(keep=0, waiting=nullcontext))
+    assert comm.calls == []
+    assert [PeriodReport.from_row(each).work for each in rows] == [0.0, 0.0, 16.0]
