@@ -3,19 +3,32 @@
 #   1. one GPU: Lightning's single-device Trainer, Lightning's DDP (1 process) and the strategy's defaults, on
 #      XMC mini with dense gradients and on the Fashion-MNIST CNN: per-step overhead and throughput;
 #   2. 4 replicas sharing the GPU under the strong profile: the defaults against DDP sharing it the same way.
-# Uses $AESGD_PYTHON (default python3) as it is. Each race runs 3 repeats (their spread is in results.json);
-# XMC mini on one GPU runs 20 epochs (560 steps of a few milliseconds: the default 4 epochs last well under a
-# second on a GPU, too short to tell a few percent). Extra arguments go to every race and win (e.g. --repeats 5).
+# Uses $AESGD_PYTHON (default python3) as it is. Each race interleaves its entrants in every repeat (their spread
+# is in results.json). Sized from the first GPU run (one H100): a run there spends most of its wall time starting,
+# validating and testing, so validation is thinned; XMC mini's steps take about 4 ms on one GPU, so it trains 40
+# epochs (1,120 steps); 4 replicas sharing the GPU train 20 epochs (140 gradient sums: 28 did not let the plan
+# settle). Extra arguments go to every race and win (e.g. --repeats 5). AESGD_GPU_BENCH_ONLY=REGEX keeps the races
+# whose output folder it names (xmc_mini_one_gpu, fashion_mnist_one_gpu, xmc_mini_shared_strong).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python="${AESGD_PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${AESGD_GPU_BENCH_OUT:-bench_results/gpu}"
-race() { "$python" -m lightning_aesgd.bench --repeats 3 "$@"; }
-one_gpu=(--profiles real --algorithms single_device,ddp,adaptive_elastic --override experiment=gpu
-         --override devices.num_replicas=1)
-race --workload xmc_mini "${one_gpu[@]}" --override model.sparse_gradients=false --epochs 20 \
-     --out "$out/xmc_mini_one_gpu" "$@"
-race --workload fashion_mnist "${one_gpu[@]}" --out "$out/fashion_mnist_one_gpu" "$@"
-race --workload xmc_mini --profiles strong --algorithms adaptive_elastic,ddp --override experiment=gpu_shared \
-     --out "$out/xmc_mini_shared_strong" "$@"
+only="${AESGD_GPU_BENCH_ONLY:-.}"
+race() {  # race NAME ARGS...: one race into $out/NAME, unless AESGD_GPU_BENCH_ONLY leaves it out
+    local name=$1
+    shift
+    if [[ $name =~ $only ]]; then
+        echo "== $name"
+        "$python" -m lightning_aesgd.bench --repeats 3 --out "$out/$name" "$@"
+    fi
+}
+once_per_epoch=(--override ++trainer.val_check_interval=1.0)
+one_gpu=(--profiles real --algorithms single_device,ddp,adaptive_elastic --no-solo --override experiment=gpu
+         --override devices.num_replicas=1 "${once_per_epoch[@]}")
+race xmc_mini_one_gpu --workload xmc_mini "${one_gpu[@]}" --override model.sparse_gradients=false --epochs 40 \
+     --override ++trainer.check_val_every_n_epoch=10 "$@"
+race fashion_mnist_one_gpu --workload fashion_mnist "${one_gpu[@]}" --epochs 1 "$@"
+race xmc_mini_shared_strong --workload xmc_mini --profiles strong --algorithms adaptive_elastic,ddp \
+     --override experiment=gpu_shared --epochs 20 "${once_per_epoch[@]}" --override ++trainer.check_val_every_n_epoch=5 \
+     "$@"

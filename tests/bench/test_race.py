@@ -135,3 +135,17 @@ def test_tiny_benchmark_writes_sane_figures(tmp_path: Path, capsys: pytest.Captu
     for name in ("results.md", "metric_strong.png", "batch_sizes_strong.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| strong | adaptive_sgd |" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_without_the_solo_run_the_race_reports_no_efficiency(tmp_path: Path):
+    argv = ["--tiny", "--no-solo", "--profiles", "strong", "--algorithms", "ddp", "--out", str(tmp_path)]
+    assert main(argv) == 0
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert not (tmp_path / "runs" / "solo").exists()
+    assert results["settings"]["solo_samples_per_second"] is None
+    [run] = results["runs"]
+    assert run["error"] is None
+    assert run["throughput"] > 0
+    assert run["efficiency"] is None

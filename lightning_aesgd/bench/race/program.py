@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="repeats of the whole matrix (medians reported)")
     parser.add_argument("--target", help="validation target '<metric>=<value>' (default: the workload's)")
     parser.add_argument("--out", type=Path, help="output directory (default: bench_results/<workload>)")
+    parser.add_argument(
+        "--no-solo",
+        dest="solo",
+        action="store_false",
+        help="skip the solo run that efficiency is measured against (one real device races itself: no efficiency)",
+    )
     add_run_options(parser)
     return parser
 
@@ -64,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out=options.out or Path("bench_results") / options.workload,
         overrides=options.override,
         tiny=options.tiny,
+        measure_solo=options.solo,
     )
     with nullcontext() if options.verbose else quiet_lightning():
         result = run_benchmark(settings)
