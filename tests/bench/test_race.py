@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -11,7 +12,13 @@ from omegaconf import OmegaConf
 
 from lightning_aesgd.baselines import PostLocalSGDStrategy
 from lightning_aesgd.bench import main
-from lightning_aesgd.bench.race.analysis import RunFigures, aggregate, ideal_throughput, time_to_target
+from lightning_aesgd.bench.race.analysis import (
+    RunFigures,
+    aggregate,
+    ideal_throughput,
+    median_step_seconds,
+    time_to_target,
+)
 from lightning_aesgd.bench.race.recorder import RunRecord, Validation, batch_length
 from lightning_aesgd.bench.race.report import race_table
 from lightning_aesgd.bench.race.runner import shrink_replicas
@@ -65,10 +72,17 @@ def test_aggregate_takes_medians_and_ratios_to_ddp():
 
 
 def test_race_table_marks_missing_figures():
-    rows = aggregate([RunFigures("strong", "ddp", 0, throughput=100.0, efficiency=0.5)])
+    rows = aggregate([RunFigures("strong", "ddp", 0, throughput=100.0, step_seconds=0.0125, efficiency=0.5)])
     lines = race_table(rows, Target("val/acc", 0.9)).splitlines()
-    assert lines[0].startswith("| profile | algorithm | samples/s | efficiency | time to val/acc=0.9 (s) |")
-    assert lines[2] == "| strong | ddp | 100.0 | 50% | not reached | – | 1.00 | 1.00-1.00 | – |"
+    assert lines[0].startswith("| profile | algorithm | samples/s | step ms (median) | efficiency | time to val/acc")
+    assert lines[2] == "| strong | ddp | 100.0 | 12.50 | 50% | not reached | – | 1.00 | 1.00-1.00 | – |"
+
+
+def test_the_median_step_leaves_the_warm_up_and_a_stall_out():
+    warm_up, stall = 0.4, 0.25
+    clock = list(itertools.accumulate([warm_up, 0.005, 0.004, stall, 0.005, 0.006]))
+    assert median_step_seconds(clock) == pytest.approx(0.005)
+    assert math.isnan(median_step_seconds([warm_up]))
 
 
 def test_record_round_trips_through_json(tmp_path: Path):

@@ -6,6 +6,7 @@ ratios measured in one benchmark run mean anything.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ class RunFigures:
     seconds: float = math.nan
     samples: int = 0
     throughput: float = math.nan
+    step_seconds: float = math.nan
     ideal_throughput: float = math.nan
     efficiency: float = math.nan
     time_to_target: float | None = None
@@ -45,6 +47,8 @@ class AggregateFigures:
     algorithm: str
     repeats: int
     throughput: float
+    step_seconds: float
+    """The median over repeats of each run's median step time (the per-step overhead, where steps are short)."""
     efficiency: float
     time_to_target: float | None
     final_metric: float | None
@@ -80,6 +84,19 @@ def time_to_target(validations: Sequence[Validation], target: Target) -> float |
     return None
 
 
+def median_step_seconds(clock: Sequence[float]) -> float:
+    """The median time between consecutive steps' ends on the training clock; NaN for fewer than two steps.
+
+    The first step (its time includes the device's warm-up) and the odd stall (a collection, a slow batch) do not
+    move it, so where steps last milliseconds it reads a strategy's per-step cost more finely than throughput.
+
+    Example:
+        >>> median_step_seconds([0.5, 0.625, 0.75, 1.25])
+        0.125
+    """
+    return statistics.median(b - a for a, b in itertools.pairwise(clock)) if len(clock) >= 2 else math.nan
+
+
 def final_metric(validations: Sequence[Validation], metric: str) -> float | None:
     """``metric`` at the last validation that logged it."""
     values = [v.metrics[metric] for v in validations if metric in v.metrics]
@@ -93,6 +110,7 @@ def run_figures(
     figures.seconds = record.seconds
     figures.samples = record.total_samples
     figures.throughput = record.total_samples / record.seconds if record.seconds > 0 else math.nan
+    figures.step_seconds = median_step_seconds(record.clock)
     figures.ideal_throughput = ideal_throughput(solo, profile, record.world_size, record.samples)
     figures.efficiency = figures.throughput / figures.ideal_throughput
     figures.time_to_target = time_to_target(record.validations, target)
@@ -140,6 +158,7 @@ def _medians(profile: str, algorithm: str, group: Sequence[RunFigures]) -> Aggre
         algorithm=algorithm,
         repeats=len(group),
         throughput=statistics.median(run.throughput for run in group),
+        step_seconds=statistics.median(run.step_seconds for run in group),
         efficiency=statistics.median(run.efficiency for run in group),
         time_to_target=median_time if math.isfinite(median_time) else None,
         final_metric=statistics.median(finals) if finals else None,

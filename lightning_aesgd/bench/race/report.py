@@ -21,16 +21,18 @@ MACHINE_NOTE = "Devices are emulated (slowdown profiles); read ratios measured w
 def race_table(rows: Sequence[AggregateFigures], target: Target) -> str:
     """One line per (profile, algorithm): medians over repeats and ratios to DDP under the same profile.
 
-    Columns: throughput in samples per training-clock second; efficiency = throughput / Σᵢ solo speed /
-    (b·fᵢ); time to the target on the training clock; the target metric after the last epoch; throughput ÷ DDP's
-    (above 1 is faster), and the range of its ratios repeat by repeat; time to target ÷ DDP's (below 1 is
-    faster).
+    Columns: throughput in samples per training-clock second; the median step time (the first step's warm-up
+    and the odd stall left out: where steps last milliseconds, the per-step overhead); efficiency = throughput /
+    Σᵢ solo speed / (b·fᵢ); time to the target on the training clock; the target metric after the last epoch;
+    throughput ÷ DDP's (above 1 is faster), and the range of its ratios repeat by repeat; time to target ÷ DDP's
+    (below 1 is faster).
     """
     metric = target.metric
     header = [
         "profile",
         "algorithm",
         "samples/s",
+        "step ms (median)",
         "efficiency",
         f"time to {target} (s)",
         f"final {metric}",
@@ -46,6 +48,7 @@ def _cells(row: AggregateFigures) -> list[str]:
         row.profile,
         row.algorithm,
         format_number(row.throughput, ".1f"),
+        format_number(1000 * row.step_seconds, ".2f"),
         format_number(row.efficiency, ".0%"),
         format_number(row.time_to_target, ".1f", missing="not reached"),
         format_number(row.final_metric, ".4f"),
