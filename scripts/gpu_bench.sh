@@ -7,19 +7,22 @@
 # is in results.json). Sized from the first GPU run (one H100): a run there spends most of its wall time starting,
 # validating and testing, so validation is thinned; XMC mini's steps take about 4 ms on one GPU, so it trains 40
 # epochs (1,120 steps); 4 replicas sharing the GPU train 20 epochs (140 gradient sums: 28 did not let the plan
-# settle). Extra arguments go to every race and win (e.g. --repeats 5). AESGD_GPU_BENCH_ONLY=REGEX keeps the races
-# whose output folder it names (xmc_mini_one_gpu, fashion_mnist_one_gpu, xmc_mini_shared_strong).
+# settle). Extra arguments go to every race and win (e.g. --repeats 5; not --out: the races would share it).
+# AESGD_GPU_BENCH_ONLY=NAMES (a regular expression matching whole names, e.g. "xmc_mini_one_gpu|fashion_mnist_one_gpu")
+# keeps those races: xmc_mini_one_gpu, fashion_mnist_one_gpu, xmc_mini_shared_strong.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python="${AESGD_PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${AESGD_GPU_BENCH_OUT:-bench_results/gpu}"
-only="${AESGD_GPU_BENCH_ONLY:-.}"
+only="${AESGD_GPU_BENCH_ONLY:-.*}"
+raced=0
 race() {  # race NAME ARGS...: one race into $out/NAME, unless AESGD_GPU_BENCH_ONLY leaves it out
     local name=$1
     shift
-    if [[ $name =~ $only ]]; then
+    if [[ $name =~ ^($only)$ ]]; then
         echo "== $name"
+        raced=$((raced + 1))
         "$python" -m lightning_aesgd.bench --repeats 3 --out "$out/$name" "$@"
     fi
 }
@@ -32,3 +35,7 @@ race fashion_mnist_one_gpu --workload fashion_mnist "${one_gpu[@]}" --epochs 1 "
 race xmc_mini_shared_strong --workload xmc_mini --profiles strong --algorithms adaptive_elastic,ddp \
      --override experiment=gpu_shared --epochs 20 "${once_per_epoch[@]}" --override ++trainer.check_val_every_n_epoch=5 \
      "$@"
+if ((raced == 0)); then
+    echo "gpu_bench: AESGD_GPU_BENCH_ONLY=$only names no race" >&2
+    exit 2
+fi

@@ -76,6 +76,8 @@ def test_race_table_marks_missing_figures():
     lines = race_table(rows, Target("val/acc", 0.9)).splitlines()
     assert lines[0].startswith("| profile | algorithm | samples/s | step ms (median) | efficiency | time to val/acc")
     assert lines[2] == "| strong | ddp | 100.0 | 12.50 | 50% | not reached | – | 1.00 | 1.00-1.00 | – |"
+    one_step = aggregate([RunFigures("strong", "ddp", 0, throughput=100.0, efficiency=0.5)])
+    assert race_table(one_step, Target("val/acc", 0.9)).splitlines()[2].startswith("| strong | ddp | 100.0 | – |")
 
 
 def test_the_median_step_leaves_the_warm_up_and_a_stall_out():
@@ -136,6 +138,7 @@ def test_tiny_benchmark_writes_sane_figures(tmp_path: Path, capsys: pytest.Captu
     # Tiny steps are mostly fixed overhead, which the step emulation does not stretch (only the computing thread's
     # work is), so an emulated replica there runs faster than base × f times the solo speed: efficiency can pass 1.
     assert all(run["throughput"] > 0 and 0 < run["efficiency"] < 4 for run in runs), runs
+    assert all(0 < run["step_seconds"] < run["seconds"] for run in runs), runs
     # Equal epochs: every algorithm processed the same samples.
     assert len({run["samples"] for run in runs}) == 1
     assert results["settings"]["solo_samples_per_second"] > 0
@@ -151,6 +154,7 @@ def test_tiny_benchmark_writes_sane_figures(tmp_path: Path, capsys: pytest.Captu
     assert "| strong | adaptive_sgd |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_without_the_solo_run_the_race_reports_no_efficiency(tmp_path: Path):
     argv = ["--tiny", "--no-solo", "--profiles", "strong", "--algorithms", "ddp", "--out", str(tmp_path)]

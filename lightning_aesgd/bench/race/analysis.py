@@ -89,6 +89,7 @@ def median_step_seconds(clock: Sequence[float]) -> float:
 
     The first step (its time includes the device's warm-up) and the odd stall (a collection, a slow batch) do not
     move it, so where steps last milliseconds it reads a strategy's per-step cost more finely than throughput.
+    The steps are rank zero's: entrants compare only where each step holds the same samples on it (one replica).
 
     Example:
         >>> median_step_seconds([0.5, 0.625, 0.75, 1.25])
@@ -158,11 +159,17 @@ def _medians(profile: str, algorithm: str, group: Sequence[RunFigures]) -> Aggre
         algorithm=algorithm,
         repeats=len(group),
         throughput=statistics.median(run.throughput for run in group),
-        step_seconds=statistics.median(run.step_seconds for run in group),
+        step_seconds=_finite_median([run.step_seconds for run in group]),
         efficiency=statistics.median(run.efficiency for run in group),
         time_to_target=median_time if math.isfinite(median_time) else None,
         final_metric=statistics.median(finals) if finals else None,
     )
+
+
+def _finite_median(values: Sequence[float]) -> float:
+    """The median of the finite values (a run of one step has no step time); NaN if there is none."""
+    finite = [value for value in values if math.isfinite(value)]
+    return statistics.median(finite) if finite else math.nan
 
 
 def _ratio(value: float | None, reference: float | None) -> float | None:

@@ -22,10 +22,10 @@ def race_table(rows: Sequence[AggregateFigures], target: Target) -> str:
     """One line per (profile, algorithm): medians over repeats and ratios to DDP under the same profile.
 
     Columns: throughput in samples per training-clock second; the median step time (the first step's warm-up
-    and the odd stall left out: where steps last milliseconds, the per-step overhead); efficiency = throughput /
-    Σᵢ solo speed / (b·fᵢ); time to the target on the training clock; the target metric after the last epoch;
-    throughput ÷ DDP's (above 1 is faster), and the range of its ratios repeat by repeat; time to target ÷ DDP's
-    (below 1 is faster).
+    and the odd stall left out: with one replica, where steps last milliseconds, the per-step overhead);
+    efficiency = throughput / Σᵢ solo speed / (b·fᵢ); time to the target on the training clock; the target metric
+    after the last epoch; throughput ÷ DDP's (above 1 is faster), and the range of its ratios repeat by repeat;
+    time to target ÷ DDP's (below 1 is faster).
     """
     metric = target.metric
     header = [
