@@ -1,9 +1,12 @@
-"""The plan of ``scripts/gpu_check.py`` (its runs and their judgement), checked without a GPU."""
+"""The plans of `scripts/gpu_check.py` (runs and their judgement) and `scripts/gpu_bench.sh`, checked without a GPU."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,44 @@ def test_a_kept_xmc_run_brings_its_ddp_reference(gpu_check, monkeypatch):
     assert sorted(ran) == sorted(
         ["xmc_mini adaptive_sgd_paper", gpu_check._reference_name(gpu_check.local_optimizer("adaptive_sgd_paper"))]
     )
+
+
+def test_every_race_of_gpu_bench_composes_for_each_entrant(tmp_path):
+    from lightning_aesgd.bench.race.benchmark import BenchSettings, _profile_config
+    from lightning_aesgd.bench.race.program import build_parser
+    from lightning_aesgd.bench.race.suites import Target, get_workload
+
+    calls = tmp_path / "calls.jsonl"
+    fake_python = tmp_path / "python"  # records each race's arguments instead of running it
+    fake_python.write_text(
+        f'#!/bin/sh\nexec "{sys.executable}" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" >> {calls}\n'
+    )
+    fake_python.chmod(0o755)
+    env = {**os.environ, "AESGD_PYTHON": str(fake_python)}
+    subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh")], env=env, check=True, timeout=60)
+
+    races = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [argv[argv.index("--out") + 1].rsplit("/", 1)[-1] for argv in races] == [
+        "xmc_mini_one_gpu",
+        "fashion_mnist_one_gpu",
+        "xmc_mini_shared_strong",
+    ]
+    for argv in races:
+        options = build_parser().parse_args(argv[2:])  # past "-m lightning_aesgd.bench"
+        workload = get_workload(options.workload)
+        settings = BenchSettings(
+            options.workload, options.profiles.split(","), options.algorithms.split(","), options.epochs,
+            options.repeats, Target.parse(workload.target), Path(options.out), options.override,
+        )  # fmt: skip
+        for profile in settings.profiles:
+            for algorithm in settings.algorithms:
+                cfg = _profile_config(settings, workload.overrides(False), profile, algorithm)
+                assert cfg.trainer.max_epochs == options.epochs
+                assert cfg.trainer.val_check_interval == 1.0  # validation thinned: runs there are mostly validation
+
+
+def test_a_gpu_bench_filter_that_names_no_race_fails():
+    env = {**os.environ, "AESGD_PYTHON": "true", "AESGD_GPU_BENCH_ONLY": "xmc_mini"}  # a part of a name is none
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh")], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 2
+    assert b"names no race" in done.stderr
