@@ -52,9 +52,9 @@ class SlowdownCallback(pl.Callback):
         self.profile = resolved
         self.replicas_sharing = replicas_sharing
         self._clock: ComputeClock | None = None
-        self._started = 0.0
+        self._started: Any = None
         self._stretched_before_sync = False
-        self._update_started: float | None = None
+        self._update_started: Any = None
         self._quota: CpuQuota | None = None
         self._restore: list[Callable[[], None]] = []
 
@@ -103,7 +103,7 @@ class SlowdownCallback(pl.Callback):
 
     def stretch_before_sync(self) -> None:
         """The last gradient bucket is ready: the emulated device's forward and backward end now."""
-        if self._clock is None or self._stretched_before_sync:
+        if self._clock is None or self._stretched_before_sync or self._started is None:
             return
         trainer = self._trainer
         stretch(self._clock, self._started, self.profile.factor(trainer.global_rank, trainer.global_step))
@@ -111,14 +111,14 @@ class SlowdownCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: D102
         if self._clock is not None:
-            self._started = self._clock.now()
+            self._started = self._clock.mark()
             self._stretched_before_sync = False
             self._update_started = None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """After the gradient all-reduce: the update's compute is timed from here."""
         if self._clock is not None and self._stretched_before_sync:
-            self._update_started = self._clock.now()
+            self._update_started = self._clock.mark()
 
     def on_train_batch_end(  # noqa: D102
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -16,4 +16,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device is visible')"
 "$python" scripts/gpu_check.py "$@"
 # Only the CUDA tests, without the suite's options (pytest-timeout, hypothesis and the dev tools may be absent).
-"$python" -m pytest -o addopts="" -p no:cacheprovider -q tests/test_cuda.py tests/engine/test_device_timeline.py -m cuda
+"$python" -m pytest -o addopts="" -p no:cacheprovider -q tests/test_cuda.py tests/engine/test_device_timeline.py \
+    tests/emulation/test_clock.py -m cuda

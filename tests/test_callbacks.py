@@ -16,8 +16,11 @@ class _Clock:
     def __init__(self, readings):
         self.readings = iter(readings)
 
-    def now(self):
+    def mark(self):
         return next(self.readings)
+
+    def seconds_since(self, mark):
+        return next(self.readings) - mark
 
 
 def _trainer(rank: int, step: int):

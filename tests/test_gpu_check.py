@@ -30,6 +30,17 @@ def test_every_algorithm_config_is_run_on_xmc_but_those_needing_dense_layers(gpu
     assert "xmc_mini crossbow" not in names
 
 
+def test_gpu_check_runs_every_test_file_that_has_cuda_tests():
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    with_cuda = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if "pytest.mark.cuda" in path.read_text() and path != Path(__file__).resolve()
+    }
+    assert with_cuda, "no test file has cuda tests"
+    assert {name for name in with_cuda if name not in script} == set()
+
+
 def test_a_config_with_its_own_local_optimizer_is_judged_against_ddp_under_it(gpu_check):
     local = gpu_check.local_optimizer("adaptive_sgd_paper")
     assert "+local_optimizer=sgd" in local

@@ -16,9 +16,9 @@ LIGHTNING = ("pytorch_lightning", "lightning", "lightning_fabric")
 ALLOWED = {
     "core": ("lightning_aesgd.core",),
     "engine": ("lightning_aesgd.core", "lightning_aesgd.engine"),
-    # Emulation wraps the engine from outside (its step stretcher is a ComputeSpans listener); the engine and
-    # the core never import it.
-    "emulation": ("lightning_aesgd.emulation",),
+    # Emulation wraps the engine from outside (its step stretcher is a ComputeSpans listener, its clock reads the
+    # engine's timelines); the engine and the core never import it.
+    "emulation": ("lightning_aesgd.engine", "lightning_aesgd.emulation"),
 }
 
 

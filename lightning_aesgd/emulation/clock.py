@@ -3,43 +3,69 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 from lightning_aesgd.emulation.profiles import SlowdownProfile
+from lightning_aesgd.engine.timing import CudaTimeline, HostTimeline, Timeline
 
 
 class ComputeClock:
     """Measures a span's compute time as the slowdown emulation defines it.
 
+    A span starts at :meth:`mark` and is read by :meth:`seconds_since`. Only the reading may block, so a span that
+    is never read (a replica at factor 1) costs nothing.
+
+    On CPU with one intra-op thread (each emulated replica's case), the calling thread's CPU time: forward,
+    backward (CPU autograd runs on the calling thread) and the update, but not the work of gloo's own threads on a
+    collective in flight meanwhile (DDP's earlier buckets, ABS-SGD's delayed sum), which a slower device would not
+    slow down. With several intra-op threads, the process's CPU time.
+
+    On CUDA, the device's own clock between events recorded on the current stream: from where the device finished
+    the work queued before the mark to where it finished the span's, idle gaps the host left included. Reading
+    waits for the span's end event alone, never for the whole device, whose collectives' streams would add the
+    wait for peers; and a mark does not wait at all. Where several processes share one GPU a host
+    synchronisation also waits while the device runs the others' work, so the emulation makes as few as it can:
+    one per span it stretches, none for a replica at factor 1.
+
     Args:
         device: the replica's device.
+        timeline: where spans are stamped (tests pass a scripted one); by default the device's.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timeline: Timeline | None = None) -> None:
         self.device = device
+        if timeline is None:
+            timeline = CudaTimeline(device) if device.type == "cuda" else HostTimeline(_cpu_seconds)
+        self.timeline = timeline
 
-    def now(self) -> float:
-        """A reading; differences of two readings are compute seconds.
+    def mark(self) -> Any:
+        """The start of a span; never blocks."""
+        return self.timeline.stamp()
 
-        On CPU with one intra-op thread (each emulated replica's case), the calling thread's CPU time: forward,
-        backward (CPU autograd runs on the calling thread) and the update, but not the work of gloo's own threads
-        on a collective in flight meanwhile (DDP's earlier buckets, ABS-SGD's delayed sum), which a slower device
-        would not slow down. With several intra-op threads, the process's CPU time.
-
-        On CUDA, the host's clock once the current stream has run what was queued on it: a synchronisation of
-        the whole device would also wait for the collectives' streams, so compute would include the wait for peers.
-        """
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-            return time.perf_counter()
-        return time.thread_time() if torch.get_num_threads() == 1 else time.process_time()
+    def seconds_since(self, mark: Any) -> float:
+        """Compute seconds from ``mark`` to now: on a device, once it has run what was queued until now."""
+        end = self.timeline.stamp()
+        self.timeline.wait(end)
+        return self.timeline.seconds(mark, end)
 
 
-def stretch(clock: ComputeClock, started: float, factor: float) -> None:
-    """Sleep ``(factor − 1) ×`` the compute time since the reading ``started``: the region takes ``factor`` times it."""
+def _cpu_seconds() -> float:
+    """The computing thread's CPU time with one intra-op thread, the process's with several.
+
+    Chosen per reading: the thread count may change after the clock is made.
+    """
+    return time.thread_time() if torch.get_num_threads() == 1 else time.process_time()
+
+
+def stretch(clock: ComputeClock, started: Any, factor: float) -> None:
+    """Sleep ``(factor − 1) ×`` the compute time since the mark ``started``: the span takes ``factor`` times it.
+
+    At factor 1 the span is not read, so it costs no synchronisation with the device.
+    """
     if factor > 1:
-        time.sleep((factor - 1) * (clock.now() - started))
+        time.sleep((factor - 1) * clock.seconds_since(started))
 
 
 class StepStretcher:
@@ -57,10 +83,10 @@ class StepStretcher:
     def __init__(self, profile: SlowdownProfile, device: torch.device) -> None:
         self.profile = profile
         self.clock = ComputeClock(device)
-        self._started: float | None = None
+        self._started: Any = None
 
     def begin(self) -> None:  # noqa: D102
-        self._started = self.clock.now()
+        self._started = self.clock.mark()
 
     def end(self, rank: int, global_step: int) -> None:  # noqa: D102
         if self._started is not None:

@@ -6,8 +6,8 @@ Machines without mixed GPUs can still show what a strategy does for mixed hardwa
 * ``step``: after each optimizer step's real computation the replica sleeps ``(fᵢ − 1) × c``, ``c`` the step's
   compute time. On CPU ``c`` is the CPU time of the computing thread (of the process where torch uses several
   intra-op threads), which excludes time blocked in collectives and the work of gloo's threads on a collective
-  in flight; on CUDA, the synchronised wall time of the step. ``adaptive_elastic`` applies this mode inside its own
-  optimizer step (its ``slowdown`` argument), Lightning's DDP through
+  in flight; on CUDA, the device's own time for the step (events on its stream). ``adaptive_elastic`` applies
+  this mode inside its own optimizer step (its ``slowdown`` argument), Lightning's DDP through
   :class:`~lightning_aesgd.callbacks.SlowdownCallback`.
 * ``user``: the LightningModule's ``training_step`` takes ``fᵢ × s`` seconds per sample more, as slow user
   code does (``s = seconds_per_sample``).

@@ -1,0 +1,44 @@
+"""`scripts/gpu_sharing_probe.py`, run on the CPU: its table, and the error where the device is missing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_sharing_probe.py"
+
+
+def _probe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, check=False, env=os.environ
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_probe_measures_each_process_count_with_and_without_waits():
+    result = _probe("--device", "cpu", "--processes", "1,2", "--seconds", "0.3")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if re.match(r"\| \d", line)]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        ["| 1", "at the end"],
+        ["| 1", "every step"],
+        ["| 2", "at the end"],
+        ["| 2", "every step"],
+    ]
+    for row in rows:
+        per_process, milliseconds, total = (float(cell) for cell in row.strip("| ").split(" | ")[2:])
+        assert per_process > 0
+        assert total >= per_process
+        assert milliseconds == pytest.approx(1000 / per_process, rel=0.01)
+
+
+def test_a_missing_gpu_fails_with_a_hint():
+    # The test process hides any GPU (conftest.py), and the probe inherits that.
+    result = _probe("--device", "cuda:0", "--seconds", "0.1")
+    assert result.returncode == 2
+    assert "HINT: --device cpu" in result.stderr
