@@ -265,6 +265,7 @@ def test_every_claim_is_well_formed():
         "adaptive_sgd",
         "crossbow",
         "crossbow_learners",
+        "crossbow_learners_gpu",
         "abs_sgd",
         "adaptive_hogbatch",
     ]
@@ -365,6 +366,70 @@ def test_a_claim_without_its_capability_is_not_implemented_and_not_raced(
     assert result.verdict.status == "not implemented"
     assert result.verdict.measured == (
         f"not implemented: {claim.capability} (configs/algorithm/{claim.requires[0]}.yaml missing)"
+    )
+
+
+def test_a_gpu_claim_on_a_machine_without_one_is_not_run_and_says_how_to_run_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    claim = get_claims(["crossbow_learners_gpu"])[0]
+
+    def no_race(settings: BenchSettings) -> BenchResult:
+        raise AssertionError("a claim that needs a GPU must not race without one")
+
+    monkeypatch.setattr(program, "run_benchmark", no_race)
+    monkeypatch.setattr(program.torch.cuda, "is_available", lambda: False)
+    result = measure_claim(claim, SeedsOptions(out=tmp_path))
+    assert result.verdict.status == "not run"
+    assert "`python -m lightning_aesgd.bench seeds --claims crossbow_learners_gpu`" in result.verdict.measured
+
+
+def test_the_gpu_crossbow_claim_races_one_learner_at_the_batch_of_one_four_and_eight():
+    claim = get_claims(["crossbow_learners_gpu"])[0]
+    assert (claim.workload, claim.profile, claim.needs_gpu) == ("fashion_mnist", "real", True)
+    assert claim.overrides == ("experiment=gpu", "devices.num_replicas=1")
+    assert same_batch_ddp(claim) == ["ddp_b64"]
+    assert {name: entrant.batch_size() for name, entrant in ((e.name, e) for e in claim.entrants)} == {
+        "crossbow_b64": "64",
+        "ddp_b64": "64",
+        "ddp_b256": "256",
+        "ddp_b512": "512",
+    }
+    assert set(claim.rivals) == {"ddp_b64", "ddp_b256", "ddp_b512"}
+    base = [*WORKLOADS[claim.workload].overrides(), f"devices={claim.profile}"]
+    composed = {e.name: compose_config([*base, *e.selection(), *claim.overrides]) for e in claim.entrants}
+    for name, cfg in composed.items():  # each on one GPU, the learners tuned up to 8
+        assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.devices.num_replicas) == ("gpu", 1, 1), name
+        assert cfg.data.batch_size == int(name.split("_b")[1]), name
+    assert (
+        composed["crossbow_b64"].algorithm.learners_per_device,
+        composed["crossbow_b64"].algorithm.max_learners,
+    ) == (
+        "auto",
+        8,
+    )
+
+
+def test_the_candidates_learners_are_read_from_its_runs_summaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    claim = get_claims(["crossbow_learners_gpu"])[0]
+    runs = [
+        RunFigures("real", "crossbow_b64", i, time_to_target=t, final_metric=0.86, record=f"runs/c/repeat_{i}/r.json")
+        for i, t in enumerate([1.0, 1.1])
+    ]
+    chosen = [(4, [100.0, 180.0, 250.0, 330.0, 320.0]), (5, [100.0, 180.0, 250.0, 330.0, 340.0])]
+    for i, (learners, measured) in enumerate(chosen):
+        logs = tmp_path / claim.key / "runs" / "c" / f"repeat_{i}" / "logs"
+        logs.mkdir(parents=True)
+        summary = {"learners": {"per_replica": learners, "measured": measured}}
+        (logs / "aesgd_summary.json").write_text(json.dumps(summary))
+    rivals = [RunFigures("real", name, 0, time_to_target=2.0, final_metric=0.86) for name in claim.rivals]
+    monkeypatch.setattr(program, "run_benchmark", _fake_race([*runs, *rivals]))
+    monkeypatch.setattr(program.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(program, "epochs_to_target", lambda *args: 1.0)
+    monkeypatch.setattr(program.RunRecord, "load", staticmethod(lambda path: None))
+    result = measure_claim(claim, SeedsOptions(out=tmp_path, repeats=2))
+    assert result.verdict.measured.endswith(
+        "learners per replica, by repeat: 4 (auto: 3.30× the samples/s of one), 5 (auto: 3.40× the samples/s of one)"
     )
 
 

@@ -12,15 +12,18 @@ judged entrant crashed), after writing the others.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lightning_aesgd.bench.common import comma_list, markdown_table, write_json
 from lightning_aesgd.bench.race.benchmark import BenchResult, BenchSettings, run_benchmark
@@ -36,9 +39,11 @@ from lightning_aesgd.bench.seeds.verdicts import (
     Verdict,
     failed,
     not_implemented,
+    not_run,
     range_text,
 )
 from lightning_aesgd.bench.seeds.verdicts import judge as judge_entrants
+from lightning_aesgd.trainer_io import SUMMARY_FILE
 
 TABLE_FILE = "seeds.md"
 RESULTS_FILE = "seeds.json"
@@ -154,6 +159,9 @@ def measure_claim(claim: Claim, options: SeedsOptions) -> ClaimResult:
     if missing:
         names = ", ".join(f"configs/algorithm/{name}.yaml" for name in missing)
         return ClaimResult(claim, not_implemented(f"{claim.capability or 'algorithm'} ({names} missing)"))
+    if claim.needs_gpu and not torch.cuda.is_available():
+        command = f"python -m lightning_aesgd.bench seeds --claims {claim.key}"
+        return ClaimResult(claim, not_run(f"it needs a GPU (`{command}` on a machine with one)"))
     entrants, left_out = claim.present_entrants()
     workload = get_workload(claim.workload)
     target = Target.parse(options.target or claim.target or workload.target)
@@ -182,6 +190,10 @@ def measure_claim(claim: Claim, options: SeedsOptions) -> ClaimResult:
         verdict = judge(claim, measured, target.metric)
     except AllRepeatsCrashedError as error:  # judging without it would judge against weaker rivals
         verdict = failed(str(error))
+    else:
+        note = learners_note(_summaries(bench, claim.candidate, settings.out))
+        if note is not None:
+            verdict = Verdict(verdict.status, f"{verdict.measured}; {note}", verdict.rival, verdict.spread)
     result = ClaimResult(
         claim,
         verdict,
@@ -216,6 +228,36 @@ def _measured(bench: BenchResult, entrants: Sequence[Entrant], settings: BenchSe
             )
         )
     return measured
+
+
+def _summaries(bench: BenchResult, entrant: str, out: Path) -> list[dict[str, Any]]:
+    """The end-of-fit summaries of ``entrant``'s finished repeats, in repeat order (where the strategy wrote one)."""
+    runs = sorted((run for run in bench.runs if run.algorithm == entrant and run.record), key=lambda run: run.repeat)
+    paths = [(out / str(run.record)).parent / "logs" / SUMMARY_FILE for run in runs if run.error is None]
+    return [json.loads(path.read_text()) for path in paths if path.is_file()]
+
+
+def learners_note(summaries: Sequence[Mapping[str, Any]]) -> str | None:
+    """The learners per replica each repeat chose, with the chosen number's samples/s over one learner's.
+
+    ``None`` where no summary tells of learners (one learner per replica, or another strategy).
+
+    Example:
+        >>> tuned = {"learners": {"per_replica": 4, "measured": [100.0, 180.0, 250.0, 320.0, 310.0]}}
+        >>> learners_note([tuned, {"learners": {"per_replica": 2, "measured": []}}])
+        'learners per replica, by repeat: 4 (auto: 3.20× the samples/s of one), 2'
+    """
+    chosen = []
+    for summary in summaries:
+        learners = summary.get("learners")
+        if learners is None:
+            continue
+        count, rates = int(learners["per_replica"]), learners.get("measured") or []
+        if len(rates) >= count and rates[0] > 0:
+            chosen.append(f"{count} (auto: {rates[count - 1] / rates[0]:.2f}× the samples/s of one)")
+        else:
+            chosen.append(str(count))
+    return f"learners per replica, by repeat: {', '.join(chosen)}" if chosen else None
 
 
 def write_report(out: Path, results: Sequence[ClaimResult], settings: dict[str, Any]) -> list[Path]:

@@ -15,6 +15,7 @@ infinite time. Its verdict is one of:
 * **tie**: anything else: the repeats overlap, or there are too few to tell a difference from the noise;
 * **inconclusive**: neither the candidate nor any rival met the target in most of its repeats;
 * **not implemented**: the capability the claim needs does not exist yet (its race was not run);
+* **not run**: the claim needs hardware this machine lacks (a GPU); its race runs where it has it;
 * **failed**: the claim's race could not be measured (an error, or a judged entrant whose repeats all crashed).
 
 Why complete separation: if the candidate and the rival were equally fast, so that their ``n + m`` times were
@@ -44,6 +45,7 @@ __all__ = [
     "judge",
     "median_or_none",
     "not_implemented",
+    "not_run",
     "range_text",
     "separation",
     "spread_text",
@@ -51,7 +53,7 @@ __all__ = [
 ]
 
 Status = Literal[
-    "reproduced", "partly reproduced", "tie", "not reproduced", "inconclusive", "not implemented", "failed"
+    "reproduced", "partly reproduced", "tie", "not reproduced", "inconclusive", "not implemented", "not run", "failed"
 ]
 Side = Literal["faster", "slower", "overlap"]
 
@@ -155,6 +157,16 @@ def not_implemented(reason: str) -> Verdict:
         'not implemented: configs/algorithm/x.yaml missing'
     """
     return Verdict("not implemented", f"not implemented: {reason}")
+
+
+def not_run(reason: str) -> Verdict:
+    """A claim this machine cannot measure (it needs a GPU), with what would.
+
+    Example:
+        >>> not_run("needs a GPU").status
+        'not run'
+    """
+    return Verdict("not run", f"not run here: {reason}")
 
 
 def failed(reason: str) -> Verdict:
