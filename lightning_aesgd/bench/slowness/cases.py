@@ -60,6 +60,9 @@ CASES: dict[str, Case] = {
         # CPU quotas on the small MLP: real work of a few milliseconds a step, where fixed costs weigh most.
         Case("quota-short", "quota", HETEROGENEOUS, step_ms=0.0),
         Case("step", "step", HETEROGENEOUS, step_ms=0.0, network="cnn", base=2.0),
+        # Launch-bound steps on slower devices (replicas sharing one GPU): a near-empty model's step, almost all fixed
+        # cost, stretched to base × fᵢ its compute, so that no batch split can balance the slowest replicas.
+        Case("step-fixed", "step", HETEROGENEOUS, step_ms=0.0, network="tiny", base=6.0),
         Case("short", "user", HETEROGENEOUS, step_ms=5.0),
         Case("equal-60ms", "user", HOMOGENEOUS, step_ms=60.0),
         Case("equal-5ms", "user", HOMOGENEOUS, step_ms=5.0),
