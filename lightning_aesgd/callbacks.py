@@ -80,6 +80,7 @@ class SlowdownCallback(pl.Callback):
             self._quota.apply()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:  # noqa: D102
+        self._started = self._update_started = None  # a device's marks (CUDA events) do not outlive the fit
         if self._quota is not None:
             self._quota.release()
             self._quota = None

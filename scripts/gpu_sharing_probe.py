@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import statistics
 import time
 from multiprocessing.synchronize import Barrier
@@ -68,18 +69,31 @@ def measure(device: str, processes: int, seconds: float, synchronise: bool) -> l
     """Steps per second of each of ``processes`` processes training at once on ``device``."""
     context = mp.get_context("spawn")  # CUDA cannot be used in forked children
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    start, results = context.Barrier(processes), context.Queue()
+    # A process that dies before the start would leave the others at the barrier: it times out, and so does the run.
+    start, results = context.Barrier(processes, timeout=120), context.Queue()
+    threads = max(1, cores // processes)
     workers = [
-        context.Process(target=_worker, args=(device, seconds, synchronise, max(1, cores // processes), start, results))
+        context.Process(target=_worker, args=(device, seconds, synchronise, threads, start, results))
         for _ in range(processes)
     ]
     for worker in workers:
         worker.start()
-    rates = [results.get(timeout=600) for _ in workers]
-    for worker in workers:
-        worker.join()
-        if worker.exitcode != 0:
-            raise RuntimeError(f"a probe process failed (exit code {worker.exitcode})")
+    rates: list[float] = []
+    deadline = time.monotonic() + 180 + seconds
+    try:
+        while len(rates) < processes:
+            if any(worker.exitcode not in (None, 0) for worker in workers) or time.monotonic() > deadline:
+                codes = [worker.exitcode for worker in workers]
+                raise RuntimeError(f"a probe process failed or hung (exit codes {codes})")
+            try:
+                rates.append(results.get(timeout=1))
+            except queue.Empty:
+                continue
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
     return rates
 
 
@@ -96,6 +110,8 @@ def table(device: str, counts: list[int], seconds: float) -> str:
             rates = measure(device, count, seconds, synchronise)
             median = statistics.median(rates)
             mode = "every step" if synchronise else "at the end"
+            if not device.startswith("cuda"):
+                mode += " (no device to wait for)"
             lines.append(f"| {count} | {mode} | {median:.1f} | {1000 / median:.2f} | {sum(rates):.1f} |")
     return "\n".join(lines)
 

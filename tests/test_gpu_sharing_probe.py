@@ -19,16 +19,17 @@ def _probe(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_probe_measures_each_process_count_with_and_without_waits():
     result = _probe("--device", "cpu", "--processes", "1,2", "--seconds", "0.3")
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if re.match(r"\| \d", line)]
     assert [row.split(" | ")[:2] for row in rows] == [
-        ["| 1", "at the end"],
-        ["| 1", "every step"],
-        ["| 2", "at the end"],
-        ["| 2", "every step"],
+        ["| 1", "at the end (no device to wait for)"],
+        ["| 1", "every step (no device to wait for)"],
+        ["| 2", "at the end (no device to wait for)"],
+        ["| 2", "every step (no device to wait for)"],
     ]
     for row in rows:
         per_process, milliseconds, total = (float(cell) for cell in row.strip("| ").split(" | ")[2:])

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lightning_aesgd.emulation.profiles import SlowdownProfile
-from lightning_aesgd.engine.timing import CudaTimeline, HostTimeline, Timeline
+from lightning_aesgd.engine.timing import Timeline, timeline_for
 
 
 class ComputeClock:
@@ -22,8 +22,9 @@ class ComputeClock:
     collective in flight meanwhile (DDP's earlier buckets, ABS-SGD's delayed sum), which a slower device would not
     slow down. With several intra-op threads, the process's CPU time.
 
-    On CUDA, the device's own clock between events recorded on the current stream: from where the device finished
-    the work queued before the mark to where it finished the span's, idle gaps the host left included. Reading
+    On CUDA, the device's clock between events recorded on the current stream: from where the device finished the
+    work queued before the mark to where it finished the span's, idle gaps the host left included (and, on a GPU
+    that several processes share, the time it ran the others' work meanwhile). Reading
     waits for the span's end event alone, never for the whole device, whose collectives' streams would add the
     wait for peers; and a mark does not wait at all. Where several processes share one GPU a host
     synchronisation also waits while the device runs the others' work, so the emulation makes as few as it can:
@@ -36,9 +37,7 @@ class ComputeClock:
 
     def __init__(self, device: torch.device, timeline: Timeline | None = None) -> None:
         self.device = device
-        if timeline is None:
-            timeline = CudaTimeline(device) if device.type == "cuda" else HostTimeline(_cpu_seconds)
-        self.timeline = timeline
+        self.timeline = timeline if timeline is not None else timeline_for(device, _cpu_seconds)
 
     def mark(self) -> Any:
         """The start of a span; never blocks."""
@@ -48,6 +47,7 @@ class ComputeClock:
         """Compute seconds from ``mark`` to now: on a device, once it has run what was queued until now."""
         end = self.timeline.stamp()
         self.timeline.wait(end)
+        self.timeline.wait(mark)  # done already where both lie on one stream; a mark on another may not be
         return self.timeline.seconds(mark, end)
 
 

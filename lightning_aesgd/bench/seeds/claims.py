@@ -6,7 +6,7 @@ claim can race one algorithm in two settings (Adaptive SGD with its planner and 
 SMA's small batch and at the race's large one). A claim whose ``requires`` names an algorithm config that does
 not exist is reported as *not implemented* (with the ``capability`` it stands for), and an optional entrant whose
 config is missing is left out with a note, so that a claim lights up as soon as its algorithm is merged, without a
-change here.
+change here. A claim about GPUs (``needs_gpu``) is reported *not run* on a machine without one.
 
 Every claim is judged on the training clock against its fair rivals, and DDP at the candidate's own per-replica
 batch is always one of them (:func:`same_batch_ddp`): a rival at another batch alone would measure the batch,

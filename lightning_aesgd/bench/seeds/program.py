@@ -152,8 +152,9 @@ class SeedsOptions:
 def measure_claim(claim: Claim, options: SeedsOptions) -> ClaimResult:
     """Race the claim's entrants and judge.
 
-    A claim whose algorithm config is missing is *not implemented* (and not raced); one whose race raises, or
-    whose candidate or judged rival crashed in every repeat, has *failed*, naming why.
+    A claim whose algorithm config is missing is *not implemented*, and one that needs a GPU on a machine without
+    one *not run* (neither is raced); one whose race raises, or whose candidate or judged rival crashed in every
+    repeat, has *failed*, naming why.
     """
     missing = claim.missing()
     if missing:
@@ -234,7 +235,13 @@ def _summaries(bench: BenchResult, entrant: str, out: Path) -> list[dict[str, An
     """The end-of-fit summaries of ``entrant``'s finished repeats, in repeat order (where the strategy wrote one)."""
     runs = sorted((run for run in bench.runs if run.algorithm == entrant and run.record), key=lambda run: run.repeat)
     paths = [(out / str(run.record)).parent / "logs" / SUMMARY_FILE for run in runs if run.error is None]
-    return [json.loads(path.read_text()) for path in paths if path.is_file()]
+    summaries = []
+    for path in paths:
+        try:
+            summaries.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # no summary, or a cut one: the verdict stands without its note
+            continue
+    return summaries
 
 
 def learners_note(summaries: Sequence[Mapping[str, Any]]) -> str | None:
@@ -250,7 +257,7 @@ def learners_note(summaries: Sequence[Mapping[str, Any]]) -> str | None:
     chosen = []
     for summary in summaries:
         learners = summary.get("learners")
-        if learners is None:
+        if not isinstance(learners, Mapping) or "per_replica" not in learners:
             continue
         count, rates = int(learners["per_replica"]), learners.get("measured") or []
         if len(rates) >= count and rates[0] > 0:
