@@ -43,3 +43,11 @@ def test_a_missing_gpu_fails_with_a_hint():
     result = _probe("--device", "cuda:0", "--seconds", "0.1")
     assert result.returncode == 2
     assert "HINT: --device cpu" in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_process_that_fails_fails_the_probe_instead_of_hanging():
+    # Every process fails at its first tensor (this torch has no XPU): the others must not wait at the barrier.
+    result = _probe("--device", "xpu", "--processes", "2", "--seconds", "0.1")
+    assert result.returncode != 0
+    assert "a probe process failed or hung" in result.stderr
