@@ -61,6 +61,10 @@ class ReplicaStats:
         wait_fraction: share of its wall time the replica spent blocked on peers.
         step_seconds: smoothed active seconds per step (release of a sync point to arrival at the next).
         busy_seconds: seconds per step inside the optimizer step (forward, backward, update).
+        active_seconds: the latest period's active seconds per step, as measured (not smoothed); 0 when it
+            measured nothing.
+        loader_seconds: the latest period's data loader seconds per step (its workers' production time, where it
+            has workers).
         finite: whether the replica's model was finite at the latest sync point (otherwise it was left out).
         noise: relative standard deviation of its step time from period to period
             (:class:`~lightning_aesgd.core.noise.StepNoise`), which widens the plans' dead band.
@@ -72,6 +76,8 @@ class ReplicaStats:
     wait_fraction: float
     step_seconds: float
     busy_seconds: float = 0.0
+    active_seconds: float = 0.0
+    loader_seconds: float = 0.0
     finite: bool = True
     noise: float = 0.0
 
@@ -368,6 +374,8 @@ class PlanLoop:
                 wait_fraction=report.wait_fraction,
                 step_seconds=step_seconds,
                 busy_seconds=report.busy / report.steps if report.steps > 0 else 0.0,
+                active_seconds=report.active / report.steps if report.steps > 0 else 0.0,
+                loader_seconds=report.loader / report.steps if report.steps > 0 else 0.0,
                 finite=report.finite > 0,
                 noise=relative_noise,
             )

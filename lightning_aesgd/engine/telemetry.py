@@ -25,7 +25,9 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
     Returns:
         samples (or cost units) per active second, batch size, share of the step batch, normalised merge weight,
         fraction of wall time spent blocked on peers, active seconds per step (release of a sync point to arrival
-        at the next) and busy seconds per step (inside the optimizer step, waits for peers left out), per replica;
+        at the next; smoothed as ``step_seconds``, the latest period's as measured as ``active_seconds``), busy
+        seconds per step (inside the optimizer step, waits for peers left out) and the data loader's seconds per
+        step, per replica;
         ``aesgd/share_error`` (the
         largest relative distance of a share from the speed-proportional target) once every replica has a
         speed; and ``aesgd/step_time_balance``.
@@ -42,6 +44,8 @@ def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict
         metrics[f"{prefix}/wait_fraction"] = replica.wait_fraction
         metrics[f"{prefix}/step_seconds"] = replica.step_seconds
         metrics[f"{prefix}/busy_seconds"] = replica.busy_seconds
+        metrics[f"{prefix}/active_seconds"] = replica.active_seconds
+        metrics[f"{prefix}/loader_seconds"] = replica.loader_seconds
         metrics[f"{prefix}/step_noise"] = replica.noise
         metrics[f"{prefix}/left_out"] = float(size == 0)
     stats, sizes = taking_part(stats, sizes)

@@ -113,6 +113,16 @@ def test_a_mild_imbalance_waits_for_the_noise_before_the_first_plan():
     assert plans[6] != (64, 64, 64, 64)
 
 
+def test_the_stats_carry_each_replicas_latest_period_as_measured():
+    replicas = _group(2)
+    plans = _run(replicas, lambda step: (1, 3), steps=4, overhead=0.002)
+    stats = replicas[0].plans.stats()
+    for rank, factor in enumerate((1, 3)):  # one step a period: its active time, not smoothed
+        expected = factor * (0.002 + plans[-1][rank] * SECONDS_PER_SAMPLE)
+        assert stats[rank].active_seconds == pytest.approx(expected)
+        assert stats[rank].loader_seconds == 0.0  # no loader workers here
+
+
 def test_a_plan_is_balanced_when_its_predicted_step_times_agree():
     """Judged on the latest plan (scheduled ones included) by every rank alike, from the same models."""
     adaptive = _group(4)

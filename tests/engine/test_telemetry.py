@@ -19,6 +19,8 @@ STATS = [
         wait_fraction=0.1,
         step_seconds=0.10,
         busy_seconds=0.05,
+        active_seconds=0.12,
+        loader_seconds=0.03,
     ),
     ReplicaStats(
         merge_weight=20,
@@ -45,6 +47,7 @@ def test_replica_metrics_name_every_replica_and_normalise_shares_and_weights():
     assert metrics["aesgd/replica_2/merge_weight"] == pytest.approx(0.2)
     assert metrics["aesgd/replica_1/samples_per_sec"] == 200.0
     assert metrics["aesgd/replica_2/step_seconds"] == 0.20
+    assert (metrics["aesgd/replica_0/active_seconds"], metrics["aesgd/replica_0/loader_seconds"]) == (0.12, 0.03)
     # Target shares are 600:200:100 → 2/3, 2/9, 1/9; replica 2 holds 0.2, i.e. 80% too much.
     assert metrics["aesgd/share_error"] == pytest.approx(0.8)
     assert metrics["aesgd/step_time_balance"] == pytest.approx(2.0)
