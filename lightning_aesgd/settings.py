@@ -101,8 +101,9 @@ class StrategySettings:
         step_batch_size: indices consumed per step by all replicas together; by default the DataLoader's batch
             size times the number of replicas, so that an equal plan means what DDP means.
         plan_lag: steps between deciding a plan and applying it; by default just above the prefetch depth.
-        speed_smoothing: smoothing β of the speed moving averages; 0.8 follows a 4× slowdown within about 16
-            steps while averaging out single noisy steps.
+        speed_smoothing: smoothing β of the speed moving averages, per report of up to ``plan_lag + 1`` steps (a
+            longer report weighs as that many reports); 0.8 follows a 4× slowdown within about 16 steps while
+            averaging out single noisy steps.
         plan_gain: fraction γ of the way to the planner's target that each new plan moves (damping); the first
             plan, from the initial split, moves all the way.
         plan_after_warmup: keep the initial plan through the ``warmup_steps`` (speeds are still measured) and

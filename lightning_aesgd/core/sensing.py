@@ -114,15 +114,27 @@ class ArrivalModel:
     row, beyond its noise) has its estimates restarted there, so that a real change of speed is followed within a
     few periods instead of the smoothing's dozen; :attr:`shifted` says which replicas did at the latest update.
 
+    The averages remember steps rather than reports: a report of ``s`` steps keeps the past with ``β^w``,
+    ``w = max(1, s / reference_steps)``. Reports under gradient synchronisation come every ``lag + 1`` steps until
+    the plan settles, then up to 8× as far apart (:func:`~lightning_aesgd.core.schedule.report_interval`); counted
+    as one each, a dozen short reports of the warm-up (slow first steps) outweighed the long ones that followed for
+    a hundred steps, the models lagged the replicas' real step times, and equal-looking stale models held the
+    plan. Reports shorter than the reference (a fit's first) count as one: that keeps ``β`` per report where
+    reports are frequent.
+
     Args:
         num_replicas: replicas reporting.
-        smoothing: weight β of the past in the moving averages.
+        smoothing: weight β of the past in the moving averages, per report of up to ``reference_steps`` steps.
+        reference_steps: steps a report of weight 1 spans (the plan loop sets ``lag + 1``).
     """
 
-    def __init__(self, num_replicas: int, smoothing: float = 0.8) -> None:
+    def __init__(self, num_replicas: int, smoothing: float = 0.8, reference_steps: float = 1.0) -> None:
         if num_replicas < 1:
             raise ValueError(f"need at least one replica, got {num_replicas}")
+        if not reference_steps > 0:
+            raise ValueError(f"`reference_steps` must be > 0, got {reference_steps}")
         self.smoothing = smoothing
+        self.reference_steps = reference_steps
         self.step_time = [StepTimeEstimator(smoothing) for _ in range(num_replicas)]
         self.speed = [SpeedEstimator(smoothing) for _ in range(num_replicas)]
         self.step_noise = [StepNoise() for _ in range(num_replicas)]
@@ -144,11 +156,10 @@ class ArrivalModel:
             self.shifted[rank] = False
             if report.measured:
                 # Per step, as reports may span several steps: the mean seconds are then a step's, not a period's.
-                self._account(
-                    rank, report.planned / report.steps, report.work / report.steps, report.seconds / report.steps
-                )
+                per_step = (report.planned / report.steps, report.work / report.steps, report.seconds / report.steps)
+                self._account(rank, *per_step, weight=max(1.0, report.steps / self.reference_steps))
 
-    def _account(self, rank: int, size: float, work: float, seconds: float) -> None:
+    def _account(self, rank: int, size: float, work: float, seconds: float, weight: float) -> None:
         step_time, speed, noise = self.step_time[rank], self.speed[rank], self.step_noise[rank]
         model, misses = step_time.model(), self._misses[rank]
         if model is None or size != self._sizes[rank]:
@@ -165,8 +176,8 @@ class ArrivalModel:
             speed.restart(work, seconds)
             misses.clear()
         else:
-            step_time.update(size, seconds)
-            speed.update(work, seconds)
+            step_time.update(size, seconds, weight)
+            speed.update(work, seconds, weight)
         noise.update(size, seconds)
 
     def restarts_pending(self) -> set[int]:

@@ -23,6 +23,10 @@ class SpeedEstimator:
     ``m̂_t = (1 − g_t)·m̂_{t−1} + g_t·x_t`` with gain ``g_t = (1 − β) / (1 − β^t)``. Since ``g_1 = 1`` the first
     average is the first measurement, so constant inputs give exactly ``work / seconds`` from the first update.
 
+    A measurement of ``weight`` w (a period worth w updates) keeps the past with ``β^w``; the averages then carry
+    their total weight ``W_t = β^w·W_{t−1} + (1 − β^w)``, and ``g_t = (1 − β^w) / W_t`` (``W_t = 1 − β^t`` for
+    updates of weight 1).
+
     The rate is a ratio of averages rather than an average of per-step rates: one unusually short step
     would make a per-step rate huge, but only nudges the mean of the seconds.
 
@@ -43,6 +47,7 @@ class SpeedEstimator:
         self._num_updates = 0
         self._mean_work = 0.0
         self._mean_seconds = 0.0
+        self._total = 0.0  # total weight of the averages: 1 − β^t after t updates of weight 1
 
     @property
     def num_updates(self) -> int:
@@ -63,44 +68,55 @@ class SpeedEstimator:
         # Unlike in `rate`, the bias correction matters here: without it early averages are too small.
         return self._mean_seconds if self._num_updates else None
 
-    def update(self, work: float, seconds: float) -> None:
-        """Add one step's measurement.
+    def update(self, work: float, seconds: float, weight: float = 1.0) -> None:
+        """Add one measurement.
 
         Args:
-            work: Samples (or cost units) processed in the step; finite and ``>= 0``.
-            seconds: Busy seconds the step took; finite and ``> 0``.
+            work: Samples (or cost units) processed; finite and ``>= 0``.
+            seconds: Busy seconds they took; finite and ``> 0``.
+            weight: How many updates' worth the measurement is (a period of several steps): the past is kept
+                with ``β^weight``.
 
         Raises:
-            ValueError: If either value is out of range.
+            ValueError: If a value is out of range.
         """
         if not (math.isfinite(seconds) and seconds > 0.0):
             raise ValueError(f"`seconds` must be finite and > 0, got {seconds}")
         if not (math.isfinite(work) and work >= 0.0):
             raise ValueError(f"`work` must be finite and >= 0, got {work}")
+        if not (math.isfinite(weight) and weight > 0.0):
+            raise ValueError(f"`weight` must be finite and > 0, got {weight}")
         self._num_updates += 1
-        self._mean_work = self._blend(self._mean_work, float(work))
-        self._mean_seconds = self._blend(self._mean_seconds, float(seconds))
+        past = self.smoothing**weight
+        # The total weight of the averages, 1 − β^t for t updates of weight 1: the bias correction.
+        total = past * self._total + (1.0 - past)
+        keep, gain = past * self._total / total, (1.0 - past) / total
+        self._mean_work = self._blend(self._mean_work, float(work), keep, gain)
+        self._mean_seconds = self._blend(self._mean_seconds, float(seconds), keep, gain)
+        self._total = total
 
     def restart(self, work: float, seconds: float) -> None:
         """Forget the past and start again from this step (the replica's speed changed)."""
-        self._num_updates, self._mean_work, self._mean_seconds = 0, 0.0, 0.0
+        self._num_updates, self._mean_work, self._mean_seconds, self._total = 0, 0.0, 0.0, 0.0
         self.update(work, seconds)
 
-    def _blend(self, mean: float, value: float) -> float:
-        """One step of the corrected average: ``(1 − g_t)·mean + g_t·value``."""
+    @staticmethod
+    def _blend(mean: float, value: float, keep: float, gain: float) -> float:
+        """One step of the corrected average: ``keep·mean + gain·value`` (``keep + gain = 1``)."""
         if value == mean:
             return mean  # exact, where the weighted sum below could be off by an ulp
-        beta, t = self.smoothing, self._num_updates
-        denominator = 1.0 - beta**t
         # Both weights are computed without subtracting them from 1, and the sum has no negative term, so a
         # value far below the average (one very short step) loses no precision even when β is tiny.
-        keep = beta * (1.0 - beta ** (t - 1)) / denominator
-        gain = (1.0 - beta) / denominator
         return keep * mean + gain * value
 
     def state_dict(self) -> dict[str, float | int]:
         """Return the averages and the update count as plain Python numbers (checkpoint-safe)."""
-        return {"num_updates": self._num_updates, "mean_work": self._mean_work, "mean_seconds": self._mean_seconds}
+        return {
+            "num_updates": self._num_updates,
+            "mean_work": self._mean_work,
+            "mean_seconds": self._mean_seconds,
+            "total_weight": self._total,
+        }
 
     def load_state_dict(self, state: Mapping[str, float | int]) -> None:
         """Restore what :meth:`state_dict` returned; ``smoothing`` stays as constructed.
@@ -117,6 +133,8 @@ class SpeedEstimator:
         if num_updates > 0 and mean_seconds <= 0.0:
             raise ValueError(f"speed estimator state has updates but no busy time: {dict(state)}")
         self._num_updates, self._mean_work, self._mean_seconds = num_updates, float(mean_work), float(mean_seconds)
+        # Checkpoints from before weighted updates hold only the count, each update of weight 1.
+        self._total = float(state.get("total_weight", 1.0 - self.smoothing**num_updates))
 
 
 @dataclass(frozen=True)
@@ -176,12 +194,18 @@ class StepTimeEstimator:
         self._moments = [0.0] * 6  # b, t, b², b·t, t², and the total weight (for bias correction)
         self.fixed_samples = 0.0  # k
 
-    def update(self, size: float, seconds: float) -> None:
-        """Account one step of ``size`` samples that kept the device busy for ``seconds``."""
+    def update(self, size: float, seconds: float, weight: float = 1.0) -> None:
+        """Account one step of ``size`` samples that kept the device busy for ``seconds``.
+
+        ``weight`` is how many updates' worth the measurement is (a period of several steps): the past is kept
+        with ``β^weight``.
+        """
         if not (size > 0 and seconds > 0 and math.isfinite(size) and math.isfinite(seconds)):
             raise ValueError(f"need a positive size and duration, got size={size}, seconds={seconds}")
+        if not (math.isfinite(weight) and weight > 0.0):
+            raise ValueError(f"`weight` must be finite and > 0, got {weight}")
         new = (size, seconds, size * size, size * seconds, seconds * seconds, 1.0)
-        beta = self.smoothing
+        beta = self.smoothing**weight
         self._moments = [beta * m + (1 - beta) * x for m, x in zip(self._moments, new, strict=True)]
         self._refit_fixed_cost()
 

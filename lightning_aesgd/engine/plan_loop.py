@@ -131,6 +131,9 @@ class PlanLoop:
         With ``cost_aware`` a replica's work is the cost of its samples (e.g. non-zeros), not their count.
         """
         self.lag, self.step_batch_size, self.cost_aware = lag, step_batch_size, cost_aware
+        if self.arrival_model is not None:
+            # A plan is measured lag + 1 steps after it is made, the shortest report: reports of more steps weigh more.
+            self.arrival_model.reference_steps = lag + 1
         settings = self.settings
         settings.check_step(step_batch_size, num_replicas)
         check_learner_blocks(step_batch_size, num_replicas, self.learners)

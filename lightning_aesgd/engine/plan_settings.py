@@ -27,7 +27,8 @@ class PlanSettings:
         max_batch: largest batch per replica (``None``: no limit), or a list of one per replica.
         min_share: adaptive plans give every replica at least this fraction of the equal share ``M/n``, or a list
             of one fraction per replica.
-        speed_smoothing: smoothing β of the moving averages.
+        speed_smoothing: smoothing β of the moving averages, per report of up to ``lag + 1`` steps (a longer report
+            weighs as steps / (lag + 1) reports).
         plan_gain: fraction γ of the way to the planner's target that each new plan moves; the first plan, from the
             initial (equal or static) split, and the first after a replica's speed changed, move all the way.
         plan_dead_band: no plan is made while the predicted step times agree within this relative tolerance, and a

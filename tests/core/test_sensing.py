@@ -119,3 +119,23 @@ def test_step_seconds_are_per_step_whatever_steps_a_report_spans():
     )
     assert model.step_seconds() == pytest.approx([0.1, 0.1])
     assert model.rates() == pytest.approx([1000.0, 1000.0])
+
+
+def test_a_report_of_more_steps_weighs_as_that_many_reference_reports():
+    """Reports come every lag + 1 steps until plans settle, then up to 8× as far apart: the averages remember steps,
+    not reports, so that a warm-up of short reports does not outweigh the long ones that follow."""
+    weighted, repeated = (ArrivalModel(1, smoothing=0.8, reference_steps=3) for _ in range(2))
+    for model in (weighted, repeated):
+        model.update([_report(64, 0.012 * 3, steps=3)])  # warm-up: slower steps
+        model.update([_report(64, 0.011 * 3, steps=3)])
+    weighted.update([_report(64, 0.010 * 12, steps=12)])  # 4 reference periods
+    for _ in range(4):
+        repeated.update([_report(64, 0.010 * 3, steps=3)])
+    assert weighted.step_seconds() == pytest.approx(repeated.step_seconds(), rel=1e-9)
+    assert weighted.rates() == pytest.approx(repeated.rates(), rel=1e-9)
+    fitted, expected = weighted.models(), repeated.models()
+    assert fitted is not None
+    assert expected is not None
+    assert fitted[0].seconds(64) == pytest.approx(expected[0].seconds(64), rel=1e-9)
+    with pytest.raises(ValueError, match="reference_steps"):
+        ArrivalModel(1, reference_steps=0)

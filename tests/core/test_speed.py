@@ -141,6 +141,51 @@ def test_speed_estimator_state_dict_round_trip() -> None:
     assert restored.state_dict() == estimator.state_dict()
 
 
+@given(
+    st.lists(st.tuples(work_values, second_values, st.integers(min_value=1, max_value=4)), min_size=1, max_size=12),
+    smoothing_values,
+)
+def test_speed_estimator_update_of_weight_k_is_k_updates(
+    steps: list[tuple[float, float, int]], smoothing: float
+) -> None:
+    """A period of k reference periods' steps keeps the past with β^k: as if it had been reported k times."""
+    weighted, repeated = SpeedEstimator(smoothing), SpeedEstimator(smoothing)
+    for work, seconds, weight in steps:
+        weighted.update(work, seconds, weight=weight)
+        for _ in range(weight):
+            repeated.update(work, seconds)
+    assert weighted.rate == pytest.approx(repeated.rate, rel=1e-9)
+    assert weighted.mean_seconds == pytest.approx(repeated.mean_seconds, rel=1e-9)
+
+
+def test_a_long_period_moves_the_speed_further_than_a_short_one() -> None:
+    short, long = SpeedEstimator(0.8), SpeedEstimator(0.8)
+    for estimator in (short, long):
+        for _ in range(10):
+            estimator.update(100.0, 2.0)  # warm-up: slow
+    short.update(100.0, 1.0, weight=1.0)
+    long.update(100.0, 1.0, weight=8.0)
+    assert long.mean_seconds == pytest.approx(1.0 + 0.8**8 * (1.0 - 0.8**10) / (1.0 - 0.8**18))
+    assert long.mean_seconds < 1.2 < short.mean_seconds
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, math.inf, math.nan])
+def test_speed_and_step_time_estimators_reject_a_weight_that_is_not_positive(weight: float) -> None:
+    with pytest.raises(ValueError, match="weight"):
+        SpeedEstimator().update(1.0, 1.0, weight=weight)
+    with pytest.raises(ValueError, match="weight"):
+        StepTimeEstimator().update(1.0, 1.0, weight=weight)
+
+
+def test_speed_estimator_loads_a_state_saved_before_weighted_updates() -> None:
+    estimator = steady_estimator(0.8, 100.0, 1.0, num_updates=3)
+    state = estimator.state_dict()
+    del state["total_weight"]
+    restored = SpeedEstimator(0.8)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == pytest.approx(estimator.state_dict())
+
+
 @pytest.mark.parametrize(
     ("state", "match"),
     [

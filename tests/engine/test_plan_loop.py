@@ -123,6 +123,13 @@ def test_the_stats_carry_each_replicas_latest_period_as_measured():
         assert stats[rank].loader_seconds == 0.0  # no loader workers here
 
 
+def test_the_models_count_a_report_of_lag_plus_one_steps_as_one():
+    """Reports of the settled plan come up to 8x further apart than lag + 1 steps: they weigh as that many."""
+    replica = Replica(2)  # lag 3
+    assert replica.plans.arrival_model is not None
+    assert replica.plans.arrival_model.reference_steps == 4
+
+
 def test_a_plan_is_balanced_when_its_predicted_step_times_agree():
     """Judged on the latest plan (scheduled ones included) by every rank alike, from the same models."""
     adaptive = _group(4)
