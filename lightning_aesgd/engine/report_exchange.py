@@ -36,16 +36,18 @@ class ReportExchange:
         self._in_flight: list[torch.futures.Future[Tensor]] = []
         self._next_report = 0  # the global step of the next report (the first step of a fit reports)
         self._every = 0  # steps between reports, from the latest reports (0: none received yet)
+        self._latest = 0  # the global step of the latest report launched
 
     def start(self) -> None:
         """A fit begins: its first step reports, and nothing of an earlier fit is in flight."""
-        self._in_flight, self._next_report, self._every = [], 0, 0
+        self._in_flight, self._next_report, self._every, self._latest = [], 0, 0, 0
 
     def due(self, global_step: int, plans: PlanLoop) -> bool:
         """Whether this step reports; if so, the next report is scheduled (never sooner than ``lag + 1`` steps)."""
         if global_step < self._next_report:
             return False
         self._next_report = global_step + max(self._every, plans.lag + 1)
+        self._latest = global_step
         return True
 
     def launch(
@@ -80,11 +82,12 @@ class ReportExchange:
 
     def state_dict(self) -> dict[str, int]:
         """When the next report is due (for a replica that missed some): nothing in flight is included."""
-        return {"next_report": self._next_report, "every": self._every}
+        return {"next_report": self._next_report, "every": self._every, "latest": self._latest}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Take what :meth:`state_dict` returned."""
         self._next_report, self._every = int(state["next_report"]), int(state["every"])
+        self._latest = int(state.get("latest", self._next_report - self._every))
 
     def space_out(self, plans: PlanLoop) -> None:
         """Set the steps to the next report from the reports just received.
@@ -98,6 +101,10 @@ class ReportExchange:
         reports = [report for rank, report in enumerate(plans.latest_reports) if rank not in plans.held_out]
         settled = plans.balanced_within(SETTLED_SPREAD) and all(report.steps >= shortest for report in reports)
         self._every = report_interval(_step_seconds(reports), shortest) if settled else shortest
+        # A shorter interval counts from the latest report, not from the one after it: the report that starts a
+        # probe (or a new plan) was scheduled at the settled plan's interval, and the probe held every step at the
+        # probed replica's pace until a second such interval had passed (about 30 steps instead of lag + 1).
+        self._next_report = min(self._next_report, self._latest + self._every)
 
 
 def _summed(table: Tensor, comm: Communicator) -> torch.futures.Future[Tensor]:

@@ -64,6 +64,24 @@ def test_reports_space_out_once_the_plan_is_settled_and_steps_are_short():
     assert exchange.due(124, plans)
 
 
+def test_an_unsettled_plan_brings_the_next_report_to_lag_plus_one_steps_after_the_latest():
+    """The report that starts a probe (or a new plan) was scheduled 24 steps ahead while settled: the next one comes
+    lag + 1 steps after it, not 24 (a probe held every step at the probed replica's pace all that time)."""
+    exchange, plans = ReportExchange(), _plans(lag=2)
+    equal = [PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.02).as_row() for _ in range(2)]
+    for step in range(0, 40, 4):
+        plans.receive(equal, step)
+    exchange.space_out(plans)
+    assert exchange.due(100, plans)  # the next would be at 124
+    slow = PeriodReport(0.5, work=128.0, planned=128.0, steps=24.0, active=2.4).as_row()
+    plans.receive([equal[0], slow], 100)  # replica 1 slowed down 5x: no longer settled
+    exchange.space_out(plans)
+    assert _due_steps(exchange, plans, 110) == [103, 106, 109]
+    restored = ReportExchange()
+    restored.load_state_dict(exchange.state_dict())
+    assert restored.state_dict() == exchange.state_dict()
+
+
 def test_an_unsettled_plan_keeps_reports_every_lag_plus_one_steps():
     """A static plan that unequal replicas cannot balance; an adaptive one would be settled by its next plan."""
     exchange, plans = ReportExchange(), _plans(lag=2, planner="static")
