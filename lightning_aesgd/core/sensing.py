@@ -120,21 +120,23 @@ class ArrivalModel:
     as one each, a dozen short reports of the warm-up (slow first steps) outweighed the long ones that followed for
     a hundred steps, the models lagged the replicas' real step times, and equal-looking stale models held the
     plan. Reports shorter than the reference (a fit's first) count as one: that keeps ``β`` per report where
-    reports are frequent.
+    reports are frequent. :attr:`smoothing_now` is the smoothing the latest reports were averaged with, ``β^w``.
 
     Args:
         num_replicas: replicas reporting.
         smoothing: weight β of the past in the moving averages, per report of up to ``reference_steps`` steps.
-        reference_steps: steps a report of weight 1 spans (the plan loop sets ``lag + 1``).
+        reference_steps: steps a report of weight 1 spans: the plan loop sets ``lag + 1`` under gradient
+            synchronisation and the merge period under model merging; by default every report weighs 1.
     """
 
-    def __init__(self, num_replicas: int, smoothing: float = 0.8, reference_steps: float = 1.0) -> None:
+    def __init__(self, num_replicas: int, smoothing: float = 0.8, reference_steps: float = math.inf) -> None:
         if num_replicas < 1:
             raise ValueError(f"need at least one replica, got {num_replicas}")
         if not reference_steps > 0:
             raise ValueError(f"`reference_steps` must be > 0, got {reference_steps}")
         self.smoothing = smoothing
         self.reference_steps = reference_steps
+        self.smoothing_now = smoothing
         self.step_time = [StepTimeEstimator(smoothing) for _ in range(num_replicas)]
         self.speed = [SpeedEstimator(smoothing) for _ in range(num_replicas)]
         self.step_noise = [StepNoise() for _ in range(num_replicas)]
@@ -152,12 +154,16 @@ class ArrivalModel:
         """Account one merge's reports (one per replica, in rank order); unmeasured reports are skipped."""
         if len(reports) != self.num_replicas:
             raise ValueError(f"need one report per replica ({self.num_replicas}), got {len(reports)}")
+        weights = []
         for rank, report in enumerate(reports):
             self.shifted[rank] = False
             if report.measured:
                 # Per step, as reports may span several steps: the mean seconds are then a step's, not a period's.
                 per_step = (report.planned / report.steps, report.work / report.steps, report.seconds / report.steps)
-                self._account(rank, *per_step, weight=max(1.0, report.steps / self.reference_steps))
+                weights.append(max(1.0, report.steps / self.reference_steps))
+                self._account(rank, *per_step, weight=weights[-1])
+        if weights:
+            self.smoothing_now = self.smoothing ** max(weights)
 
     def _account(self, rank: int, size: float, work: float, seconds: float, weight: float) -> None:
         step_time, speed, noise = self.step_time[rank], self.speed[rank], self.step_noise[rank]
@@ -172,8 +178,8 @@ class ArrivalModel:
         self._sizes[rank] = size
         if self.shifted[rank] or rank in self._stale:
             self._stale.discard(rank)
-            step_time.restart(size, seconds)
-            speed.restart(work, seconds)
+            step_time.restart(size, seconds, weight)
+            speed.restart(work, seconds, weight)
             misses.clear()
         else:
             step_time.update(size, seconds, weight)
@@ -216,6 +222,7 @@ class ArrivalModel:
             "speed": [estimator.state_dict() for estimator in self.speed],
             "noise": [noise.state_dict() for noise in self.step_noise],
             "stale": sorted(self._stale),
+            "smoothing_now": self.smoothing_now,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -229,6 +236,7 @@ class ArrivalModel:
         for noise, saved in zip(self.step_noise, state.get("noise") or [], strict=False):
             noise.load_state_dict(saved)
         self._stale = {int(rank) for rank in state.get("stale") or []}
+        self.smoothing_now = float(state.get("smoothing_now", self.smoothing))
 
 
 def check_plan_damping(min_share: float, gain: float, dead_band: float) -> None:

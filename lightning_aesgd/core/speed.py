@@ -74,8 +74,8 @@ class SpeedEstimator:
         Args:
             work: Samples (or cost units) processed; finite and ``>= 0``.
             seconds: Busy seconds they took; finite and ``> 0``.
-            weight: How many updates' worth the measurement is (a period of several steps): the past is kept
-                with ``β^weight``.
+            weight: How many updates' worth the measurement is (a period of several steps), at least 1: the past
+                is kept with ``β^weight``.
 
         Raises:
             ValueError: If a value is out of range.
@@ -84,8 +84,7 @@ class SpeedEstimator:
             raise ValueError(f"`seconds` must be finite and > 0, got {seconds}")
         if not (math.isfinite(work) and work >= 0.0):
             raise ValueError(f"`work` must be finite and >= 0, got {work}")
-        if not (math.isfinite(weight) and weight > 0.0):
-            raise ValueError(f"`weight` must be finite and > 0, got {weight}")
+        _check_weight(weight)
         self._num_updates += 1
         past = self.smoothing**weight
         # The total weight of the averages, 1 − β^t for t updates of weight 1: the bias correction.
@@ -95,10 +94,10 @@ class SpeedEstimator:
         self._mean_seconds = self._blend(self._mean_seconds, float(seconds), keep, gain)
         self._total = total
 
-    def restart(self, work: float, seconds: float) -> None:
-        """Forget the past and start again from this step (the replica's speed changed)."""
+    def restart(self, work: float, seconds: float, weight: float = 1.0) -> None:
+        """Forget the past and start again from this measurement (the replica's speed changed)."""
         self._num_updates, self._mean_work, self._mean_seconds, self._total = 0, 0.0, 0.0, 0.0
-        self.update(work, seconds)
+        self.update(work, seconds, weight)
 
     @staticmethod
     def _blend(mean: float, value: float, keep: float, gain: float) -> float:
@@ -134,7 +133,10 @@ class SpeedEstimator:
             raise ValueError(f"speed estimator state has updates but no busy time: {dict(state)}")
         self._num_updates, self._mean_work, self._mean_seconds = num_updates, float(mean_work), float(mean_seconds)
         # Checkpoints from before weighted updates hold only the count, each update of weight 1.
-        self._total = float(state.get("total_weight", 1.0 - self.smoothing**num_updates))
+        total = float(state.get("total_weight", 1.0 - self.smoothing**num_updates))
+        if not 0.0 <= total <= 1.0 or (num_updates > 0) != (total > 0.0):
+            raise ValueError(f"invalid speed estimator state {dict(state)}: its total weight must be in (0, 1]")
+        self._total = total
 
 
 @dataclass(frozen=True)
@@ -197,26 +199,25 @@ class StepTimeEstimator:
     def update(self, size: float, seconds: float, weight: float = 1.0) -> None:
         """Account one step of ``size`` samples that kept the device busy for ``seconds``.
 
-        ``weight`` is how many updates' worth the measurement is (a period of several steps): the past is kept
-        with ``β^weight``.
+        ``weight`` is how many updates' worth the measurement is (a period of several steps), at least 1: the past
+        is kept with ``β^weight``.
         """
         if not (size > 0 and seconds > 0 and math.isfinite(size) and math.isfinite(seconds)):
             raise ValueError(f"need a positive size and duration, got size={size}, seconds={seconds}")
-        if not (math.isfinite(weight) and weight > 0.0):
-            raise ValueError(f"`weight` must be finite and > 0, got {weight}")
+        _check_weight(weight)
         new = (size, seconds, size * size, size * seconds, seconds * seconds, 1.0)
         beta = self.smoothing**weight
         self._moments = [beta * m + (1 - beta) * x for m, x in zip(self._moments, new, strict=True)]
         self._refit_fixed_cost()
 
-    def restart(self, size: float, seconds: float) -> None:
+    def restart(self, size: float, seconds: float, weight: float = 1.0) -> None:
         """Forget the averages and start again from this step, keeping the fixed cost ``k`` (the speed changed).
 
         A device that slows down as a whole changes ``c``, not ``k``; the averages of the old speed would only
         drag the new model back towards it.
         """
         self._moments = [0.0] * 6
-        self.update(size, seconds)
+        self.update(size, seconds, weight)
 
     def model(self) -> StepTime | None:
         """The fitted step-time model, or ``None`` before the first step."""
@@ -255,3 +256,9 @@ class StepTimeEstimator:
         """Restore what :meth:`state_dict` returned."""
         self._moments = [float(m) for m in state["moments"]]
         self.fixed_samples = float(state["fixed_samples"])
+
+
+def _check_weight(weight: float) -> None:
+    """Raise unless ``weight`` is finite and at least 1 (below 1, ``β^weight`` may round to 1: no new weight)."""
+    if not (math.isfinite(weight) and weight >= 1.0):
+        raise ValueError(f"`weight` counts updates: it must be finite and >= 1, got {weight}")

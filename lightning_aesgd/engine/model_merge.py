@@ -114,6 +114,10 @@ class ModelMerge(StepPipeline):
         assert self.averager is not None, "the pipeline is not running: call start() first"
         return self.averager
 
+    def _report_steps(self) -> int:
+        """A report per merge: the merge period's steps weigh as one report (more while one replica trains alone)."""
+        return self.merging.period
+
     def _start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
         """Replicas start from rank zero's model, as DDP's do."""
         _broadcast_module(module, comm, self.merging.merge_buffers)

@@ -161,6 +161,10 @@ class StepPipeline(ABC):
     def _start(self, module: nn.Module, comm: Communicator, device: torch.device) -> None:
         """The sync mode's part of :meth:`start`."""
 
+    def _report_steps(self) -> int:
+        """Steps a report usually spans, beyond ``lag + 1`` (0: none); longer reports weigh more in the speed models."""
+        return 0
+
     @abstractmethod
     def _stop(self) -> None:
         """The sync mode's part of :meth:`stop`."""
@@ -271,7 +275,9 @@ class StepPipeline(ABC):
         lag = self.plan_lag if self.plan_lag is not None else depth + 1
         costs = resolve_sample_costs(self.sample_costs, dataloader.dataset)
         step_batch_size = self._step_batch_size(facts.batch_size * comm.world_size * self.learners, position)
-        plan_book = self.plans.plan_book_for(step_batch_size, comm.world_size, lag, cost_aware=costs is not None)
+        plan_book = self.plans.plan_book_for(
+            step_batch_size, comm.world_size, lag, cost_aware=costs is not None, report_steps=self._report_steps()
+        )
         loader = build_planned_loader(
             dataloader,
             facts,

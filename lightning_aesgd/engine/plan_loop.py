@@ -125,15 +125,19 @@ class PlanLoop:
             log.warning("Every replica stays in the steps (leave_out_stragglers is off for this fit): %s.", reason)
         self.leaving_out_forbidden = reason
 
-    def plan_book_for(self, step_batch_size: int, num_replicas: int, lag: int, cost_aware: bool = False) -> PlanBook:
+    def plan_book_for(
+        self, step_batch_size: int, num_replicas: int, lag: int, cost_aware: bool = False, report_steps: int = 0
+    ) -> PlanBook:
         """The plan book for steps of ``step_batch_size`` samples, created on first use or restored from a checkpoint.
 
         With ``cost_aware`` a replica's work is the cost of its samples (e.g. non-zeros), not their count.
+        ``report_steps`` is the steps a report usually spans (the merge period under model merging); reports of
+        more steps weigh more in the speed models. By default ``lag + 1``: a plan is measured that long after it is
+        made, so reports under gradient synchronisation are never shorter.
         """
         self.lag, self.step_batch_size, self.cost_aware = lag, step_batch_size, cost_aware
         if self.arrival_model is not None:
-            # A plan is measured lag + 1 steps after it is made, the shortest report: reports of more steps weigh more.
-            self.arrival_model.reference_steps = lag + 1
+            self.arrival_model.reference_steps = max(report_steps, lag + 1)
         settings = self.settings
         settings.check_step(step_batch_size, num_replicas)
         check_learner_blocks(step_batch_size, num_replicas, self.learners)
@@ -329,7 +333,8 @@ class PlanLoop:
         noise = self.arrival_model.noise()
         if self.plan_book is not None:  # a left-out replica's noise says nothing about the others' plans
             noise = [sigma for sigma, size in zip(noise, self.plan_book.latest, strict=True) if size > 0]
-        return noise_band(noise, settings.speed_smoothing, settings.plan_dead_band)
+        # The smoothing the latest reports were averaged with: long reports weigh more (ArrivalModel).
+        return noise_band(noise, self.arrival_model.smoothing_now, settings.plan_dead_band)
 
     def balanced_within(self, spread: float) -> bool:
         """Whether the latest plan's predicted step times agree within ``spread`` (``max ≤ (1 + spread)·min``).

@@ -87,7 +87,7 @@ class ReportExchange:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Take what :meth:`state_dict` returned."""
         self._next_report, self._every = int(state["next_report"]), int(state["every"])
-        self._latest = int(state.get("latest", self._next_report - self._every))
+        self._latest = int(state["latest"])  # a handoff's state, within one fit: never from an older version
 
     def space_out(self, plans: PlanLoop) -> None:
         """Set the steps to the next report from the reports just received.

@@ -137,5 +137,19 @@ def test_a_report_of_more_steps_weighs_as_that_many_reference_reports():
     assert fitted is not None
     assert expected is not None
     assert fitted[0].seconds(64) == pytest.approx(expected[0].seconds(64), rel=1e-9)
+    assert weighted.smoothing_now == pytest.approx(0.8**4)  # the dead band's smoothing (PlanLoop.dead_band)
+    assert repeated.smoothing_now == 0.8
     with pytest.raises(ValueError, match="reference_steps"):
         ArrivalModel(1, reference_steps=0)
+
+
+def test_without_a_reference_every_report_weighs_one():
+    """An ArrivalModel built alone keeps beta per report, whatever the steps each report spans."""
+    long, short = ArrivalModel(1, smoothing=0.8), ArrivalModel(1, smoothing=0.8)
+    for model, steps in ((long, 12), (short, 3)):
+        model.update([_report(64, 0.012 * steps, steps=steps)])
+        model.update([_report(64, 0.010 * steps, steps=steps)])
+    assert long.step_seconds() == pytest.approx(short.step_seconds(), rel=1e-12)
+    restored = ArrivalModel(1, smoothing=0.8)
+    restored.load_state_dict(long.state_dict())
+    assert restored.smoothing_now == long.smoothing_now

@@ -169,12 +169,43 @@ def test_a_long_period_moves_the_speed_further_than_a_short_one() -> None:
     assert long.mean_seconds < 1.2 < short.mean_seconds
 
 
-@pytest.mark.parametrize("weight", [0.0, -1.0, math.inf, math.nan])
+@pytest.mark.parametrize("weight", [0.5, 0.0, -1.0, math.inf, math.nan])
 def test_speed_and_step_time_estimators_reject_a_weight_that_is_not_positive(weight: float) -> None:
     with pytest.raises(ValueError, match="weight"):
         SpeedEstimator().update(1.0, 1.0, weight=weight)
     with pytest.raises(ValueError, match="weight"):
         StepTimeEstimator().update(1.0, 1.0, weight=weight)
+
+
+def test_a_restart_keeps_the_weight_of_the_measurement_it_starts_from() -> None:
+    """A change of speed seen on a long report restarts the averages with that report's weight, not one update's."""
+    weighted, repeated = SpeedEstimator(0.8), SpeedEstimator(0.8)
+    weighted.restart(100.0, 2.0, weight=8)
+    repeated.restart(100.0, 2.0)
+    for _ in range(7):
+        repeated.update(100.0, 2.0)
+    for estimator in (weighted, repeated):
+        estimator.update(100.0, 1.0)
+    assert weighted.mean_seconds == pytest.approx(repeated.mean_seconds, rel=1e-12)
+    steps_weighted, steps_repeated = StepTimeEstimator(0.8), StepTimeEstimator(0.8)
+    steps_weighted.restart(64, 2.0, weight=8)
+    steps_repeated.restart(64, 2.0)
+    for _ in range(7):
+        steps_repeated.update(64, 2.0)
+    for step_time in (steps_weighted, steps_repeated):
+        step_time.update(64, 1.0)
+    fitted, expected = steps_weighted.model(), steps_repeated.model()
+    assert fitted is not None
+    assert expected is not None
+    assert fitted.seconds(64) == pytest.approx(expected.seconds(64), rel=1e-12)
+
+
+@pytest.mark.parametrize("total", [-0.1, 1.5, 0.0])
+def test_speed_estimator_rejects_a_state_whose_total_weight_cannot_be(total: float) -> None:
+    state = steady_estimator(0.8, 100.0, 1.0, num_updates=3).state_dict()
+    state["total_weight"] = total
+    with pytest.raises(ValueError, match="total weight"):
+        SpeedEstimator(0.8).load_state_dict(state)
 
 
 def test_speed_estimator_loads_a_state_saved_before_weighted_updates() -> None:

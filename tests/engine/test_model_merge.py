@@ -234,3 +234,12 @@ def test_a_step_the_grad_scaler_skipped_carries_no_merge_weight():
     # an error). Steps 1-2 with 2 skipped: 4 samples of weight. Steps 3-4: 8. Steps 5-6, both skipped: nothing.
     assert weights == [0.0, 4.0, 8.0, 0.0]
     assert engine.averager.merges == 2
+
+
+def test_a_merge_period_of_steps_weighs_as_one_report_in_the_speed_models():
+    """Reports come once per merge: a period longer than lag + 1 does not make every report weigh more."""
+    engine = _engine(MergeSettings(ElasticAverage(), period=8))
+    engine.start(torch.nn.Linear(2, 1), LocalCommunicator(), torch.device("cpu"))
+    engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
+    assert engine.plans.arrival_model is not None
+    assert engine.plans.arrival_model.reference_steps == 8

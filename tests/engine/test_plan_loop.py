@@ -11,6 +11,7 @@ import torch
 from lightning_aesgd.core.apportion import share_error
 from lightning_aesgd.core.merge import ElasticAverage
 from lightning_aesgd.core.planners import StaticPlanner
+from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.model_merge import TrainingAlone
 from lightning_aesgd.engine.plan_loop import HISTORY_LENGTH, PlanLoop, PlanRecord
@@ -123,11 +124,30 @@ def test_the_stats_carry_each_replicas_latest_period_as_measured():
         assert stats[rank].loader_seconds == 0.0  # no loader workers here
 
 
-def test_the_models_count_a_report_of_lag_plus_one_steps_as_one():
+def test_the_models_count_a_report_of_lag_plus_one_steps_or_a_merge_period_as_one():
     """Reports of the settled plan come up to 8x further apart than lag + 1 steps: they weigh as that many."""
     replica = Replica(2)  # lag 3
     assert replica.plans.arrival_model is not None
     assert replica.plans.arrival_model.reference_steps == 4
+    # Under model merging a report spans a merge period: 8 steps weigh as one report there.
+    replica.plans.plan_book_for(STEP_BATCH, 2, lag=3, report_steps=8)
+    assert replica.plans.arrival_model.reference_steps == 8
+
+
+def test_the_dead_band_widens_where_long_reports_weigh_more():
+    """A report of 8 reference periods keeps 0.8**8 of the past: its noise stays in the estimates, so the band that
+    keeps equal replicas' plans apart from noise is wider than with 3-step reports of the same noise."""
+    bands = []
+    for steps in (3, 24):
+        plans = PlanLoop(PlanSettings())
+        plans.attach(2)
+        plans.plan_book_for(STEP_BATCH, 2, lag=2)
+        for period, jitter in enumerate([1.0, 1.05, 0.97, 1.04, 0.96, 1.03]):
+            work, active = 128.0 * steps, 0.01 * jitter * steps
+            row = PeriodReport(0.5, work=work, planned=work, steps=steps, active=active)
+            plans.receive([row.as_row(), row.as_row()], period * steps)
+        bands.append(plans.dead_band)
+    assert bands[0] < bands[1] <= 0.25
 
 
 def test_a_plan_is_balanced_when_its_predicted_step_times_agree():
