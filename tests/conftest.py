@@ -55,8 +55,20 @@ def pytest_runtest_logreport(report):
 
 @pytest.fixture(autouse=True)
 def _teardown_process_group():
-    """Destroy any process group a test left behind, so the next test starts clean."""
+    """Destroy any process group a test left behind, and stop the heartbeat its communicator started.
+
+    A heartbeat is a daemon thread inside a store's C++ calls every few hundred milliseconds; left running, it beat
+    into a destroyed group's store until the interpreter's exit. A daemon thread that wakes during finalization is
+    ended by a forced unwind through C++ frames that cannot unwind, which aborts the process ("terminate called
+    without an active exception", exit status 134): one full run of the suite ended so after every test had passed.
+    The heartbeat is the one thread of the package that outlived its test, so the likely cause (three runs of the
+    tests that create groups in this process did not reproduce it).
+    """
     yield
+    # Imported here: this module must not import the package before the GPUs are hidden above.
+    from lightning_aesgd.engine.stalls import stop_heartbeat
+
+    stop_heartbeat()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

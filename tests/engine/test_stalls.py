@@ -38,13 +38,6 @@ GLOO_TIMEOUT = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000
 GLOO_RESET = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:20125: Connection reset by peer."
 
 
-@pytest.fixture(autouse=True)
-def _no_heartbeat_left():
-    """A heartbeat a test started does not beat on into the next test's store."""
-    yield
-    stop_heartbeat()
-
-
 def _error(roll, cause=GLOO_TIMEOUT, world_size=3) -> ReplicaStalledError:
     return ReplicaStalledError(
         collective="all-reduce #7", rank=0, world_size=world_size, waited=20.04, roll=roll, cause=cause
