@@ -177,27 +177,26 @@ def test_speed_and_step_time_estimators_reject_a_weight_that_is_not_positive(wei
         StepTimeEstimator().update(1.0, 1.0, weight=weight)
 
 
-def test_a_restart_keeps_the_weight_of_the_measurement_it_starts_from() -> None:
+def _mean_step_seconds(estimator: SpeedEstimator | StepTimeEstimator) -> float | None:
+    if isinstance(estimator, SpeedEstimator):
+        return estimator.mean_seconds
+    model = estimator.model()
+    return None if model is None else model.seconds(64)
+
+
+@pytest.mark.parametrize("estimator_type", [SpeedEstimator, StepTimeEstimator])
+def test_a_restart_keeps_the_weight_of_the_measurement_it_starts_from(
+    estimator_type: type[SpeedEstimator] | type[StepTimeEstimator],
+) -> None:
     """A change of speed seen on a long report restarts the averages with that report's weight, not one update's."""
-    weighted, repeated = SpeedEstimator(0.8), SpeedEstimator(0.8)
-    weighted.restart(100.0, 2.0, weight=8)
-    repeated.restart(100.0, 2.0)
+    weighted, repeated = estimator_type(0.8), estimator_type(0.8)
+    weighted.restart(64, 2.0, weight=8)
+    repeated.restart(64, 2.0)
     for _ in range(7):
-        repeated.update(100.0, 2.0)
+        repeated.update(64, 2.0)
     for estimator in (weighted, repeated):
-        estimator.update(100.0, 1.0)
-    assert weighted.mean_seconds == pytest.approx(repeated.mean_seconds, rel=1e-12)
-    steps_weighted, steps_repeated = StepTimeEstimator(0.8), StepTimeEstimator(0.8)
-    steps_weighted.restart(64, 2.0, weight=8)
-    steps_repeated.restart(64, 2.0)
-    for _ in range(7):
-        steps_repeated.update(64, 2.0)
-    for step_time in (steps_weighted, steps_repeated):
-        step_time.update(64, 1.0)
-    fitted, expected = steps_weighted.model(), steps_repeated.model()
-    assert fitted is not None
-    assert expected is not None
-    assert fitted.seconds(64) == pytest.approx(expected.seconds(64), rel=1e-12)
+        estimator.update(64, 1.0)
+    assert _mean_step_seconds(weighted) == pytest.approx(_mean_step_seconds(repeated), rel=1e-12)
 
 
 @pytest.mark.parametrize("total", [-0.1, 1.5, 0.0])
