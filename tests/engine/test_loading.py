@@ -7,6 +7,7 @@ import torch
 from helpers import RegressionData
 from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 
+from lightning_aesgd.engine import loading
 from lightning_aesgd.engine.loading import (
     LoaderClock,
     PlannedDataLoader,
@@ -112,13 +113,13 @@ def test_unsupported_loaders_are_refused_with_the_fix(loader, hint):
         _build(loader)
 
 
-def test_loader_time_is_divided_among_parallel_workers_and_read_once():
-    clock = LoaderClock()
-    timed = TimedLoading(list(range(8)), lambda samples: samples, clock, workers=4)
-    timed.__getitems__(StepIndices([0, 1], step=3))
-    single = LoaderClock()
+def test_loader_time_is_divided_among_parallel_workers_and_read_once(monkeypatch):
+    ticks = iter(range(0, 100, 2))  # every clock reading is 2 s after the previous: each batch takes 2 s
+    monkeypatch.setattr(loading.time, "perf_counter", lambda: float(next(ticks)))
+    clock, single = LoaderClock(), LoaderClock()
+    TimedLoading(list(range(8)), lambda samples: samples, clock, workers=4).__getitems__(StepIndices([0, 1], 3))
     TimedLoading(list(range(8)), lambda samples: samples, single, workers=0).__getitems__(StepIndices([0, 1], 3))
-    assert 0 < clock.read(3) <= single.read(3)
+    assert (clock.read(3), single.read(3)) == (0.5, 2.0)
     assert clock.read(3) == 0.0  # read once: a later step with the same slot never sees a stale time
 
 
