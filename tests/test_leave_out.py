@@ -21,6 +21,9 @@ from lightning_aesgd.idle_steps import bare_zero, idle_training_step, zero_loss
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
 
 BATCH = 8  # the loader's batch: steps of 24 samples among 3 replicas
+# The slow replica's step at its floor of one sample (50 ms) dwarfs a loaded machine's per-step overhead, so the
+# plan leaves it out early even where Lightning's loop costs tens of milliseconds a step.
+SECONDS_PER_SAMPLE = 0.001
 
 
 class _EpochModel(RegressionModel):
@@ -64,7 +67,7 @@ class _SyncLoggingModel(_EpochModel):
 
 
 def _fit_three(tmp_path, model, **options):
-    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": 0.0003})
+    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": SECONDS_PER_SAMPLE})
     strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=60), **options)
     cpu_trainer(strategy, devices=3, max_epochs=1, callbacks=[slow, _Record(tmp_path)]).fit(model)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
@@ -89,7 +92,7 @@ def test_a_replica_50x_slower_is_left_out_and_every_sample_is_still_used_once(tm
     monkeypatch.setattr(report_exchange, "_summed", no_report_on_its_own)  # the forked replicas inherit it
     size, epochs = 480, 2
     steps_per_epoch = size // (3 * BATCH)  # 20
-    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": 0.0003})
+    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": SECONDS_PER_SAMPLE})
     strategy = AdaptiveElasticStrategy(sync=sync, start_method="fork", timeout=timedelta(seconds=90))
     pl.seed_everything(7)
     model = _EpochModel(size=size, batch_size=BATCH)
@@ -141,7 +144,7 @@ class _ValidationRecord(pl.Callback):
 
 def test_a_replica_sitting_out_catches_up_before_validation_and_checkpoints(tmp_path):
     """Validation (a collective in the user's step), checkpoints and the end of fit all see one model."""
-    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": 0.0003})
+    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": SECONDS_PER_SAMPLE})
     saves = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=7, save_top_k=-1)
     strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=90))
     pl.seed_everything(7)
@@ -210,7 +213,7 @@ class _RecordFitted(pl.Callback):
 
 
 def _fit_two(tmp_path, model, **options):
-    slow = SlowdownCallback({"factors": [1, 50], "mode": "user", "seconds_per_sample": 0.0003})
+    slow = SlowdownCallback({"factors": [1, 50], "mode": "user", "seconds_per_sample": SECONDS_PER_SAMPLE})
     strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=90), **options)
     callbacks = [slow, _Record(tmp_path), _RecordFitted(tmp_path)]
     cpu_trainer(strategy, devices=2, max_epochs=2, callbacks=callbacks).fit(model)
