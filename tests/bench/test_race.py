@@ -136,8 +136,11 @@ def test_tiny_benchmark_writes_sane_figures(tmp_path: Path, capsys: pytest.Captu
     assert [run["algorithm"] for run in runs] == algorithms
     assert all(run["error"] is None for run in runs), [run["error"] for run in runs]
     # Tiny steps are mostly fixed overhead, which the step emulation does not stretch (only the computing thread's
-    # work is), so an emulated replica there runs faster than base × f times the solo speed: efficiency can pass 1.
-    assert all(run["throughput"] > 0 and 0 < run["efficiency"] < 4 for run in runs), runs
+    # work is), so an emulated replica there runs faster than base × f times the solo speed: efficiency can pass 1,
+    # by how much depends on the machine's load during the short solo run. What holds anywhere: it is the throughput
+    # over the ideal one.
+    assert all(run["throughput"] > 0 and run["ideal_throughput"] > 0 for run in runs), runs
+    assert all(run["efficiency"] == pytest.approx(run["throughput"] / run["ideal_throughput"]) for run in runs), runs
     assert all(0 < run["step_seconds"] < run["seconds"] for run in runs), runs
     # Equal epochs: every algorithm processed the same samples.
     assert len({run["samples"] for run in runs}) == 1

@@ -476,7 +476,7 @@ def _run(script: Path, out: Path, timeout: float) -> tuple[int, str]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads process states from /proc")
 @pytest.mark.parametrize(
     ("sync", "where"), [("models", "the merge after global step 3"), ("gradients", "the gradient sum of global step 3")]
@@ -484,12 +484,13 @@ def _run(script: Path, out: Path, timeout: float) -> tuple[int, str]:
 def test_a_stalled_replica_fails_the_job_with_its_rank_and_does_not_outlive_it(tmp_path, sync, where):
     script = tmp_path / "stall.py"
     script.write_text(STALL_SCRIPT.replace("TIMEOUT", str(STALL_TIMEOUT)).replace("SYNC", sync))
-    code, output = _run(script, tmp_path, timeout=100)
+    code, output = _run(script, tmp_path, timeout=200)
     ended = time.time()
     assert code != 0, output[-4000:]
     assert (tmp_path / "stalled_pid").exists(), f"the job failed before replica 1 stalled:\n{output[-4000:]}"
     stalled_for = ended - (tmp_path / "stalled_pid").stat().st_mtime  # from the stall, whatever start-up took
-    assert stalled_for < 60, f"the job must fail near the timeout ({STALL_TIMEOUT} s), not when the replica wakes"
+    # About 35 s here (the timeout, the roll call's patience, the teardown); the replica wakes only after 300 s.
+    assert stalled_for < 150, f"the job must fail near the timeout ({STALL_TIMEOUT} s), not when the replica wakes"
     assert "ReplicaStalledError" in output, output[-4000:]
     assert re.search(f"during {re.escape(where)} (timed out|lost a peer's connection)", output), output[-4000:]
     assert "replica(s) [1] had not arrived although alive" in output  # asleep, its heartbeat beating
