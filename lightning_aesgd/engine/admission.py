@@ -8,9 +8,11 @@ its forward over data (a zero loss's backward keeps it in the sums) and joins th
 so the others no longer wait for its compute; it still takes part in every step's collectives.
 
 Its speed is no longer measured while it idles, so it is probed: given the smallest batch for one plan, after a
-number of steps chosen so that probes lasting ``lag + 1`` steps cost :data:`PROBE_BUDGET` of the training time (a
-probe lasts until its measurement is reported, and reports stay frequent meanwhile), and re-admitted when the
-fresh measurement says it helps.
+number of steps chosen so that probes cost :data:`PROBE_BUDGET` of the training time, and re-admitted when the
+fresh measurement says it helps. A probe holds the others for a few report intervals of ``lag + 1`` steps (reports
+stay frequent meanwhile): :data:`LOCKSTEP_PROBE_REPORTS` where the replica idles in lockstep anyway;
+:data:`SITTING_OUT_PROBE_REPORTS` where it would otherwise sit out (:mod:`~lightning_aesgd.engine.sitting_out`),
+whose probe's segment also holds its idle steps around the probe.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from lightning_aesgd.core.speed import StepTime
 PROBE_BUDGET = 0.02
 """Largest fraction of the training time that probing left-out replicas may cost."""
 
+LOCKSTEP_PROBE_REPORTS = 1
+"""Report intervals a probe holds the others where the probed replica idles in lockstep anyway: from its plan's start
+to the verdict's, one report and the verdict's lag."""
+
+SITTING_OUT_PROBE_REPORTS = 3
+"""Report intervals a probe's segment lasts where the probed replica otherwise sits out: the probe plan's lag, a
+report that may measure too little of it, then one that does and the verdict's lag. The replica holds the others
+throughout, idle or not."""
+
 MIN_PROBE_INTERVAL = 50
 """Fewest steps between two probes of one replica."""
 
@@ -35,16 +46,23 @@ class Admission:
         margin: a replica is left out only if the step without it is shorter by more than this fraction.
         align: probes fall on multiples of it: a replica that sits out (:mod:`~lightning_aesgd.engine.sitting_out`)
             comes back only where a segment of steps begins.
+        probe_reports: report intervals a probe holds the others (:data:`LOCKSTEP_PROBE_REPORTS` or
+            :data:`SITTING_OUT_PROBE_REPORTS`).
     """
 
-    def __init__(self, margin: float = 0.1, align: int = 1) -> None:
+    def __init__(self, margin: float = 0.1, align: int = 1, probe_reports: int = LOCKSTEP_PROBE_REPORTS) -> None:
         self.margin = margin
         self.align = align
+        self.probe_reports = probe_reports
         self.probe_at: dict[int, int] = {}  # left-out replica → the step of its next probe
 
     def probe_due(self, step: int, current: Sequence[int]) -> bool:
         """Whether a replica left out of the plan in force (``current``) is due to be probed at this sync point."""
         return any(step >= due and current[rank] == 0 for rank, due in self.probe_at.items())
+
+    def next_probe(self, current: Sequence[int]) -> int | None:
+        """The step of the earliest probe of a replica left out of the plan in force (``current``); ``None``: none."""
+        return min((due for rank, due in self.probe_at.items() if current[rank] == 0), default=None)
 
     def schedule_missing_probes(self, current: Sequence[int], step: int) -> None:
         """Give every left-out replica without one (a checkpoint that predates the schedule) a probe."""
@@ -70,7 +88,7 @@ class Admission:
             current: the plan in force; 0 for a left-out replica.
             floors: each replica's smallest batch while it takes part.
             caps: each replica's largest batch (``None``: no limit).
-            lag: steps before a plan applies: a probe lasts about ``lag + 1`` steps.
+            lag: steps before a plan applies.
             held_out: replicas sitting out until their probe: they get no work, and their probe stays as it is.
         """
         total = sum(current)
@@ -85,7 +103,8 @@ class Admission:
                 chosen[rank] = True  # its probe: measured at the smallest batch, then judged again
                 del self.probe_at[rank]
             elif rank not in self.probe_at:
-                due = step + probe_interval(total, models, helping, rank, floors, caps, lag)
+                holds = self.probe_reports * (lag + 1)
+                due = step + probe_interval(total, models, helping, rank, floors, caps, holds)
                 self.probe_at[rank] = -(-due // self.align) * self.align
         return chosen
 
@@ -105,16 +124,16 @@ def probe_interval(
     rank: int,
     floors: Sequence[int],
     caps: Sequence[int | None],
-    lag: int,
+    probe_steps: int,
 ) -> int:
     """Steps between probes of a left-out replica, so that probing costs at most :data:`PROBE_BUDGET`.
 
-    A probe holds about ``lag + 1`` steps up by ``tᵣ(floorᵣ) − T``, where ``T`` is the step time without it:
+    A probe holds ``probe_steps`` steps up by at most ``tᵣ(floorᵣ) − T``, where ``T`` is the step time without it:
 
-        ``interval = max(MIN_PROBE_INTERVAL, ⌈(lag + 1)·(tᵣ(floorᵣ)/T − 1) / PROBE_BUDGET⌉)``
+        ``interval = max(MIN_PROBE_INTERVAL, ⌈probe_steps·(tᵣ(floorᵣ)/T − 1) / PROBE_BUDGET⌉)``
 
     Example:
-        >>> probe_interval(96, [StepTime(0.0, 1.0), StepTime(0.0, 50.0)], [True, False], 1, [4, 4], [None, None], 1)
+        >>> probe_interval(96, [StepTime(0.0, 1.0), StepTime(0.0, 50.0)], [True, False], 1, [4, 4], [None, None], 2)
         109
     """
     others = [i for i, helps in enumerate(helping) if helps]
@@ -122,4 +141,4 @@ def probe_interval(
         total, [models[i] for i in others], [floors[i] for i in others], [caps[i] for i in others]
     )
     excess = max(models[rank].seconds(floors[rank]) / without - 1.0, 0.0) if without > 0 else 0.0
-    return max(MIN_PROBE_INTERVAL, math.ceil((lag + 1) * excess / PROBE_BUDGET))
+    return max(MIN_PROBE_INTERVAL, math.ceil(probe_steps * excess / PROBE_BUDGET))

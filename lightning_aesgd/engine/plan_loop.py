@@ -21,7 +21,7 @@ from lightning_aesgd.core.noise import noise_band
 from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.sensing import ArrivalModel, PeriodReport, damped_plan
 from lightning_aesgd.core.speed import StepTime
-from lightning_aesgd.engine.admission import Admission
+from lightning_aesgd.engine.admission import LOCKSTEP_PROBE_REPORTS, SITTING_OUT_PROBE_REPORTS, Admission
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.sampler import PlanBook
 
@@ -109,7 +109,7 @@ class PlanLoop:
         self._speed_changed = False  # a replica's estimates restarted at a new speed since the latest plan
         self.admission = Admission()
         self.leaving_out_forbidden: str | None = None  # why no replica may be left out in this fit
-        self.segment_steps = 0  # steps of a sitting-out segment (engine.sitting_out); 0: no replica sits out
+        self._segment_steps = 0
         self.held_out: frozenset[int] = frozenset()  # the replicas sitting out the current segment
 
     def attach(self, num_replicas: int) -> None:
@@ -118,6 +118,18 @@ class PlanLoop:
             self.arrival_model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
         self.stop_requested = False
         self.leaving_out_forbidden = None
+
+    @property
+    def segment_steps(self) -> int:
+        """Steps of a sitting-out segment (:mod:`~lightning_aesgd.engine.sitting_out`); 0: no replica sits out."""
+        return self._segment_steps
+
+    @segment_steps.setter
+    def segment_steps(self, steps: int) -> None:
+        # Probes fall where segments begin, and a probe then holds the others for its whole (short) segment.
+        self._segment_steps = steps
+        self.admission.align = max(1, steps)
+        self.admission.probe_reports = SITTING_OUT_PROBE_REPORTS if steps else LOCKSTEP_PROBE_REPORTS
 
     def forbid_leaving_out(self, reason: str) -> None:
         """Keep every replica in the steps for the rest of this fit (their training step communicates)."""
@@ -150,7 +162,8 @@ class PlanLoop:
             shares = settings.shares if settings.shares is not None else [1.0] * num_replicas
             sizes = apportion(step_batch_size, shares, self.floors, self.caps)
             book = self.plan_book = PlanBook(in_multiples(sizes, self.learners, self.caps))
-            self.admission = Admission(align=max(1, self.segment_steps))  # every replica takes part in a fresh book
+            self.admission = Admission()  # every replica takes part in a fresh book
+            self.segment_steps = self.segment_steps  # its probes follow the segments
         self._load_saved_state()
         return book
 
@@ -319,6 +332,14 @@ class PlanLoop:
         assert self.arrival_model is not None
         probing = self.admission.probe_due(step, self.plan_book.latest) or bool(self.arrival_model.restarts_pending())
         return not probing
+
+    def next_probe(self) -> int | None:
+        """The step of the earliest probe of a left-out replica; ``None`` where none is scheduled.
+
+        A probe is planned at the first sync point from that step: a replica sitting out comes back there, at a
+        segment's start, and no plan made while it sat out may give it work (its loader drew those steps already).
+        """
+        return self.admission.next_probe(self.plan_book.latest) if self.plan_book is not None else None
 
     @property
     def dead_band(self) -> float:

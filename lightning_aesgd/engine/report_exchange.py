@@ -105,6 +105,11 @@ class ReportExchange:
         # probe (or a new plan) was scheduled at the settled plan's interval, and the probe held every step at the
         # probed replica's pace until a second such interval had passed (about 30 steps instead of lag + 1).
         self._next_report = min(self._next_report, self._latest + self._every)
+        # A probe is planned from the reports at its step, where a replica sitting out comes back: a report falls
+        # there, so that the probe and its verdict fit in the short segment it comes back for (engine.sitting_out).
+        probe = plans.next_probe()
+        if probe is not None:
+            self._next_report = min(self._next_report, max(self._latest + shortest, probe))
 
 
 def _summed(table: Tensor, comm: Communicator) -> torch.futures.Future[Tensor]:

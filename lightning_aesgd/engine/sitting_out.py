@@ -6,10 +6,14 @@ millisecond of CPU (the loop, a zero backward, the sum): a process under an eigh
 that, and its quota's throttling freezes it for most of each period, so the others wait for it at every sum
 however little it computes. Under ``sync="gradients"`` it therefore *sits out*:
 
-* Steps fall in segments of :data:`SEGMENT_STEPS`. At a segment's first step every rank holds the same plans and
-  probe schedule, and names the same replicas to sit the segment out
+* Steps fall in segments that end at multiples of :data:`SEGMENT_STEPS`. At a segment's first step every rank
+  holds the same plans and probe schedule, and names the same replicas to sit the segment out
   (:meth:`~lightning_aesgd.engine.plan_loop.PlanLoop.sitting_out_between`): those that no plan in force over the
-  segment gives work and whose probe cannot come within it (probes fall on segment starts).
+  segment gives work and whose probe cannot come within it. Probes fall on segment starts, where a report plans
+  them, and a segment in which a replica is back lasts only a probe's few report intervals
+  (:data:`~lightning_aesgd.engine.admission.SITTING_OUT_PROBE_REPORTS`): the probed replica then sits out again
+  if its verdict leaves it out. The probe budget counts that whole segment. No plan made while a replica sits out
+  gives it work: its loader has drawn the steps that plan applies to before the handoff tells it.
 * Within the segment the others sum gradients and reports over a process group of their own, and plan without the
   replicas sitting out. Those run Lightning's loop by themselves (an idle batch, a bare zero loss, no update and
   no collective), so their throttling holds nobody until the segment ends.
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lightning_aesgd.engine.admission import SITTING_OUT_PROBE_REPORTS
 from lightning_aesgd.engine.comm import Communicator
 from lightning_aesgd.engine.plan_loop import PlanLoop
 
@@ -60,7 +65,8 @@ class SittingOut:
         self.absent: frozenset[int] = frozenset()  # the replicas sitting out the current segment
         self.comm: Communicator | None = None  # the present replicas' communicator (None where this one is absent)
         self._world: Any = None  # the world's communicator, where replicas may sit out; None otherwise
-        self._segment: int | None = None
+        self._start: int | None = None  # the current segment's first step (None before the first)
+        self._end = 0  # the first step after the current segment
         self._groups: dict[tuple[int, ...], Communicator | None] = {}
         self._behind = False  # whether a step ran since the latest handoff while a replica sat out
         self._steps = 0  # steps of this fit
@@ -77,11 +83,11 @@ class SittingOut:
         """
         self._world = world if enabled and world.world_size > 1 and hasattr(world, "subgroup") else None
         self.comm = world
-        self.absent, self._segment, self._behind, self._steps = frozenset(), None, False, 0
+        self.absent, self._start, self._behind, self._steps = frozenset(), None, False, 0
 
     def stop(self) -> None:
         """The fit ended: nobody sits out, and the groups go with the fit's process group."""
-        self._world, self.comm, self.absent, self._segment = None, None, frozenset(), None
+        self._world, self.comm, self.absent, self._start = None, None, frozenset(), None
         for group in self._groups.values():
             close = getattr(group, "close", None)
             if close is not None:
@@ -99,6 +105,11 @@ class SittingOut:
         size = self._world.world_size if self._world is not None else 0
         return [rank for rank in range(size) if rank not in self.absent]
 
+    @property
+    def segment(self) -> tuple[int, int]:
+        """The current segment's first step and the first step after it."""
+        return (self._start if self._start is not None else 0), self._end
+
     def stepped(self) -> None:
         """A training step ran: the replicas sitting out are behind the others from here."""
         self._steps += 1
@@ -107,7 +118,9 @@ class SittingOut:
 
     def starts_segment(self, step: int) -> bool:
         """Whether step ``step`` is the first of a segment this fit has not entered yet (where replicas may sit out)."""
-        return self._world is not None and step // self.segment_steps != self._segment
+        if self._world is None:
+            return False
+        return self._start is None or not self._start <= step < self._end
 
     def enter(self, step: int, plans: PlanLoop, handoff: Handoff) -> frozenset[int]:
         """At step ``step``; at a segment's first step, bring the replicas that sat out up to date and choose anew.
@@ -119,16 +132,22 @@ class SittingOut:
         """
         if not self.starts_segment(step):
             return frozenset()
-        segment = self._segment = step // self.segment_steps
         caught_up = self.catch_up(handoff)
-        start = segment * self.segment_steps
-        absent = plans.sitting_out_between(start, start + self.segment_steps)
+        start, end = step, (step // self.segment_steps + 1) * self.segment_steps
+        absent = plans.sitting_out_between(start, end)
+        if self.absent - absent:
+            # A replica back from sitting out is probed, most often, and left out again once measured: a segment
+            # of the probe's length (planned, applied within lag steps, measured, judged, the verdict applied)
+            # lets it sit out again sooner. Segments still end at multiples of segment_steps, where probes fall.
+            end = min(end, start + SITTING_OUT_PROBE_REPORTS * (plans.lag + 1))
+            absent = plans.sitting_out_between(start, end)
         too_long = self.max_wait is not None and self.segment_steps * self.max_step_seconds > self.max_wait / 2
         if self._steps < LOCKSTEP_STEPS or too_long:
             absent = frozenset()
         if len(absent) >= self._world.world_size:
             raise ValueError(f"Every replica would sit out steps {start}+: the plans give nobody work.")
         self.absent = plans.held_out = absent
+        self._start, self._end = start, end
         self.comm = self._group(tuple(self.present)) if absent else self._world
         return caught_up
 

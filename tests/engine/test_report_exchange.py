@@ -82,6 +82,25 @@ def test_an_unsettled_plan_brings_the_next_report_to_lag_plus_one_steps_after_th
     assert restored.state_dict() == exchange.state_dict()
 
 
+def test_a_report_comes_at_a_probes_step_however_far_apart_settled_reports_are():
+    """Settled reports come 24 steps apart; a probe at step 112 is planned from a report at that step, where a replica
+    sitting out comes back, not from the first report after it (its segment would end before the verdict)."""
+    exchange, plans = ReportExchange(), _plans(lag=2)
+    equal = [PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.02).as_row() for _ in range(2)]
+    for step in range(0, 40, 4):
+        plans.receive(equal, step)
+    plans.plan_book.schedule(40, [STEP_BATCH, 0])  # replica 1 was left out...
+    exchange.space_out(plans)
+    assert exchange.due(100, plans)  # the next would be at 124
+    plans.admission.probe_at[1] = 112  # ...and is probed at step 112
+    exchange.space_out(plans)
+    assert _due_steps(exchange, plans, 113) == [112]
+    plans.admission.probe_at[1] = 101  # a probe closer than lag + 1 steps: the report still waits that long
+    exchange.due(112, plans)
+    exchange.space_out(plans)
+    assert _due_steps(exchange, plans, 120) == [115]
+
+
 def test_an_unsettled_plan_keeps_reports_every_lag_plus_one_steps():
     """A static plan that unequal replicas cannot balance; an adaptive one would be settled by its next plan."""
     exchange, plans = ReportExchange(), _plans(lag=2, planner="static")

@@ -15,7 +15,7 @@ from test_plan_loop import SECONDS_PER_SAMPLE, STEP_BATCH, _group
 from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
-from lightning_aesgd.engine.admission import Admission
+from lightning_aesgd.engine.admission import PROBE_BUDGET, SITTING_OUT_PROBE_REPORTS, Admission
 from lightning_aesgd.engine.comm import LocalCommunicator
 from lightning_aesgd.engine.handoff import (
     TensorSlot,
@@ -78,20 +78,27 @@ def _sit_out_run(factors_at, steps, lag=3):
     for replica in replicas:
         replica.plans.segment_steps = SEGMENT
         replica.plans.plan_book_for(STEP_BATCH, 3, lag=lag)
-    absent: frozenset[int] = frozenset()
+    sitting = SittingOut(SEGMENT)  # rank zero's, which holds the plans as they train
+    sitting.start(_World(3, 0), enabled=True)
+
+    def handoff(source, absent):
+        shared = pickle.loads(pickle.dumps(replicas[source].plans.shared_state()))
+        for rank in absent:
+            replicas[rank].plans.adopt_shared_state(shared)
+
     plans, absences = [], []
     now = 0.0
     for step in range(steps):
-        if step % SEGMENT == 0:
-            if absent:
-                shared = pickle.loads(pickle.dumps(replicas[min(set(range(3)) - absent)].plans.shared_state()))
-                for rank in absent:
-                    replicas[rank].plans.adopt_shared_state(shared)
-            chosen = [replica.plans.sitting_out_between(step, step + SEGMENT) for replica in replicas]
-            assert chosen[0] == chosen[1] == chosen[2]  # every rank names the same replicas
-            absent = chosen[0]
+        if sitting.starts_segment(step):
+            for rank in sitting.enter(step, replicas[0].plans, handoff):
+                replicas[rank].clock.now = now
+                replicas[rank].arrivals.new_epoch()  # as the engine does: its idle steps are no training period
+            absent, (start, end) = sitting.absent, sitting.segment
+            chosen = [replica.plans.sitting_out_between(start, end) for replica in replicas]
+            assert chosen[0] == chosen[1] == chosen[2] == absent  # every rank names the same replicas
             for replica in replicas:
                 replica.plans.held_out = absent
+        sitting.stepped()
         sizes = [replica.plans.plan_book.sizes_at(step) for replica in replicas]
         present = [rank for rank in range(3) if rank not in absent]
         for rank in present:
@@ -114,7 +121,7 @@ def _sit_out_run(factors_at, steps, lag=3):
 
 
 def test_a_slow_replica_sits_out_whole_segments_and_every_book_agrees_after_each_handoff():
-    plans, absences, _ = _sit_out_run(lambda step: (1, 1, 50), steps=50 * SEGMENT)
+    plans, absences, _ = _sit_out_run(lambda step: (1, 1, 20), steps=50 * SEGMENT)
     assert all(sum(plan) == STEP_BATCH for plan in plans)
     sat_out = sum(1 for absent in absences if 2 in absent)
     assert sat_out >= 0.8 * len(plans), sat_out  # all but the first segment and the probes' segments
@@ -124,8 +131,29 @@ def test_a_slow_replica_sits_out_whole_segments_and_every_book_agrees_after_each
     assert all(2 not in absences[step] for step in probes)
 
 
+def test_a_probe_starts_a_segment_that_ends_once_it_is_judged_and_costs_its_budget():
+    lag = 3
+    plans, absences, replicas = _sit_out_run(lambda step: (1, 1, 20), steps=200 * SEGMENT, lag=lag)
+    first_out = next(step for step, absent in enumerate(absences) if 2 in absent)
+    present = [step for step in range(first_out, len(plans)) if 2 not in absences[step]]
+    starts = [step for step in present if 2 in absences[step - 1]]
+    assert len(starts) >= 3, "it is probed now and then"
+    segment = SITTING_OUT_PROBE_REPORTS * (lag + 1)
+    for start in starts:
+        assert start % SEGMENT == 0  # it comes back where a segment begins, its probe is planned there...
+        assert plans[start + lag - 1][2] == 0  # ...from the reports at that step (none while it sat out)...
+        assert plans[start + lag][2] > 0  # ...and applies lag steps later
+        assert all(2 in absences[step] for step in range(start + segment, min(start + SEGMENT, len(plans))))
+    assert len(present) == len(starts) * segment  # each probe holds the others for its short segment only
+    # The budget counts those steps: each holds the others by up to the probed replica's step at its floor.
+    loop = replicas[0].plans
+    models = loop.arrival_model.models()
+    floor_step, step_without = models[2].seconds(loop.floors[2]), models[0].seconds(STEP_BATCH // 2)
+    assert len(present) * (floor_step - step_without) <= 1.5 * PROBE_BUDGET * (len(plans) - first_out) * step_without
+
+
 def test_a_replica_that_sat_out_and_becomes_fast_is_let_back_in_at_a_segment_start():
-    plans, absences, _ = _sit_out_run(lambda step: (1, 1, 50) if step < 100 else (1, 1, 1), steps=600)
+    plans, absences, _ = _sit_out_run(lambda step: (1, 1, 20) if step < 100 else (1, 1, 1), steps=600)
     assert any(2 in absent for absent in absences[:100])
     back = next(step for step in range(100, 600) if plans[step][2] > 0)
     assert all(plan[2] > 0 for plan in plans[back:])
@@ -201,6 +229,32 @@ def test_segments_choose_alike_hand_off_only_when_behind_and_sum_over_the_others
     sitting.stop()
     assert not sitting.sits_out
     assert sitting.absent == frozenset()
+
+
+def test_a_segment_where_a_replica_comes_back_lasts_a_probe_and_the_next_ends_where_segments_align():
+    plans, handoffs = _Plans(), []
+    plans.lag = 2
+    sitting = SittingOut(SEGMENT)
+    sitting.start(_World(3, 0), enabled=True)
+    sitting.enter(0, plans, lambda source, absent: handoffs.append(absent))
+    for _ in range(LOCKSTEP_STEPS):
+        sitting.stepped()
+    sitting.enter(SEGMENT, plans, lambda source, absent: handoffs.append(absent))
+    assert sitting.segment == (SEGMENT, 2 * SEGMENT)
+    assert sitting.absent == {2}
+    sitting.stepped()
+    plans.out = frozenset()  # replica 2 comes back, for its probe
+    assert sitting.enter(2 * SEGMENT, plans, lambda source, absent: handoffs.append(absent)) == {2}
+    probe_end = 2 * SEGMENT + SITTING_OUT_PROBE_REPORTS * (plans.lag + 1)
+    assert sitting.segment == (2 * SEGMENT, probe_end)
+    assert not sitting.absent
+    assert not sitting.starts_segment(probe_end - 1)
+    assert sitting.starts_segment(probe_end)
+    plans.out = frozenset({2})  # judged: it sits out again
+    sitting.enter(probe_end, plans, lambda source, absent: handoffs.append(absent))
+    assert sitting.segment == (probe_end, 3 * SEGMENT)
+    assert sitting.absent == {2}
+    assert handoffs == [{2}]  # nobody sat out the probe's segment: nobody was behind at its end
 
 
 def test_nobody_sits_out_where_it_is_off_or_everyone_would():
