@@ -111,6 +111,9 @@ class PlanLoop:
         self.leaving_out_forbidden: str | None = None  # why no replica may be left out in this fit
         self._segment_steps = 0
         self.held_out: frozenset[int] = frozenset()  # the replicas sitting out the current segment
+        self._left_out_once: set[int] = set()  # replicas left out at least once in this fit
+        self._restart_from: dict[int, int] = {}  # replica → the step from which its models restart
+        self._latest_report = -1  # the step of the latest reports received
 
     def attach(self, num_replicas: int) -> None:
         """Start a fit of ``num_replicas`` replicas; the models of an earlier fit of as many are kept."""
@@ -118,6 +121,7 @@ class PlanLoop:
             self.arrival_model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
         self.stop_requested = False
         self.leaving_out_forbidden = None
+        self._left_out_once, self._restart_from, self._latest_report = set(), {}, -1
 
     @property
     def segment_steps(self) -> int:
@@ -175,6 +179,11 @@ class PlanLoop:
         assert self.plan_book is not None, "call plan_book_for() first"
         assert self.arrival_model is not None, "call attach() first"
         reports = [PeriodReport.from_row(row) for row in rows]
+        for rank, start in list(self._restart_from.items()):
+            if self._latest_report + 1 >= start:  # these reports measure steps from then on only
+                self.arrival_model.restart_next(rank)
+                del self._restart_from[rank]
+        self._latest_report = step
         self.arrival_model.update(reports)
         self.stop_requested = any(report.stop > 0 for report in reports)
         self.merge_weights = [report.merge_weight for report in reports]
@@ -207,6 +216,7 @@ class PlanLoop:
                     self.arrival_model.restart_next(rank)
                 elif rank in pending and current[rank] > 0:
                     taking_part[rank] = True  # a probe not measured yet: judged once its period is reported
+            self._restart_others_at_a_first_leaving(step, current, taking_part)
         for rank in self.held_out:  # sitting out until its segment ends, whoever plans (engine.sitting_out)
             taking_part[rank] = False
         ranks = [rank for rank, takes_part in enumerate(taking_part) if takes_part]
@@ -228,6 +238,20 @@ class PlanLoop:
         sizes = in_multiples(sizes, self.learners, self.caps)
         if tuple(sizes) != current:
             self.plan_book.schedule(step + self.lag, sizes)
+
+    def _restart_others_at_a_first_leaving(self, step: int, current: Sequence[int], taking_part: list[bool]) -> None:
+        """When a replica is left out for the first time in this fit, the others' models restart once it applies.
+
+        The others' contention changes (one process fewer on shared cores or a shared device). Their models would
+        not follow: a level shift is detected only at an unchanged batch, and the plans change their batches at
+        nearly every report. A probe's verdict, which leaves a replica out again, changes nothing the models knew.
+        """
+        leaving = {rank for rank, takes_part in enumerate(taking_part) if not takes_part and current[rank] > 0}
+        if leaving - self._left_out_once:
+            for rank, takes_part in enumerate(taking_part):
+                if takes_part:
+                    self._restart_from[rank] = step + self.lag
+        self._left_out_once |= leaving
 
     def _plans_now(self, step: int, models: Sequence[StepTime]) -> bool:
         """Whether to ask a named planner for a new plan at this sync point (a Planner object is always asked).
@@ -301,6 +325,9 @@ class PlanLoop:
             "stop_requested": self.stop_requested,
             "next_plan": self._next_plan,
             "speed_changed": self._speed_changed,
+            "left_out_once": set(self._left_out_once),
+            "restart_from": dict(self._restart_from),
+            "latest_report": self._latest_report,
         }
 
     def adopt_shared_state(self, state: dict[str, Any]) -> None:
@@ -314,6 +341,9 @@ class PlanLoop:
         self.stop_requested = bool(state["stop_requested"])
         self._next_plan = int(state["next_plan"])
         self._speed_changed = bool(state["speed_changed"])
+        self._left_out_once = set(state["left_out_once"])
+        self._restart_from = dict(state["restart_from"])
+        self._latest_report = int(state["latest_report"])
 
     def lone_taker(self, step: int) -> int | None:
         """The only replica with samples in step ``step``'s plan, or ``None`` (several, or no plan book yet)."""

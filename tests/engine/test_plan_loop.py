@@ -450,3 +450,25 @@ def test_only_a_plain_average_leaves_a_lone_replica_as_it_is():
     assert ElasticAverage(alpha=1.0, momentum=0.0).replaces_replicas_with_mean
     assert not ElasticAverage(alpha=1.0, momentum=0.3).replaces_replicas_with_mean
     assert not ElasticAverage(alpha=0.5).replaces_replicas_with_mean
+
+
+def test_when_a_replica_is_first_left_out_the_others_models_follow_their_new_speed_at_once():
+    """Replica 3 shares the cores with the others: while it works they run 1.3x slower. Left out, they speed up;
+    a level shift is detected only at an unchanged batch, and the plans change theirs at nearly every report, so
+    their models restart from the first report that measures only steps without it."""
+    replicas, overhead = _group(4, planner="proportional"), 100 * SECONDS_PER_SAMPLE  # mostly fixed cost
+
+    def factors_at(step):
+        contention = 1.3 if replicas[0].plans.plan_book.sizes_at(step)[3] > 0 else 1.0
+        return (contention, contention, 2 * contention, 4)
+
+    plans: list = []
+    while not plans or plans[-1][3] > 0:
+        plans += _run(replicas, factors_at, steps=1, overhead=overhead, start=len(plans))
+    assert len(plans) < 20
+    loop = replicas[0].plans
+    models, sizes = loop.arrival_model.models(), plans[-1]
+    for rank in range(3):
+        measured = factors_at(len(plans) - 1)[rank] * (overhead + sizes[rank] * SECONDS_PER_SAMPLE)
+        assert models[rank].seconds(sizes[rank]) == pytest.approx(measured, rel=0.01)
+    assert not loop.arrival_model.restarts_pending()
