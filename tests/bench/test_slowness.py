@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from lightning_aesgd.bench.slowness import program
+from lightning_aesgd.bench.slowness.alone import run_alone
 from lightning_aesgd.bench.slowness.cases import BATCH, CASES, MACHINERY, Case
 from lightning_aesgd.bench.slowness.comparison import CaseResult, run_case, step_time_through
 from lightning_aesgd.bench.slowness.machinery import machinery_figures
@@ -152,14 +154,17 @@ def test_the_report_keeps_the_published_keys(tmp_path: Path):
     ]
 
 
+def _random_images() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.rand(4000, 1, 28, 28, generator=generator), torch.randint(0, 10, (4000,)))
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_small_case_races_ddp_and_the_strategy_under_slow_hooks(tmp_path):
-    generator = torch.Generator().manual_seed(0)
-    dataset = TensorDataset(torch.rand(4000, 1, 28, 28, generator=generator), torch.randint(0, 10, (4000,)))
     case = Case("small", "hook", (1.0, 3.0), step_ms=8.0)
-    result = run_case(case, dataset, steps=24, out=tmp_path)
+    result = run_case(case, _random_images(), steps=24, out=tmp_path)
     assert set(result.runs) == {"ddp", "adaptive_elastic"}
     assert result.ideal > 0
     assert all(run.samples_per_second > 0 for run in result.runs.values())
@@ -167,3 +172,34 @@ def test_a_small_case_races_ddp_and_the_strategy_under_slow_hooks(tmp_path):
     fast, slow = result.runs["adaptive_elastic"].final_plan
     assert fast > slow, "the replica whose hooks are 3× slower must get the smaller batch"
     assert result.runs["adaptive_elastic"].step_time_balance >= 1.0
+
+
+def test_alone_prints_one_json_line_per_case_without_ddp(monkeypatch, capsys, tmp_path):
+    ran = []
+
+    def run_alone(case, dataset, steps, out):
+        ran.append((case.name, steps))
+        return {"ms_per_step": 1.0}
+
+    monkeypatch.setattr(program, "run_alone", run_alone)
+    monkeypatch.setattr(program, "load_data", lambda: None)
+    assert program.main(["--alone", "--cases", "user,step-fixed", "--steps", "12", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"case": "user", "ms_per_step": 1.0},
+        {"case": "step-fixed", "ms_per_step": 1.0},
+    ]
+    assert ran == [("user", 12), ("step-fixed", 12)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_straggler_run_alone_names_when_it_was_left_out(tmp_path):
+    case = Case("small-straggler", "hook", (1.0, 1.0, 50.0), step_ms=8.0)
+    figures = run_alone(case, _random_images(), steps=30, out=tmp_path)
+    assert figures["ms_per_step"] > 0
+    assert figures["ms_per_step_from_100"] is None  # too short a run
+    assert figures["left_out_at"][:2] == [None, None]
+    assert figures["left_out_at"][2] is not None
+    assert figures["left_out_at"][2] <= 20

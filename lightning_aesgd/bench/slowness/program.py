@@ -24,12 +24,14 @@ Results are ratios measured within one run on this machine, never absolute devic
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from lightning_aesgd.bench.common import comma_list
+from lightning_aesgd.bench.slowness.alone import run_alone
 from lightning_aesgd.bench.slowness.cases import CASES
 from lightning_aesgd.bench.slowness.comparison import run_case
 from lightning_aesgd.bench.slowness.machinery import measure_machinery
@@ -46,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs per strategy (median reported)")
     parser.add_argument("--machinery-steps", type=int, default=200, help="steps of the machinery runs (0: skip)")
     parser.add_argument("--machinery-repeats", type=int, default=3, help="interleaved repeats of the machinery runs")
+    parser.add_argument(
+        "--alone",
+        action="store_true",
+        help="run each case under adaptive_elastic only and print its figures as one JSON line (to compare versions)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_results") / "slowness", help="output directory")
     return parser
 
@@ -58,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # process under a CPU quota spin waiting for each other while the quota has them throttled.
     torch.set_num_threads(1)
     dataset = load_data()
+    if options.alone:
+        for name in names:
+            print(json.dumps({"case": name, **run_alone(CASES[name], dataset, options.steps, options.out)}), flush=True)
+        return 0
     results = []
     for name in names:
         results.append(run_case(CASES[name], dataset, options.steps, options.out, options.repeats))
