@@ -35,9 +35,10 @@ def main() -> int:
     parser.add_argument("new")
     parser.add_argument("--pairs", type=int, default=8, help="runs of each commit, alternated")
     parser.add_argument("--same", action="append", default=[], help="a path of this checkout copied into both")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
-    options = parser.parse_args()
-    command = options.command[1:] if options.command[:1] == ["--"] else options.command
+    parser.usage = "%(prog)s BASE NEW [--pairs N] [--same PATH ...] -- COMMAND ..."
+    arguments = sys.argv[1:]
+    split = arguments.index("--") if "--" in arguments else len(arguments)
+    options, command = parser.parse_args(arguments[:split]), arguments[split + 1 :]
     if not command:
         parser.error("give the command to run after --")
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "new": []}
