@@ -41,6 +41,8 @@ def main() -> int:
     options, command = parser.parse_args(arguments[:split]), arguments[split + 1 :]
     if not command:
         parser.error("give the command to run after --")
+    if os.sep in command[0] and os.path.exists(command[0]):
+        command[0] = os.path.abspath(command[0])  # it runs in the worktrees (not resolved: a venv's link is the venv)
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "new": []}
     with tempfile.TemporaryDirectory() as scratch:
         trees = {
