@@ -121,16 +121,20 @@ def admitted_replicas(
 
     Every replica of a synchronous step holds the others at the sync point, so one whose step at the smallest
     batch outlasts what the others need for the whole step batch makes every step slower than leaving it out.
-    Greedily, the replica slowest at ``min_size`` is left out while the balanced step time of the rest
-    (:func:`balanced_step_time`) is shorter than with it by more than ``margin`` (relative: 10%, so that noise in
-    the models, CPU quotas' above all, does not leave out a replica whose help is real but small); one replica
-    always stays.
+    Replicas are ranked by their step at ``min_size``, slowest first, and the ``k`` slowest are left out for the
+    ``k`` whose balanced step time of the rest (:func:`balanced_step_time`), ``T_k``, is the shortest, counting
+    only improvements by more than ``margin``: ``k`` moves from ``b`` to a larger ``k`` only if
+    ``T_k < (1 − margin)·T_b`` (relative: 10%, so that noise in the models, CPU quotas' above all, does not leave
+    out a replica whose help is real but small). Several equally slow replicas thus leave together: leaving out one
+    of them alone shortens nothing while the others still hold the step. One replica always stays.
 
     Example:
         >>> admitted_replicas(96, [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 50.0)], min_size=4)
         [True, True, False]
         >>> admitted_replicas(96, [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 2.0)], min_size=4)
         [True, True, True]
+        >>> admitted_replicas(128, [StepTime(0.0, 1.0)] * 2 + [StepTime(0.0, 50.0)] * 2, min_size=4)
+        [True, True, False, False]
     """
     lows = per_replica(min_size, len(step_times), "min_size")
     highs = per_replica(max_size, len(step_times), "max_size")
@@ -142,14 +146,16 @@ def admitted_replicas(
     def can_hold_the_step(ranks: list[int]) -> bool:
         return None in [highs[i] for i in ranks] or sum(highs[i] for i in ranks) >= total
 
-    admitted = list(range(len(step_times)))
-    while len(admitted) > 1:
-        slowest = max(admitted, key=lambda i: step_times[i].seconds(lows[i]))
-        rest = [i for i in admitted if i != slowest]
-        if not can_hold_the_step(rest) or step_time(rest) >= (1 - margin) * step_time(admitted):
+    slowest_first = sorted(range(len(step_times)), key=lambda i: -step_times[i].seconds(lows[i]))
+    best = 0  # replicas left out, slowest first
+    best_time = step_time(slowest_first)
+    for left_out in range(1, len(slowest_first)):
+        rest = slowest_first[left_out:]
+        if not can_hold_the_step(rest):
             break
-        admitted = rest
-    chosen = set(admitted)
+        if (time := step_time(rest)) < (1 - margin) * best_time:
+            best, best_time = left_out, time
+    chosen = set(slowest_first[best:])
     return [i in chosen for i in range(len(step_times))]
 
 

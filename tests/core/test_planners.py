@@ -13,6 +13,7 @@ from lightning_aesgd.core.planners import (
     StaticPlanner,
     admitted_replicas,
     balance_step_times,
+    balanced_step_time,
     get_planner,
 )
 from lightning_aesgd.core.speed import StepTime
@@ -221,6 +222,41 @@ def test_balanced_and_admitted_replicas_keep_each_replicas_own_bounds(lows, per_
     assert sum(sizes) == total
     assert all(low <= size <= high for size, low, high in zip(sizes, lows, highs, strict=True))
     assert any(admitted_replicas(total, times, lows, highs))
+
+
+@given(
+    fast=st.integers(2, 4),
+    slow=st.integers(2, 5),
+    factor=st.floats(50.0, 100.0),  # at the floor, slower than the fast replicas' whole step
+    overhead=st.floats(0.0, 0.01),
+)
+def test_equally_slow_stragglers_leave_together(fast: int, slow: int, factor: float, overhead: float) -> None:
+    """Leaving out one of several equal stragglers shortens nothing while the others hold the step: the rule must
+    look past that plateau (it once stopped there, and kept them all at the floor for good)."""
+    times = [StepTime(overhead, 1e-4)] * fast + [StepTime(overhead * factor, 1e-4 * factor)] * slow
+    total = 64 * (fast + slow)
+    assert admitted_replicas(total, times, min_size=8) == [True] * fast + [False] * slow
+
+
+@given(
+    per_sample=st.lists(st.floats(1e-5, 1e-2), min_size=2, max_size=6),
+    overhead=st.lists(st.floats(0.0, 0.05), min_size=6, max_size=6),
+    margin=st.floats(0.0, 0.5),
+)
+def test_the_admitted_replicas_never_lengthen_the_step_and_gain_more_than_the_margin(
+    per_sample: list[float], overhead: list[float], margin: float
+) -> None:
+    times = [StepTime(a, c) for a, c in zip(overhead, per_sample, strict=False)]
+    total, low = 64 * len(times), 4
+    chosen = admitted_replicas(total, times, min_size=low, margin=margin)
+    kept = [time for time, admitted in zip(times, chosen, strict=True) if admitted]
+    everyone = balanced_step_time(total, times, [low] * len(times), [None] * len(times))
+    with_kept = balanced_step_time(total, kept, [low] * len(kept), [None] * len(kept))
+    assert kept
+    if len(kept) < len(times):
+        assert with_kept < (1 - margin) * everyone
+    slowest_kept = max(time.seconds(low) for time in kept)
+    assert all(time.seconds(low) >= slowest_kept for time, admitted in zip(times, chosen, strict=True) if not admitted)
 
 
 def test_a_replica_whose_own_floor_outlasts_the_step_is_left_out_and_its_cap_kept() -> None:
