@@ -26,14 +26,15 @@ from lightning_aesgd.core.speed import StepTime
 PROBE_BUDGET = 0.02
 """Largest fraction of the training time that probing left-out replicas may cost."""
 
-LOCKSTEP_PROBE_REPORTS = 1
-"""Report intervals a probe holds the others where the probed replica idles in lockstep anyway: from its plan's start
-to the verdict's, one report and the verdict's lag."""
+LOCKSTEP_PROBE_REPORTS = 2
+"""Report intervals a probe holds the others where the probed replica idles in lockstep anyway, from its plan's start
+to the verdict's: a report whose period mixes idle steps in measures nothing (at ``lag >= 2``), then one that
+measures it, then the verdict's lag."""
 
 SITTING_OUT_PROBE_REPORTS = 3
 """Report intervals a probe's segment lasts where the probed replica otherwise sits out: the probe plan's lag, a
-report that may measure too little of it, then one that does and the verdict's lag. The replica holds the others
-throughout, idle or not."""
+report whose period mixes idle steps in, then one that measures it and the verdict's lag. The replica holds the
+others throughout, idle or not."""
 
 MIN_PROBE_INTERVAL = 50
 """Fewest steps between two probes of one replica."""

@@ -295,7 +295,7 @@ class GradientSync(StepPipeline):
             for rank in self.sitting.absent:  # no report from a replica sitting out: a period that measures nothing
                 rows[rank] = PeriodReport(merge_weight=0.0).as_row()
             self._receive(rows, released=False)
-            self.reports.space_out(self.plans)
+            self.reports.space_out(self.plans, self._step_key - self._global_step)
             self._count_exclusions()
 
     def _count_exclusions(self) -> None:
@@ -324,7 +324,6 @@ class GradientSync(StepPipeline):
             return
         if self.sitting.absent:
             self._decide_together()
-        self.sitting.max_step_seconds = self.plans.slowest_step_seconds()
         with self.arrivals.waiting():  # the handoff waits for the replicas that sat out
             caught_up = self.sitting.enter(self._step_key, self.plans, self._handoff)
         self.reduce.comm = self._step_comm()

@@ -121,7 +121,8 @@ class PlanLoop:
             self.arrival_model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
         self.stop_requested = False
         self.leaving_out_forbidden = None
-        self._left_out_once, self._restart_from, self._latest_report = set(), {}, -1
+        self._restart_from, self._latest_report = {}, -1
+        self._note_left_out()
 
     @property
     def segment_steps(self) -> int:
@@ -169,7 +170,13 @@ class PlanLoop:
             self.admission = Admission()  # every replica takes part in a fresh book
             self.segment_steps = self.segment_steps  # its probes follow the segments
         self._load_saved_state()
+        self._note_left_out()
         return book
+
+    def _note_left_out(self) -> None:
+        """A fit starts with the replicas its plans leave out already counted as left out (a resumed fit's too)."""
+        latest = self.plan_book.latest if self.plan_book is not None else ()
+        self._left_out_once = {rank for rank, size in enumerate(latest) if size == 0}
 
     def receive(self, rows: Sequence[Sequence[float]], step: int) -> None:
         """Take every replica's report (rank order, as rows) from the sync point at ``step``; maybe schedule a plan.
@@ -180,7 +187,9 @@ class PlanLoop:
         assert self.arrival_model is not None, "call attach() first"
         reports = [PeriodReport.from_row(row) for row in rows]
         for rank, start in list(self._restart_from.items()):
-            if self._latest_report + 1 >= start:  # these reports measure steps from then on only
+            if self.plan_book.latest[rank] == 0:  # left out since: nothing of it to restart while it idles
+                del self._restart_from[rank]
+            elif self._latest_report + 1 >= start:  # these reports measure steps from then on only
                 self.arrival_model.restart_next(rank)
                 del self._restart_from[rank]
         self._latest_report = step

@@ -43,7 +43,10 @@ class ReportExchange:
         self._in_flight, self._next_report, self._every, self._latest = [], 0, 0, 0
 
     def due(self, global_step: int, plans: PlanLoop) -> bool:
-        """Whether this step reports; if so, the next report is scheduled (never sooner than ``lag + 1`` steps)."""
+        """Whether this step reports; if so, the next report is scheduled ``lag + 1`` steps or more later.
+
+        :meth:`space_out` may bring it sooner for a probe, where replicas sit out.
+        """
         if global_step < self._next_report:
             return False
         self._next_report = global_step + max(self._every, plans.lag + 1)
@@ -89,8 +92,11 @@ class ReportExchange:
         self._next_report, self._every = int(state["next_report"]), int(state["every"])
         self._latest = int(state["latest"])  # a handoff's state, within one fit: never from an older version
 
-    def space_out(self, plans: PlanLoop) -> None:
+    def space_out(self, plans: PlanLoop, key_offset: int = 0) -> None:
         """Set the steps to the next report from the reports just received.
+
+        ``key_offset`` is the plans' step key minus Lightning's global step, which reports count (they differ from
+        the second epoch on where an epoch stops early, e.g. under ``limit_train_batches``).
 
         ``lag + 1`` until the plan is settled, then about a quarter second's worth. Settled: the plan's predicted
         step times agree within :data:`SETTLED_SPREAD` (the plan loop's smoothed models, so timing noise on equal
@@ -106,10 +112,12 @@ class ReportExchange:
         # probed replica's pace until a second such interval had passed (about 30 steps instead of lag + 1).
         self._next_report = min(self._next_report, self._latest + self._every)
         # A probe is planned from the reports at its step, where a replica sitting out comes back: a report falls
-        # there, so that the probe and its verdict fit in the short segment it comes back for (engine.sitting_out).
+        # there, so that the probe and its verdict fit in the short segment it comes back for (engine.sitting_out),
+        # sooner than lag + 1 steps after the latest if need be.
         probe = plans.next_probe()
         if probe is not None:
-            self._next_report = min(self._next_report, max(self._latest + shortest, probe))
+            earliest = self._latest + (1 if plans.segment_steps else shortest)
+            self._next_report = min(self._next_report, max(earliest, probe - key_offset))
 
 
 def _summed(table: Tensor, comm: Communicator) -> torch.futures.Future[Tensor]:

@@ -6,7 +6,8 @@ millisecond of CPU (the loop, a zero backward, the sum): a process under an eigh
 that, and its quota's throttling freezes it for most of each period, so the others wait for it at every sum
 however little it computes. Under ``sync="gradients"`` it therefore *sits out*:
 
-* Steps fall in segments that end at multiples of :data:`SEGMENT_STEPS`. At a segment's first step every rank
+* Steps fall in segments that end at multiples of :data:`SEGMENT_STEPS` (but for a probe's). At a segment's first
+  step every rank
   holds the same plans and probe schedule, and names the same replicas to sit the segment out
   (:meth:`~lightning_aesgd.engine.plan_loop.PlanLoop.sitting_out_between`): those that no plan in force over the
   segment gives work and whose probe cannot come within it. Probes fall on segment starts, where a report plans
@@ -61,7 +62,7 @@ class SittingOut:
             raise ValueError(f"A segment needs at least one step, got {segment_steps}.")
         self.segment_steps = segment_steps
         self.max_wait = max_wait
-        self.max_step_seconds = 0.0  # the slowest replica taking part, per step, as the plans measure it
+        self.max_step_seconds = 0.0  # the slowest replica taking part, per step, as the plans measured it at entry
         self.absent: frozenset[int] = frozenset()  # the replicas sitting out the current segment
         self.comm: Communicator | None = None  # the present replicas' communicator (None where this one is absent)
         self._world: Any = None  # the world's communicator, where replicas may sit out; None otherwise
@@ -83,11 +84,11 @@ class SittingOut:
         """
         self._world = world if enabled and world.world_size > 1 and hasattr(world, "subgroup") else None
         self.comm = world
-        self.absent, self._start, self._behind, self._steps = frozenset(), None, False, 0
+        self.absent, self._start, self._end, self._behind, self._steps = frozenset(), None, 0, False, 0
 
     def stop(self) -> None:
         """The fit ended: nobody sits out, and the groups go with the fit's process group."""
-        self._world, self.comm, self.absent, self._start = None, None, frozenset(), None
+        self._world, self.comm, self.absent, self._start, self._end = None, None, frozenset(), None, 0
         for group in self._groups.values():
             close = getattr(group, "close", None)
             if close is not None:
@@ -133,6 +134,8 @@ class SittingOut:
         if not self.starts_segment(step):
             return frozenset()
         caught_up = self.catch_up(handoff)
+        # After the handoff: a replica that sat out holds stale models until it, and every rank must judge alike.
+        self.max_step_seconds = plans.slowest_step_seconds()
         start, end = step, (step // self.segment_steps + 1) * self.segment_steps
         absent = plans.sitting_out_between(start, end)
         if self.absent - absent:

@@ -254,9 +254,9 @@ def test_a_left_out_replica_that_becomes_fast_is_let_back_in_at_its_next_probe()
         return (1, 1, 50) if step < 60 else (1, 1, 1)
 
     replicas = _group(3, planner="proportional")
-    plans = _run(replicas, factors_at, steps=800)
+    plans = _run(replicas, factors_at, steps=1600)
     assert plans[59][2] == 0
-    back = next(step for step in range(60, 800) if plans[step][2] > 0)
+    back = next(step for step in range(60, 1600) if plans[step][2] > 0)
     assert all(plan[2] > 0 for plan in plans[back:])
     assert max(plans[-1]) <= 1.1 * min(plans[-1])  # equal again
 
@@ -472,3 +472,37 @@ def test_when_a_replica_is_first_left_out_the_others_models_follow_their_new_spe
         measured = factors_at(len(plans) - 1)[rank] * (overhead + sizes[rank] * SECONDS_PER_SAMPLE)
         assert models[rank].seconds(sizes[rank]) == pytest.approx(measured, rel=0.01)
     assert not loop.arrival_model.restarts_pending()
+
+
+@pytest.mark.parametrize("slow_from", range(1, 8))
+def test_a_replica_left_out_soon_after_another_is_never_left_waiting_for_a_restart(slow_from):
+    """The first leaving restarts the others' models a few steps later; one of them left out meanwhile must not wait
+    for a restart while it idles (it could not sit out, and reports would stay frequent)."""
+    replicas = _group(4, planner="proportional")
+    loop, left_out = replicas[0].plans, set()
+    for step in range(40):
+        _run(replicas, lambda step: (1, 1, 50, 1 if step < slow_from else 50), steps=1, start=step)
+        latest = loop.plan_book.latest
+        assert all(latest[rank] > 0 for rank in loop.arrival_model.restarts_pending()), (step, latest)
+        left_out |= {rank for rank, size in enumerate(latest) if size == 0}
+    assert left_out == {2, 3}
+
+
+def test_a_resumed_fit_takes_a_probe_verdict_for_no_first_leaving():
+    """Only a replica's first leaving in a fit restarts the others' models; a resumed fit whose plans already leave
+    it out must not take its next probe's verdict for one."""
+    replicas = _group(3, planner="proportional")
+    _run(replicas, lambda step: (1, 1, 20), steps=40)
+    saved = replicas[0].plans.state_dict()
+    for replica in replicas:
+        replica.plans = PlanLoop(PlanSettings(planner="proportional"))
+        replica.plans.attach(3)
+        replica.plans.load_state_dict(saved)
+        replica.plans.plan_book_for(STEP_BATCH, 3, lag=3)
+    model, restarted = replicas[0].plans.arrival_model, []
+    restart_next = model.restart_next
+    model.restart_next = lambda rank: (restarted.append(rank), restart_next(rank))
+    plans = _run(replicas, lambda step: (1, 1, 20), steps=760, start=40)
+    assert any(plan[2] > 0 for plan in plans)  # probed, and left out again
+    assert plans[-1][2] == 0
+    assert set(restarted) == {2}  # the probe's own restart only

@@ -95,10 +95,29 @@ def test_a_report_comes_at_a_probes_step_however_far_apart_settled_reports_are()
     plans.admission.probe_at[1] = 112  # ...and is probed at step 112
     exchange.space_out(plans)
     assert _due_steps(exchange, plans, 113) == [112]
-    plans.admission.probe_at[1] = 101  # a probe closer than lag + 1 steps: the report still waits that long
+    plans.admission.probe_at[1] = 113  # a probe closer than lag + 1 steps: the report still waits that long...
     exchange.due(112, plans)
     exchange.space_out(plans)
     assert _due_steps(exchange, plans, 120) == [115]
+    plans.segment_steps = 16  # ...but where replicas sit out, a returning replica's short segment needs it there
+    exchange.due(115, plans)
+    plans.admission.probe_at[1] = 116
+    exchange.space_out(plans)
+    assert _due_steps(exchange, plans, 120) == [116]
+
+
+def test_a_probe_step_is_a_plan_key_and_reports_count_lightnings_global_steps():
+    """From the second epoch on the two differ where an epoch stops early (limit_train_batches)."""
+    exchange, plans = ReportExchange(), _plans(lag=2)
+    equal = [PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.02).as_row() for _ in range(2)]
+    for step in range(0, 40, 4):
+        plans.receive(equal, step)
+    plans.plan_book.schedule(40, [STEP_BATCH, 0])
+    exchange.space_out(plans)
+    assert exchange.due(100, plans)
+    plans.admission.probe_at[1] = 160  # the plans' key of global step 112: 48 keys ahead
+    exchange.space_out(plans, key_offset=48)
+    assert _due_steps(exchange, plans, 113) == [112]
 
 
 def test_an_unsettled_plan_keeps_reports_every_lag_plus_one_steps():

@@ -189,9 +189,14 @@ class _Plans:
     """A plan loop that leaves replica 2 out of every segment."""
 
     held_out: frozenset[int] = frozenset()
+    lag = 2
 
-    def __init__(self, out=frozenset({2})) -> None:
+    def slowest_step_seconds(self) -> float:
+        return self.step_seconds
+
+    def __init__(self, out=frozenset({2}), step_seconds: float = 0.01) -> None:
         self.out = out
+        self.step_seconds = step_seconds
 
     def sitting_out_between(self, start: int, end: int) -> frozenset[int]:
         return self.out
@@ -233,7 +238,6 @@ def test_segments_choose_alike_hand_off_only_when_behind_and_sum_over_the_others
 
 def test_a_segment_where_a_replica_comes_back_lasts_a_probe_and_the_next_ends_where_segments_align():
     plans, handoffs = _Plans(), []
-    plans.lag = 2
     sitting = SittingOut(SEGMENT)
     sitting.start(_World(3, 0), enabled=True)
     sitting.enter(0, plans, lambda source, absent: handoffs.append(absent))
@@ -473,11 +477,11 @@ def test_nobody_sits_out_where_a_segment_could_outlast_half_the_timeout():
     sitting.start(_World(3, 0), enabled=True)
     for _ in range(LOCKSTEP_STEPS):
         sitting.stepped()
-    sitting.max_step_seconds = 0.3  # 16 steps: 4.8 s, more than half of 8 s
-    assert sitting.enter(0, _Plans(), lambda source, absent: None) == frozenset()
+    # 16 steps of 0.3 s: 4.8 s, more than half of 8 s
+    assert sitting.enter(0, _Plans(step_seconds=0.3), lambda source, absent: None) == frozenset()
     assert sitting.absent == frozenset()
-    sitting.max_step_seconds = 0.2
-    sitting.enter(SEGMENT, _Plans(), lambda source, absent: None)
+    assert sitting.max_step_seconds == 0.3  # as every rank's plans say after the handoff
+    sitting.enter(SEGMENT, _Plans(step_seconds=0.2), lambda source, absent: None)
     assert sitting.absent == {2}
 
 
