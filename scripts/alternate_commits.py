@@ -2,11 +2,11 @@
 
 Each commit is checked out into a temporary worktree. The command runs in that worktree, with it first on
 ``PYTHONPATH``: BASE, then NEW, ``--pairs`` times, so that the machine's drift falls on both alike. The command's
-last output line must be a JSON object. For each numeric figure, the script prints both commits' runs, their medians
-and ranges, and in how many pairs NEW's was lower. A difference counts as reproduced only where the ranges do not
-overlap. ``--same PATH`` copies a file or folder of this checkout into both worktrees first, so that both commits
-are measured by the same instrument (a benchmark newer than BASE). Example, the step-fixed pairs of
-docs/results/slowness::
+last output line must be a JSON object (one run, one line: give one case per command). For each numeric figure, the
+script prints both commits' runs, their medians and ranges, and in how many pairs NEW's was lower. A difference
+counts as reproduced only where the ranges do not overlap. ``--same PATH`` copies a file or folder of this checkout
+into both worktrees first, so that both commits are measured by the same instrument (a benchmark newer than BASE).
+Example, the step-fixed pairs of docs/results/slowness::
 
     bench="python -m lightning_aesgd.bench slowness --alone --cases step-fixed --steps 200"
     python scripts/alternate_commits.py db5e685 a2d276b --same lightning_aesgd/bench --pairs 10 -- $bench
@@ -45,14 +45,12 @@ def main() -> int:
         command[0] = os.path.abspath(command[0])  # it runs in the worktrees (not resolved: a venv's link is the venv)
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "new": []}
     with tempfile.TemporaryDirectory() as scratch:
-        trees = {
-            name: _worktree(commit, Path(scratch) / name)
-            for name, commit in (("base", options.base), ("new", options.new))
-        }
-        for tree in trees.values():
-            for path in options.same:
-                _copy(REPOSITORY / path, tree / path)
+        trees: dict[str, Path] = {}
         try:
+            for name, commit in (("base", options.base), ("new", options.new)):
+                trees[name] = _worktree(commit, Path(scratch) / name)
+                for path in options.same:
+                    _copy(REPOSITORY / path, trees[name] / path)
             for pair in range(options.pairs):
                 for name, tree in trees.items():
                     runs[name].append(_run(command, tree))
@@ -75,11 +73,13 @@ def comparison(base: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
     for key, value in base[0].items():
         if not isinstance(value, int | float) or isinstance(value, bool):
             continue
-        before = [run[key] for run in base if isinstance(run.get(key), int | float)]
-        after = [run[key] for run in new if isinstance(run.get(key), int | float)]
-        if not before or not after:
+        pairs = [
+            (b[key], a[key]) for b, a in zip(base, new, strict=False) if _number(b.get(key)) and _number(a.get(key))
+        ]
+        if not pairs:
             continue
-        lower = sum(a < b for a, b in zip(after, before, strict=False))
+        before, after = [b for b, _ in pairs], [a for _, a in pairs]
+        lower = sum(a < b for b, a in pairs)
         apart = max(after) < min(before) or min(after) > max(before)
         lines.append(
             f"{key}: base median {statistics.median(before):.2f} ({min(before):.2f}-{max(before):.2f}), "
@@ -90,12 +90,18 @@ def comparison(base: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _worktree(commit: str, path: Path) -> Path:
-    subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", str(path), commit], check=True)
+    command = ["git", "-C", str(REPOSITORY), "worktree", "add", "--quiet", "--detach", str(path), commit]
+    subprocess.run(command, check=True)
     return path
 
 
 def _copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
     if source.is_dir():
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))

@@ -4,7 +4,8 @@ Two versions of the strategy are compared by alternating their runs on one machi
 (``scripts/alternate_commits.py``): without DDP beside them each run is short, and the figures say what changed in
 the strategy's own behaviour, not only its ratio to DDP. Per run, from rank zero's clock and the plans:
 
-* ``ms_per_step``: mean milliseconds per step from step 10 to the end, and ``ms_per_step_from_100`` from step 100;
+* ``ms_per_step``: mean milliseconds per step from step 10 to the end, and ``ms_per_step_from_100`` from step 100
+  (``None`` for a run that short);
 * ``left_out_at``: per replica, the first step of the first plan that left it out (``None``: never);
 * ``probes``: the steps from which a left-out replica was given work again (a probe, or back in for good).
 """
@@ -41,7 +42,7 @@ def alone_figures(record: dict[str, Any]) -> dict[str, Any]:
     """
     times, plans = record["times"], record["plans"]
     figures: dict[str, Any] = {"ms_per_step": _ms_per_step(times, WARMUP_STEPS)}
-    figures["ms_per_step_from_100"] = _ms_per_step(times, LATE_STEP) if len(times) > LATE_STEP + 1 else None
+    figures["ms_per_step_from_100"] = _ms_per_step(times, LATE_STEP)
     starts, sizes = plans["starts"], plans["sizes"]
     figures["left_out_at"] = [
         next((start for start, plan in zip(starts, sizes, strict=True) if plan[rank] == 0), None)
@@ -55,5 +56,8 @@ def alone_figures(record: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
-def _ms_per_step(times: list[float], first: int) -> float:
+def _ms_per_step(times: list[float], first: int) -> float | None:
+    """Mean milliseconds per step from step ``first`` on; ``None`` where the run is not longer than that."""
+    if len(times) <= first:
+        return None
     return round(1000 * (times[-1] - times[first - 1]) / (len(times) - first), 2)
