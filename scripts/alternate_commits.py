@@ -8,8 +8,8 @@ counts as reproduced only where the ranges do not overlap. ``--same PATH`` copie
 into both worktrees first, so that both commits are measured by the same instrument (a benchmark newer than BASE).
 Example, the step-fixed pairs of docs/results/slowness::
 
-    bench="python -m lightning_aesgd.bench slowness --alone --cases step-fixed --steps 200"
-    python scripts/alternate_commits.py db5e685 a2d276b --same lightning_aesgd/bench --pairs 10 -- $bench
+    bench="python -m lightning_aesgd.bench slowness --alone --cases step-fixed --steps 400"
+    python scripts/alternate_commits.py db5e685 2cf688a --same lightning_aesgd/bench --pairs 8 -- $bench
 """
 
 from __future__ import annotations
