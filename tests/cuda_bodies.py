@@ -6,6 +6,8 @@ machine where CUDA may already be in use.
 
 from __future__ import annotations
 
+import math
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -138,3 +140,65 @@ def fit_learners(learners: int | str, precision: str = "32-true", accelerator: s
         devices=devices,
         precision=precision,
     )
+
+
+class HostSyncs(pl.Callback):
+    """Counts each training step's host synchronisations (torch.cuda's sync debug mode) from step ``start`` on.
+
+    A step's window runs from its ``on_train_batch_start`` to the next step's (the last one's to the end of fit),
+    so it holds everything the loop, the strategy and the model do for that step. Given ``allowed`` (the counts
+    of a plain single-device Trainer over the same steps), the fit fails at its end where the strategy adds more
+    than one synchronisation to a step, or adds one to more steps than it can report at (every ``lag + 1``).
+    """
+
+    def __init__(self, start: int, allowed: list[int] | None = None, lag: int = 2) -> None:
+        self.start, self.allowed, self.lag = start, allowed, lag
+        self.counts: list[int] = []
+        self._catcher: Any = None
+        self._caught: list[warnings.WarningMessage] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        self._close()
+        if trainer.global_step >= self.start:
+            self._catcher = warnings.catch_warnings(record=True)
+            self._caught = self._catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+        if self.allowed is not None:
+            extra = [count - allowed for count, allowed in zip(self.counts, self.allowed, strict=True)]
+            reports = math.ceil(len(extra) / (self.lag + 1))
+            seen = f"the strategy's {self.counts}, the plain Trainer's {self.allowed}"
+            assert max(extra) <= 1, f"a step synchronised more than once beyond a plain Trainer's: {seen}"
+            synchronised = sum(e > 0 for e in extra)
+            assert synchronised <= reports, f"{synchronised} steps synchronised, reports come at most {reports}: {seen}"
+
+    def _close(self) -> None:
+        if self._catcher is None:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self.counts.append(sum("synchroniz" in str(caught.message) for caught in self._caught))
+        self._catcher.__exit__(None, None, None)
+        self._catcher = None
+
+
+def count_host_synchronisations(sync: str) -> None:
+    """A lone GPU replica under ``sync`` synchronises with the host no more than a plain Trainer, but at reports.
+
+    The plain Trainer's counts, measured first in this process, bound the strategy's over the same steps (its
+    replica is spawned, so it checks them there). A step that waits for the host leaves a host-bound GPU idle.
+    """
+    steps, start = 80, 20
+
+    def trainer(strategy: Any, callback: HostSyncs) -> pl.Trainer:
+        return _trainer(strategy, max_steps=steps, callbacks=[callback])
+
+    plain = HostSyncs(start)
+    pl.seed_everything(3)
+    trainer("auto", plain).fit(BatchableRegression(size=2048, batch_size=16))
+    assert len(plain.counts) == steps - start, plain.counts
+    strategy = _strategy(sync, plan_lag=2)
+    pl.seed_everything(3)
+    trainer(strategy, HostSyncs(start, allowed=plain.counts, lag=2)).fit(BatchableRegression(size=2048, batch_size=16))

@@ -46,3 +46,8 @@ def test_a_cpu_replica_trains_beside_the_gpu(sync, sparse):
 )
 def test_learners_train_batched_on_the_gpu(learners, precision):
     run_on_cuda("cuda_bodies:fit_learners", learners, precision)
+
+
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+def test_a_lone_replica_synchronises_with_the_host_only_at_reports(sync):
+    run_on_cuda("cuda_bodies:count_host_synchronisations", sync)
