@@ -99,7 +99,7 @@ class LocalCommunicator:
         return None
 
     def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future[Any]:  # noqa: D102
-        return _completed([tensor])
+        return completed([tensor])
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:  # noqa: D102
         return [tensor]
@@ -461,7 +461,8 @@ def copy_from_host(target: Tensor, values: Sequence[float]) -> None:
         target.copy_(staging.to(target.device))
 
 
-def _completed(value: Any) -> torch.futures.Future[Any]:
+def completed(value: Any) -> torch.futures.Future[Any]:
+    """A future that already holds ``value``: the result of a collective with nobody to wait for."""
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(value)
     return future

@@ -38,11 +38,9 @@ Each bucket's contribution is guarded (:mod:`~lightning_aesgd.engine.finite_guar
 finite sends zeros, and the sum is renormalised over the finite replicas' shares, the mean gradient of the step's
 finite samples; under a GradScaler the guard is off, as the scaler must see the overflow.
 
-A sparse gradient (an ``EmbeddingBag(sparse=True)``'s) travels in a bucket of its own. Gloo all-reduces sparse
-tensors; NCCL cannot, so there (``sparse_reduction="auto"``) it is summed by the cheaper of two dense collectives,
-judged by the bytes each replica receives (:func:`sparse_sum_method`): *gather* every replica's stored rows
-(indices and values, padded to the longest) and hand back all of them, an uncoalesced tensor whose sum is the sum
-of the contributions; or *densify* it, all-reducing the gradient as a dense tensor of its full size.
+A sparse gradient (an ``EmbeddingBag(sparse=True)``'s) travels in a bucket of its own, summed as
+:mod:`~lightning_aesgd.engine.sparse_sums` says: all-reduced where the backend takes sparse tensors (gloo), else by
+gathering every replica's rows or densifying, whichever receives fewer bytes (NCCL).
 """
 
 from __future__ import annotations
@@ -50,15 +48,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_aesgd.core.wide_floats import CARRIERS, joined_wide, split_wide
-from lightning_aesgd.engine.comm import Communicator, TorchCommunicator
+from lightning_aesgd.engine.comm import Communicator, TorchCommunicator, completed
 from lightning_aesgd.engine.finite_guard import FLAG_SLOTS, Exclusions, flags_of, guarded, renormalised
+from lightning_aesgd.engine.sparse_sums import (
+    SparseReduction,
+    densified_sum,
+    densifies,
+    exchange_rows,
+    gathered_sum,
+    native_sparse_sum,
+    no_rows,
+)
 
 Launched = tuple[list[nn.Parameter], torch.futures.Future[Tensor], Tensor]
 """A bucket's sum in flight: its parameters, the future of the sum, and the sum's finite flags (finite_guard)."""
@@ -69,10 +76,6 @@ Rider = tuple[Tensor, "torch.futures.Future[Tensor]"]
 Pending = dict[int, Tensor]
 """Reduced gradients awaiting their update, keyed by ``id`` of the parameter: flat chunks in DDP's bucket layout
 (a sparse gradient as it is)."""
-
-SparseReduction = Literal["auto", "all_reduce", "gather", "densify"]
-"""How :class:`GradientSum` sums a sparse gradient: ``"auto"`` is ``"all_reduce"`` where the backend takes sparse
-tensors, else the cheaper of ``"gather"`` and ``"densify"`` (see :func:`sparse_sum_method`)."""
 
 
 class GradientSum:
@@ -221,7 +224,7 @@ class GradientSum:
             # replica's update. As under DDP: no copy, no collective and no finiteness test (a pass over every
             # gradient, which on one device was the largest part of the strategy's cost per step). Not so for a
             # segment's group of one present replica (others sitting out): they take its model at the handoff.
-            return _completed(buffer)
+            return completed(buffer)
         result, flags = self._sum_sparse(buffer) if buffer.is_sparse else self._sum_dense(buffer, rider)
         if not self.delay:
             self._step_flags.append(flags)
@@ -229,7 +232,7 @@ class GradientSum:
         params = list(bucket.parameters())
         self._launched.append((params, result, flags))
         ready = self._previous_sums()
-        return _completed(_assemble(ready, params) if ready is not None else _nothing_to_apply(buffer))
+        return completed(_assemble(ready, params) if ready is not None else _nothing_to_apply(buffer))
 
     def _sum_dense(self, buffer: Tensor, rider: Rider | None = None) -> tuple[torch.futures.Future[Tensor], Tensor]:
         """Launch the sum of a dense bucket, guarded (:mod:`~lightning_aesgd.engine.finite_guard`), with a ``rider``.
@@ -293,34 +296,21 @@ class GradientSum:
         # embedding's gradient holds a row per occurrence, and isfinite().all() over them cost 35x the sum.
         finite = not self.guard or math.isfinite(float(local._values().sum()))
         if not finite:
-            local = _no_rows(local)
+            local = no_rows(local)
         if native:
             # A delayed sum outlives this backward and keeps the contribution's values (see _held_contribution).
             contribution = _held_contribution(local) if self.delay and finite else local
-            return _native_sparse_sum(contribution, self.share if finite else 0.0, comm)
+            return native_sparse_sum(contribution, self.share if finite else 0.0, comm)
         with self.waiting():
-            exchange = _exchange_rows(local, self.share if finite else 0.0, comm)
+            exchange = exchange_rows(local, self.share if finite else 0.0, comm)
         counts, finite_share, left_out = exchange
         flags = torch.tensor([finite_share, float(left_out)], dtype=torch.float64, device=buffer.device)
-        result = _densified_sum(local, comm) if self._densifies(local, counts) else _gathered_sum(local, counts, comm)
+        densify = densifies(local, counts, self.sparse_reduction)
+        result = densified_sum(local, comm) if densify else gathered_sum(local, counts, comm)
         if left_out:
             scale = 1.0 / finite_share if finite_share > 0 else 0.0
             result = result.then(lambda future: future.value() * scale)
         return result, flags
-
-    def _densifies(self, local: Tensor, counts: list[int]) -> bool:
-        """Whether a sparse sum without a sparse all-reduce densifies (else it gathers the replicas' rows)."""
-        if self.sparse_reduction != "auto":
-            return self.sparse_reduction == "densify"
-        method = sparse_sum_method(
-            max(counts),
-            row_width=math.prod(local.shape[local.sparse_dim() :]),
-            sparse_dim=local.sparse_dim(),
-            numel=math.prod(local.shape),
-            element_size=local.element_size(),
-            world_size=len(counts),
-        )
-        return method == "densify"
 
     def _previous_sums(self) -> Pending | None:
         if not self._took_previous:
@@ -397,146 +387,7 @@ def _nothing_to_apply(buffer: Tensor) -> Tensor:
     The bucket's own buffer where dense (DDP's, already copied), zeros where sparse (the gradient tensor's values
     are shared with the sum in flight).
     """
-    return _no_rows(buffer) if buffer.is_sparse else buffer
-
-
-def _no_rows(sparse: Tensor) -> Tensor:
-    """A sparse tensor of ``sparse``'s size, dtype and device with no stored rows: zeros."""
-    dims = sparse.sparse_dim()
-    return torch.sparse_coo_tensor(
-        torch.empty((dims, 0), dtype=torch.long, device=sparse.device),
-        torch.empty((0, *sparse.shape[dims:]), dtype=sparse.dtype, device=sparse.device),
-        sparse.size(),
-        is_coalesced=True,
-        check_invariants=False,
-    )
-
-
-def sparse_sum_method(
-    rows: int, row_width: int, sparse_dim: int, numel: int, element_size: int, world_size: int
-) -> Literal["gather", "densify"]:
-    """The cheaper way to sum a sparse gradient over replicas without a sparse all-reduce, in bytes received.
-
-    Gathering the replicas' rows (each padded to the longest, an int64 index per sparse dimension) and densifying
-    (an all-reduce of the full tensor) receive about::
-
-        gather  = world_size · rows · (row_width · element_size + 8 · sparse_dim)
-        densify = numel · element_size
-
-    per replica; gather where it is not dearer. Gather grows with the replicas and their rows, densify does not:
-    a gradient densifies once a replica stores more than about ``1/world_size`` of its rows (fewer where rows are
-    narrow, their indices then weighing more).
-
-    Args:
-        rows: the most stored rows (coalesced) of a replica's gradient.
-        row_width: elements per row, the product of the dense dimensions' sizes.
-        sparse_dim: the sparse dimensions, each stored row's number of indices.
-        numel: elements of the whole (dense) gradient.
-        element_size: bytes per element.
-        world_size: the replicas summed over.
-
-    Returns:
-        ``"gather"`` or ``"densify"``, whichever receives fewer bytes.
-    """
-    gather = world_size * rows * (row_width * element_size + 8 * sparse_dim)
-    densify = numel * element_size
-    return "gather" if gather <= densify else "densify"
-
-
-def _native_sparse_sum(
-    contribution: Tensor, share: float, comm: Communicator
-) -> tuple[torch.futures.Future[Tensor], Tensor]:
-    """A sparse all-reduce (gloo's), its finite flags summed beside it: nothing blocks the backward.
-
-    A ``share`` of 0 marks this replica's gradient as left out (sent as no rows). The returned flags are filled
-    when the sums complete, before the future's value is handed to DDP.
-    """
-    mine = torch.tensor([share, 1.0 if share == 0 else 0.0], dtype=torch.float64, device=contribution.device)
-    flags = torch.zeros(2, dtype=torch.float64, device=contribution.device)
-    both = torch.futures.collect_all([comm.all_reduce_sum_async(contribution), comm.all_reduce_sum_async(mine)])
-
-    def renormalised_sum(future: torch.futures.Future[list[torch.futures.Future[Any]]]) -> Tensor:
-        summed: Tensor
-        summed_flags: Tensor
-        summed, summed_flags = (done.value()[0] for done in future.value())
-        flags.copy_(summed_flags)
-        finite_share, left_out = summed_flags.tolist()
-        if left_out > 0:
-            summed = summed * (1.0 / finite_share if finite_share > 0 else 0.0)
-        return summed
-
-    return both.then(renormalised_sum), flags
-
-
-def _exchange_rows(sparse: Tensor, share: float, comm: Communicator) -> tuple[list[int], float, int]:
-    """Every replica's stored rows of ``sparse`` (rank order), the finite shares' sum and the replicas left out.
-
-    A ``share`` of 0 marks this replica's gradient as left out. Read on the host: it blocks.
-    """
-    mine = torch.tensor([sparse._nnz(), share, 1.0 if share == 0 else 0.0], dtype=torch.float64, device=sparse.device)
-    rows = torch.stack(comm.all_gather(mine)).cpu().tolist()
-    return [round(row[0]) for row in rows], sum(row[1] for row in rows), round(sum(row[2] for row in rows))
-
-
-def _gathered_sum(local: Tensor, counts: list[int], comm: Communicator) -> torch.futures.Future[Tensor]:
-    """All replicas' rows of a sparse gradient, an uncoalesced tensor whose sum is the sum of the gradients.
-
-    ``counts`` are the replicas' numbers of rows (:func:`_exchange_rows`): each pads its indices and values to the
-    most, as an all-gather takes tensors of one size, and the padding is dropped from what arrives.
-    """
-    longest = max(counts)
-    if not longest:  # every replica knows: none launches the gather
-        return _completed(_no_rows(local))
-    indices, values = _padded(local._indices(), longest, dim=1), _padded(local._values(), longest, dim=0)
-    # The gathers leave the host going on (the current stream waits for them); the tensor is then built on this
-    # stream and handed back in a completed CPU future. A CUDA future's callback result would have its storages
-    # collected through ``indices()``, which an uncoalesced sparse tensor refuses.
-    all_indices, all_values = comm.all_gather(indices), comm.all_gather(values)
-    return _completed(
-        torch.sparse_coo_tensor(
-            torch.cat([rows[:, :n] for rows, n in zip(all_indices, counts, strict=True)], dim=1),
-            torch.cat([rows[:n] for rows, n in zip(all_values, counts, strict=True)]),
-            local.size(),
-            check_invariants=False,
-        )
-    )
-
-
-def _padded(tensor: Tensor, length: int, dim: int) -> Tensor:
-    """A copy of ``tensor`` lengthened with zeros to ``length`` along ``dim``."""
-    shape = list(tensor.shape)
-    shape[dim] = length
-    padded = tensor.new_zeros(shape)
-    padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
-    return padded
-
-
-def _densified_sum(sparse: Tensor, comm: Communicator) -> torch.futures.Future[Tensor]:
-    """The sum of a sparse gradient all-reduced as a dense tensor, handed back with every row stored.
-
-    Keeping every row (zero where no replica touched it) needs nothing of the sum's values, so the conversion
-    queues behind the all-reduce without waiting for it; dropping the zero rows would wait in the hook, as their
-    count decides the result's size. The optimizers that take sparse gradients (SGD, Adagrad) leave a zero row
-    as it was.
-    """
-    dims = sparse.sparse_dim()
-    dense = sparse.to_dense()  # a tensor of its own: the gradient tensor is free for DDP at once
-    indices = torch.stack(
-        torch.unravel_index(torch.arange(math.prod(sparse.shape[:dims]), device=dense.device), sparse.shape[:dims])
-    )
-    summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(dense)
-
-    def every_row(future: torch.futures.Future[list[Tensor]]) -> Tensor:
-        total = future.value()[0]
-        return torch.sparse_coo_tensor(
-            indices,
-            total.reshape(-1, *sparse.shape[dims:]),
-            sparse.size(),
-            is_coalesced=True,
-            check_invariants=False,
-        )
-
-    return summed.then(every_row)
+    return no_rows(buffer) if buffer.is_sparse else buffer
 
 
 def gradient_sum_hook(state: GradientSum, bucket: Any) -> torch.futures.Future[Tensor]:
@@ -638,9 +489,3 @@ def _assemble(pending: Pending, params: list[nn.Parameter]) -> Tensor:
     if len(params) == 1 and pending[id(params[0])].is_sparse:
         return pending[id(params[0])]
     return torch.cat([pending[id(p)].reshape(-1) for p in params])
-
-
-def _completed(value: Tensor) -> torch.futures.Future[Tensor]:
-    future: torch.futures.Future[Tensor] = torch.futures.Future()
-    future.set_result(value)
-    return future

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_aesgd.core.schedule import report_interval
 from lightning_aesgd.core.sensing import PeriodReport
-from lightning_aesgd.engine.comm import Communicator, copy_from_host
+from lightning_aesgd.engine.comm import Communicator, completed, copy_from_host
 from lightning_aesgd.engine.plan_loop import PlanLoop
 
 Carrier = Callable[[Tensor], "torch.futures.Future[Tensor] | None"]
@@ -123,9 +123,7 @@ class ReportExchange:
 def _summed(table: Tensor, comm: Communicator) -> torch.futures.Future[Tensor]:
     """The all-reduce of a report table on its own; none over a group of one replica, whose table is the sum."""
     if comm.world_size == 1:  # a job of one replica, or the one replica present in a segment
-        alone: torch.futures.Future[Tensor] = torch.futures.Future()
-        alone.set_result(table)
-        return alone
+        return completed(table)
     summed: torch.futures.Future[list[Tensor]] = comm.all_reduce_sum_async(table)
     return summed.then(lambda future: future.value()[0])
 

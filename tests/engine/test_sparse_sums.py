@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_aesgd.engine import gradients
-from lightning_aesgd.engine.gradients import GradientSum, gradient_sum_hook, sparse_sum_method
+from lightning_aesgd.engine import sparse_sums
+from lightning_aesgd.engine.gradients import GradientSum, gradient_sum_hook
+from lightning_aesgd.engine.sparse_sums import sparse_sum_method
 
 WORLD_SIZE = 2
 NUM_ROWS, WIDTH, STEPS = 64, 4, 3
@@ -284,7 +285,7 @@ def _sum_sparse_gradients(rank: int, world_size: int, init_file: str, delay: int
 
         with (
             mock.patch.object(dist, "get_backend", return_value="nccl"),
-            mock.patch.object(gradients, "sparse_sum_method", recorded),
+            mock.patch.object(sparse_sums, "sparse_sum_method", recorded),
         ):
             torch.testing.assert_close(_handed_to_the_optimizer("auto", delay)[0], all_reduced)
         assert chosen == ["gather", "densify", "gather"]
