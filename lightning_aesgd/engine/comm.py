@@ -462,7 +462,7 @@ def copy_from_host(target: Tensor, values: Sequence[float]) -> None:
 
 
 def completed(value: Any) -> torch.futures.Future[Any]:
-    """A future that already holds ``value``: the result of a collective with nobody to wait for."""
+    """A future already holding ``value``."""
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(value)
     return future

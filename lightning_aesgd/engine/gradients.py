@@ -94,8 +94,9 @@ class GradientSum:
             process group's (:class:`~lightning_aesgd.engine.comm.TorchCommunicator`).
         compensate_momentum: with ``delay``, give momentum parameters ``(1 + μ)·Ĝ_{t−1} − μ·Ĝ_{t−2}`` (see the
             module's docstring); the momenta are read from the optimizer by :meth:`read_momentum`.
-        sparse_reduction: how a sparse gradient is summed (see :data:`SparseReduction`): ``"all_reduce"`` needs a
-            backend that takes sparse tensors (gloo); ``"gather"`` and ``"densify"`` run on any.
+        sparse_reduction: how a sparse gradient is summed (see
+            :data:`~lightning_aesgd.engine.sparse_sums.SparseReduction`): ``"all_reduce"`` needs a backend that
+            takes sparse tensors (gloo); ``"gather"`` and ``"densify"`` run on any.
     """
 
     def __init__(
