@@ -32,12 +32,14 @@ from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.pipeline import StepPipeline, check_lr_schedule
 from lightning_aesgd.engine.plan_settings import PlanSettings
 
-# torch 2.13 renamed DDP's per-forward buffer broadcast (`broadcast_buffers`); both keep the broadcast at wrapping.
-_NO_BUFFER_SYNC_AT_FORWARD = (
+NO_BUFFER_SYNC_AT_FORWARD: dict[str, Any] = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     else {"broadcast_buffers": False}
 )
+"""DistributedDataParallel's arguments that skip its per-forward broadcast of the buffers (BatchNorm statistics)
+from rank zero, which torch 2.13 renamed (``broadcast_buffers`` to ``forward_sync_buffers``); both keep the
+broadcast at wrapping."""
 
 MERGE_OPTIONS = (
     "period",
@@ -270,7 +272,7 @@ class StrategySettings:
         # Buffers (BatchNorm statistics) go from rank zero at evaluation, checkpoints and the end of fit instead of
         # at every forward: DDP's per-forward broadcast would be a second synchronisation point per step, which
         # arrival sensing would count as work and which the delayed sum could not overlap (see GradientSync).
-        return {"find_unused_parameters": self.find_unused_parameters, **_NO_BUFFER_SYNC_AT_FORWARD}
+        return {"find_unused_parameters": self.find_unused_parameters, **NO_BUFFER_SYNC_AT_FORWARD}
 
     def build_engine(self) -> StepPipeline:
         """A new engine of these settings: :class:`GradientSync` or :class:`ModelMerge`, by ``sync``."""

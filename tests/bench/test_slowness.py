@@ -16,9 +16,10 @@ from lightning_aesgd.bench.slowness.comparison import CaseResult, run_case, step
 from lightning_aesgd.bench.slowness.machinery import machinery_figures
 from lightning_aesgd.bench.slowness.program import runnable_cases
 from lightning_aesgd.bench.slowness.report import machinery_table, table, write_report
-from lightning_aesgd.bench.slowness.runner import RunResult, run_result
+from lightning_aesgd.bench.slowness.runner import RunResult, _strategy, run_result
 from lightning_aesgd.core.apportion import share_error
 from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.settings import NO_BUFFER_SYNC_AT_FORWARD, StrategySettings
 
 
 def test_cases_emulate_per_sample_slowness_only_where_it_lands_on_samples():
@@ -203,3 +204,12 @@ def test_a_straggler_run_alone_names_when_it_was_left_out(tmp_path):
     assert figures["left_out_at"][:2] == [None, None]
     assert figures["left_out_at"][2] is not None
     assert figures["left_out_at"][2] <= 20
+
+
+def test_ddp_races_with_the_strategys_buffer_policy_and_equal_shared_replicas_run_no_emulation():
+    """DDP's per-forward broadcast of BatchNorm buffers is a second collective per step the strategy does not run."""
+    ddp, callbacks = _strategy("ddp", CASES["step"].profile(), replicas_sharing=4)
+    assert NO_BUFFER_SYNC_AT_FORWARD.items() <= ddp._ddp_kwargs.items()
+    assert NO_BUFFER_SYNC_AT_FORWARD.items() <= StrategySettings().ddp_options().items()
+    assert len(callbacks) == 1  # the step mode reaches DDP through the callback
+    assert CASES["shared-cores-equal"].profile() is None

@@ -65,9 +65,10 @@ CASES: dict[str, Case] = {
         Case("step-fixed", "step", HETEROGENEOUS, step_ms=0.0, network="tiny", base=6.0),
         # Replicas sharing the compute they run on, as several processes share one GPU: four CNN replicas on the
         # machine's 2 cores, at base 1, so that they compete for the cores; the slower ones sleep their extra time
-        # (the cores are free meanwhile). With equal costs, no emulation at all: the contention alone.
+        # (the cores are free meanwhile). With equal costs no emulation at all (not even its clock): the contention
+        # alone.
         Case("shared-cores", "step", HETEROGENEOUS, step_ms=0.0, network="cnn", base=1.0),
-        Case("shared-cores-equal", "step", HOMOGENEOUS, step_ms=0.0, network="cnn", base=1.0),
+        Case("shared-cores-equal", "none", HOMOGENEOUS, step_ms=0.0, network="cnn"),
         Case("short", "user", HETEROGENEOUS, step_ms=5.0),
         Case("equal-60ms", "user", HOMOGENEOUS, step_ms=60.0),
         Case("equal-5ms", "user", HOMOGENEOUS, step_ms=5.0),

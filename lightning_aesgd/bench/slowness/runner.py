@@ -3,6 +3,10 @@
 Replicas are forked processes on the CPU. Only the ``step`` mode is emulated by ``adaptive_elastic`` itself,
 inside its optimizer step; every other mode is :class:`~lightning_aesgd.callbacks.SlowdownCallback`'s, applied
 to every strategy alike.
+
+Lightning's DDP runs without its per-forward broadcast of the buffers, as the strategy does (it hands rank zero's
+buffers to every replica at evaluation, checkpoints and the end of fit): for a model with BatchNorm layers that
+broadcast is a second collective per step, which would slow DDP down for a reason that is not the algorithm.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from lightning_aesgd.bench.slowness.model import Classifier
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.emulation.profiles import SlowdownProfile
 from lightning_aesgd.engine.telemetry import step_time_balance, taking_part
+from lightning_aesgd.settings import NO_BUFFER_SYNC_AT_FORWARD
 from lightning_aesgd.strategy import AdaptiveElasticStrategy
 
 WARMUP_STEPS = 10  # steps before the throughput clock starts (start-up, first plans)
@@ -128,7 +133,7 @@ def _strategy(algorithm: str, profile: SlowdownProfile | None, replicas_sharing:
     if algorithm == "adaptive_elastic":
         return AdaptiveElasticStrategy(slowdown=profile if inside else None, start_method="fork"), slowdown
     if algorithm == "ddp":
-        return pl.strategies.DDPStrategy(start_method="fork"), slowdown
+        return pl.strategies.DDPStrategy(start_method="fork", **NO_BUFFER_SYNC_AT_FORWARD), slowdown
     return "auto", slowdown
 
 
