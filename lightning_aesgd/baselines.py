@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_aesgd.placement import SharedDevices
+from lightning_aesgd.settings import NO_BUFFER_SYNC_AT_FORWARD
 
 
 class SharedDeviceDDPStrategy(SharedDevices, DDPStrategy):
@@ -43,8 +44,16 @@ class SharedDeviceDDPStrategy(SharedDevices, DDPStrategy):
 
     Args:
         replicas_per_device: replica processes per device.
+        sync_buffers_at_forward: DDP's broadcast of the buffers (BatchNorm statistics) from rank zero at every
+            forward, Lightning's default; ``False`` skips it as this project's strategy does, for a model whose
+            buffers would otherwise cost a second collective per step (the fairest DDP to race it against).
         **kwargs: everything ``DDPStrategy`` takes.
     """
+
+    def __init__(self, *args: Any, sync_buffers_at_forward: bool = True, **kwargs: Any) -> None:
+        options = kwargs if sync_buffers_at_forward else {**NO_BUFFER_SYNC_AT_FORWARD, **kwargs}
+        super().__init__(*args, **options)
+        self.sync_buffers_at_forward = sync_buffers_at_forward
 
 
 class PostLocalSGDStrategy(SharedDevices, DDPStrategy):
