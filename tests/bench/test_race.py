@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from lightning_aesgd.baselines import PostLocalSGDStrategy
@@ -19,11 +20,13 @@ from lightning_aesgd.bench.race.analysis import (
     median_step_seconds,
     time_to_target,
 )
+from lightning_aesgd.bench.race.benchmark import BenchSettings, _profile_config
 from lightning_aesgd.bench.race.recorder import RunRecord, Validation, batch_length
 from lightning_aesgd.bench.race.report import race_table
 from lightning_aesgd.bench.race.runner import shrink_replicas
-from lightning_aesgd.bench.race.suites import Target, Workload
+from lightning_aesgd.bench.race.suites import Target, Workload, get_workload
 from lightning_aesgd.emulation.profiles import SlowdownChange, SlowdownProfile
+from lightning_aesgd.settings import NO_BUFFER_SYNC_AT_FORWARD
 
 # --- pure figures ---------------------------------------------------------------------------------------------
 
@@ -155,6 +158,23 @@ def test_tiny_benchmark_writes_sane_figures(tmp_path: Path, capsys: pytest.Captu
     for name in ("results.md", "metric_strong.png", "batch_sizes_strong.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| strong | adaptive_sgd |" in capsys.readouterr().out
+
+
+def test_ddp_races_without_its_per_forward_buffer_broadcast_unless_asked(tmp_path: Path):
+    own = ["algorithm=ddp", "algorithm.sync_buffers_at_forward=true"]
+    variants = {"ddp_b64": ["algorithm=ddp", "data.batch_size=64"], "ddp_own": own}
+    target = Target.parse("val/acc=0.85")
+    settings = BenchSettings("fashion_mnist", ["strong"], [], 1, 1, target, tmp_path, variants=variants)
+    base = get_workload("fashion_mnist").overrides()
+
+    def strategy(algorithm: str):
+        return instantiate(_profile_config(settings, base, "strong", algorithm).algorithm)
+
+    for fair in ("ddp", "ddp_b64"):
+        assert NO_BUFFER_SYNC_AT_FORWARD.items() <= strategy(fair)._ddp_kwargs.items(), fair
+    for broadcasting in ("ddp_lightning", "ddp_own"):  # Lightning's default, as a user gets it
+        assert strategy(broadcasting)._ddp_kwargs == {}, broadcasting
+    assert not hasattr(strategy("sync_adaptive"), "sync_buffers_at_forward")  # the switch is DDP's alone
 
 
 @pytest.mark.slow

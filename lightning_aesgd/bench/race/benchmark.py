@@ -2,7 +2,8 @@
 
 Runs are interleaved (for each repeat, for each profile, for each algorithm) so that drift of a shared
 machine hits every algorithm alike. One single-replica run without emulation first measures the solo speed
-behind the efficiency figures.
+behind the efficiency figures. DDP races without its per-forward buffer broadcast, as the strategy runs
+(:func:`entrant_overrides`); ``ddp_lightning`` is Lightning's DDP as it comes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from lightning_aesgd.emulation.profiles import as_profile
 ADAPTIVE = "adaptive_sgd"
 """The algorithm whose per-replica batch sizes are plotted."""
 TINY_REPLICAS = 2
+
+BUFFER_BROADCAST = "algorithm.sync_buffers_at_forward"
+"""The ``ddp`` config's switch for DDP's broadcast of BatchNorm buffers from rank zero at every forward."""
+LIGHTNING_DDP = "ddp_lightning"
+"""The entrant that races Lightning's DDP as it comes, buffer broadcast included (``ddp`` races without it)."""
+BUILT_IN_VARIANTS: dict[str, list[str]] = {LIGHTNING_DDP: ["algorithm=ddp", f"{BUFFER_BROADCAST}=true"]}
 
 
 @dataclass
@@ -85,12 +92,34 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
 
 
 def _profile_config(settings: BenchSettings, base: list[str], profile: str, algorithm: str = "ddp") -> DictConfig:
-    chosen = settings.variants.get(algorithm, [f"algorithm={algorithm}"])
+    chosen = entrant_overrides(settings.variants, algorithm)
     overrides = [*base, *chosen, f"devices={profile}", f"trainer.max_epochs={settings.epochs}"]
     cfg = compose_config([*overrides, *settings.overrides])
     if settings.tiny:
         shrink_replicas(cfg, TINY_REPLICAS)
     return cfg
+
+
+def entrant_overrides(variants: dict[str, list[str]], algorithm: str) -> list[str]:
+    """The overrides that stand for ``algorithm=<name>`` in the race: DDP races as the fairest rival.
+
+    Lightning's DDP broadcasts the BatchNorm buffers from rank zero at every forward, a second collective per step
+    for models that have them, which the strategy skips (it hands rank zero's buffers over at evaluation,
+    checkpoints and the end of fit). Every DDP entrant therefore races without that broadcast, unless its
+    overrides set the switch themselves; ``ddp_lightning`` is Lightning's DDP as it comes.
+
+    Example:
+        >>> entrant_overrides({}, "ddp")
+        ['algorithm=ddp', 'algorithm.sync_buffers_at_forward=false']
+        >>> entrant_overrides({}, "sma"), entrant_overrides({}, "ddp_lightning")
+        (['algorithm=sma'], ['algorithm=ddp', 'algorithm.sync_buffers_at_forward=true'])
+    """
+    chosen = variants.get(algorithm) or BUILT_IN_VARIANTS.get(algorithm) or [f"algorithm={algorithm}"]
+    algorithms = [override.split("=", 1)[1] for override in chosen if override.startswith("algorithm=")]
+    sets_switch = any(override.lstrip("+").startswith(f"{BUFFER_BROADCAST}=") for override in chosen)
+    if algorithms[-1:] == ["ddp"] and not sets_switch:
+        return [*chosen, f"{BUFFER_BROADCAST}=false"]
+    return list(chosen)
 
 
 def _solo_speed(settings: BenchSettings, base: list[str], configs: dict[str, DictConfig]) -> float:
@@ -150,6 +179,7 @@ def _settings_dict(settings: BenchSettings, solo: float, configs: dict[str, Dict
         "overrides": settings.overrides,
         "tiny": settings.tiny,
         "variants": settings.variants,
+        "entrants": {name: entrant_overrides(settings.variants, name) for name in settings.algorithms},
         "solo_samples_per_second": solo if math.isfinite(solo) else None,
         "devices": devices,
     }

@@ -36,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload", default="xmc_mini", choices=names, metavar="NAME", help=f"what to train: {', '.join(names)}"
     )
     parser.add_argument("--profiles", default=DEFAULT_PROFILES, help="comma list of configs/devices profiles")
-    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="comma list of configs/algorithm names")
+    parser.add_argument(
+        "--algorithms",
+        default=DEFAULT_ALGORITHMS,
+        help="comma list of configs/algorithm names; `ddp` races without DDP's per-forward BatchNorm "
+        "buffer broadcast, as the strategy runs, `ddp_lightning` with it (Lightning's default)",
+    )
     parser.add_argument("--epochs", type=int, help="epochs of every run (default: the workload's)")
     parser.add_argument("--repeats", type=int, default=1, help="repeats of the whole matrix (medians reported)")
     parser.add_argument("--target", help="validation target '<metric>=<value>' (default: the workload's)")
