@@ -214,10 +214,10 @@ def count_host_synchronisations(sync: str) -> None:
     """A lone GPU replica synchronises with the host no more than a plain Trainer, but at its reports.
 
     Under gradient sums a report comes at most every ``lag + 1`` steps (3 here) and reads the device once; under
-    model merges every merge reports (here every 3 steps), with two reads: the finite probe and skipped-step flags
-    that decide its weight, then the merged weights and rows. The plain Trainer's counts, measured first in this
-    process, bound the strategy's over the same steps (its replica is spawned, so it checks them there). A step
-    that waits for the host leaves a host-bound GPU idle.
+    model merges every merge reports (here every 3 steps), and reads the device once too: the finite flag and the
+    weight travel in the merge's collective, and come back with the merged rows. The plain Trainer's counts,
+    measured first in this process, bound the strategy's over the same steps (its replica is spawned, so it checks
+    them there). A step that waits for the host leaves a host-bound GPU idle.
     """
     steps, start, every = 80, 20, 3
     options = {"plan_lag": every - 1} if sync == "gradients" else {"period": every}
@@ -229,6 +229,6 @@ def count_host_synchronisations(sync: str) -> None:
     pl.seed_everything(3)
     trainer("auto", plain).fit(BatchableRegression(size=2048, batch_size=16))
     assert len(plain.counts) == steps - start, plain.counts
-    checked = HostSyncs(start, allowed=plain.counts, per_report=1 if sync == "gradients" else 2, every=every)
+    checked = HostSyncs(start, allowed=plain.counts, per_report=1, every=every)
     pl.seed_everything(3)
     trainer(_strategy(sync, **options), checked).fit(BatchableRegression(size=2048, batch_size=16))

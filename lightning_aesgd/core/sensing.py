@@ -76,6 +76,16 @@ class PeriodReport:
         """Numbers per report row."""
         return _REPORT_SIZE
 
+    @classmethod
+    def field_index(cls, name: str) -> int:
+        """Where field ``name`` sits in a row.
+
+        Example:
+            >>> PeriodReport.field_index("merge_weight"), PeriodReport.field_index("center_norm")
+            (0, 10)
+        """
+        return _REPORT_FIELDS.index(name)
+
     def as_row(self) -> list[float]:
         """The report as a row of floats, in field order."""
         return [float(getattr(self, name)) for name in _REPORT_FIELDS]

@@ -256,9 +256,19 @@ class AdaptiveNormalization:
 
     def weight(self, own: float, rank: int, previous: Sequence[float], local_steps: int) -> float:
         """Replica ``rank``'s merge weight ``own``, nudged when the rule is on, past warm-up and trending."""
+        return own * self.factor(rank, previous, local_steps)
+
+    def factor(self, rank: int, previous: Sequence[float], local_steps: int) -> float:
+        """What replica ``rank`` multiplies its merge weight by: :func:`nudge_factor` when nudging, else 1.
+
+        Example:
+            >>> normalization = AdaptiveNormalization(enabled=True)
+            >>> normalization.factor(rank=1, previous=[3.0, 1.0], local_steps=5)
+            0.9
+        """
         if not (self.enabled and self.trend.active and local_steps > self.warmup_steps and previous):
-            return own
-        return own * nudge_factor(previous, rank)
+            return 1.0
+        return nudge_factor(previous, rank)
 
     def observe(self, merged_norm: float) -> None:
         """Record the merged model's L2 norm after a merge; a negative norm means none was measured."""

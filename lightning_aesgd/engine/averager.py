@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lightning_aesgd.core.merge import CentralElastic, MergeRule
 from lightning_aesgd.core.schedule import merge_due, validate_schedule
 from lightning_aesgd.core.weights import MergeWeights, check_merge_weights, replica_weight
-from lightning_aesgd.engine.comm import Communicator, WeightedAllReduce
+from lightning_aesgd.engine.comm import Communicator, Number, WeightedAllReduce
 from lightning_aesgd.engine.flat import (
     FlatView,
     floating_buffers,
@@ -92,6 +92,25 @@ def check_merge_rule(rule: Any) -> None:
 
 
 _RULE_METHODS = ("init_state", "merge_", "center")
+
+
+@dataclass
+class ReducedMerge:
+    """A merge whose collective is done and whose write-back is not (:meth:`ElasticAverager.reduce`).
+
+    Attributes:
+        means: the weighted means: parameters, buffers, then optimizer moments where those are averaged.
+        rows: every replica's report row, in rank order.
+        local: the replica's own parameters (a row per learner), which the rule writes back into.
+        contributed: what the replica contributed (its pre-step snapshot, for SMA and EASGD).
+        moments: the optimizer state averaged with the models (empty unless ``optimizer_state="average"``).
+    """
+
+    means: list[Tensor]
+    rows: list[list[float]]
+    local: Tensor
+    contributed: Tensor
+    moments: FlatView
 
 
 class ElasticAverager:
@@ -177,6 +196,27 @@ class ElasticAverager:
             return 0.0 if self.skipped_since_merge else self.last_weight
         return replica_weight(self.weights, self.samples_since_merge, self.updates_since_merge)
 
+    def own_weight_less(self, skipped_samples: Tensor, skipped_updates: Tensor) -> Number:
+        """:meth:`own_weight` less the steps the device may have skipped, computed there (the host reads nothing).
+
+        Args:
+            skipped_samples: the samples of the steps since the last merge that a GradScaler skipped (a
+                one-element tensor on the device: a sum of its flags times the steps' samples).
+            skipped_updates: how many steps it skipped, likewise.
+
+        Returns:
+            What :meth:`own_weight` returns once :meth:`discount_skipped` took each skipped step back.
+        """
+        if self.updates_since_merge == 0:  # no step since the last merge that the device could have skipped
+            return self.own_weight()
+        samples = self.samples_since_merge - skipped_samples
+        updates = self.updates_since_merge - skipped_updates
+        if self.weights == "samples":
+            return samples
+        if self.weights == "updates":
+            return updates
+        return (updates > 0).to(samples.dtype)  # uniform: 1, or 0 where every update was skipped
+
     @torch.no_grad()
     def merge(
         self, weight: float, optimizer: torch.optim.Optimizer | None = None, report: Sequence[float] = ()
@@ -185,6 +225,23 @@ class ElasticAverager:
 
         ``report`` (a short row of numbers) travels in the same collective; returns the new global model and
         every replica's report, in rank order.
+        """
+        reduced = self.reduce(weight, optimizer, report)
+        return self.apply(reduced, weight, optimizer), reduced.rows
+
+    @torch.no_grad()
+    def reduce(
+        self, weight: Number, optimizer: torch.optim.Optimizer | None = None, report: Sequence[Number] = ()
+    ) -> ReducedMerge:
+        """A merge's collective alone: every replica's weighted means and ``report`` rows; no model changes yet.
+
+        ``weight`` and numbers of ``report`` may be one-element tensors on the device
+        (:class:`~lightning_aesgd.engine.comm.WeightedAllReduce`): the host then reads the device once, after
+        the collective. :meth:`apply` finishes the merge, or the caller reduces again (a replica whose row says
+        its model is not finite).
+
+        Raises:
+            NoMergeWeightError: if the weights of all replicas sum to zero (with every replica's row).
         """
         local = self.params.current()
         contributed = local if self._snapshot is None else self._snapshot
@@ -196,19 +253,32 @@ class ElasticAverager:
             _check_same_moment_count(self.comm, moment_view.numel)
         if moment_view:
             flats.append(moment_view.read())
-        means, reports = self._mean(flats, weight, report)
-        center = self.rule.merge_(local, contributed, means[0], self.num_models, self.rule_state)
+        means, rows = self._mean(flats, weight, report)
+        return ReducedMerge(means, rows, local, contributed, moment_view)
+
+    @torch.no_grad()
+    def apply(self, reduced: ReducedMerge, weight: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """Write back the merge that :meth:`reduce` summed (the rule's step); returns the new global model.
+
+        Args:
+            reduced: what :meth:`reduce` returned.
+            weight: this replica's merge weight, as the host reads it (its row's): the weight of the merged model
+                at an evaluation before the next local step.
+            optimizer: the local optimizer, whose state the merge keeps, resets or averages.
+        """
+        means, local = reduced.means, reduced.local
+        center = self.rule.merge_(local, reduced.contributed, means[0], self.num_models, self.rule_state)
         self.params.write_(local)  # a no-op when the parameters are views of `local`
         self.buffers.write_(means[1])
-        if moment_view:
-            moment_view.write_(means[2])
+        if reduced.moments:
+            reduced.moments.write_(means[2])
         if optimizer is not None and self.optimizer_state == "reset":
             optimizer.state.clear()
         self._snapshot = None
         self.merges += 1
         self.last_weight = weight
         self.samples_since_merge, self.updates_since_merge, self.skipped_since_merge = 0.0, 0, 0
-        return center, reports
+        return center
 
     @torch.no_grad()
     def global_model(self) -> tuple[Tensor, Tensor]:

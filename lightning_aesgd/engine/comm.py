@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from lightning_aesgd.engine.stalls import roll_call as roll_call
 from lightning_aesgd.engine.stalls import stalled_error as stalled_error
 
 T = TypeVar("T")
+
+Number: TypeAlias = float | Tensor
+"""A host number, or a one-element tensor on the device that the host has not read."""
 
 
 class Communicator(Protocol):
@@ -339,7 +342,9 @@ class WeightedAllReduce:
     elsewhere, so the SUM gathers every replica's row without a collective of its own.
 
     Every bucket lives on its flats' device, and the host waits for the device once a call: the division by
-    ``Σw`` runs on the device, and ``Σw`` and the rows come back in one read (:func:`~.flat.to_host`).
+    ``Σw`` runs on the device, and ``Σw`` and the rows come back in one read (:func:`~.flat.to_host`). The weight
+    and any number of the row may be a one-element tensor on that device, computed there and never read by the
+    host before the collective (a merge's weight that depends on the device's own flags).
 
     Buckets are kept between calls: a merge runs on the training path, and a fresh model-sized buffer costs as
     much as a copy of the model.
@@ -355,13 +360,16 @@ class WeightedAllReduce:
         self._buckets: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
 
     def __call__(
-        self, flats: Sequence[Tensor], weight: float, row: Sequence[float] = ()
+        self, flats: Sequence[Tensor], weight: Number, row: Sequence[Number] = ()
     ) -> tuple[list[Tensor], list[list[float]]]:
         """Return the means, one per input in the same order, and every replica's ``row`` (rank order).
 
         The means are views of an internal bucket: valid until the next call, and free to be overwritten.
 
-        A replica with weight 0 contributes zeros, whatever its tensors hold (a non-finite replica left out).
+        A replica with a host weight of 0 contributes zeros, whatever its tensors hold (a non-finite replica left
+        out). A weight on the device multiplies the tensors as they are: a replica that is not finite then makes
+        every mean NaN, so its row must say so and the caller merge again with host weights (as
+        :class:`~lightning_aesgd.engine.model_merge.ModelMerge` does).
 
         Raises:
             NoMergeWeightError: if the total weight is not positive (with every replica's row).
@@ -381,7 +389,7 @@ class WeightedAllReduce:
                 summed_tail = bucket[body:]
         if row and carrier is None:  # no float32/float64 bucket to carry the row: send it on its own
             summed_tail = torch.empty(len(tail), dtype=torch.float64, device=flats[0].device if flats else self.device)
-            copy_from_host(summed_tail, tail)
+            _fill_tail(summed_tail, tail)
             self.comm.all_reduce_sum_(summed_tail)
         if summed_tail is None:
             return means, []
@@ -392,7 +400,7 @@ class WeightedAllReduce:
             )
         return means, rows
 
-    def _reduce(self, flats: Sequence[Tensor], weight: float, tail: Sequence[float] | None) -> tuple[Tensor, int]:
+    def _reduce(self, flats: Sequence[Tensor], weight: Number, tail: Sequence[Number] | None) -> tuple[Tensor, int]:
         """All-reduce one dtype's flats and divide them by ``Σw``, on the device; returns the bucket and its body.
 
         The bucket holds ``[w·θ…, w]``, then the rest of ``tail`` (the rows) where it carries them.
@@ -401,12 +409,14 @@ class WeightedAllReduce:
         body = sum(sizes)
         bucket = self._bucket(flats[0].dtype, flats[0].device, body + (len(tail) if tail is not None else 1))
         for flat, chunk in zip(flats, torch.split(bucket[:body], sizes), strict=True):
-            if weight == 0:
-                chunk.zero_()  # 0·NaN would be NaN
-            else:
+            if isinstance(weight, Tensor) or weight != 0:
                 torch.mul(flat.reshape(-1), weight, out=chunk)
+            else:
+                chunk.zero_()  # 0·NaN would be NaN
         if tail is not None:
-            copy_from_host(bucket[body:], tail)
+            _fill_tail(bucket[body:], tail)
+        elif isinstance(weight, Tensor):
+            bucket[body].copy_(weight.reshape(()))
         else:
             bucket[body] = weight
         self.comm.all_reduce_sum_(bucket)
@@ -434,12 +444,23 @@ def _row_carrier(dtypes: Sequence[torch.dtype]) -> torch.dtype | None:
     return None
 
 
-def _tail(weight: float, row: Sequence[float], rank: int, world_size: int) -> list[float]:
+def _tail(weight: Number, row: Sequence[Number], rank: int, world_size: int) -> list[Number]:
     """What follows a bucket's body: the weight, then this replica's row in its slot and zeros elsewhere."""
     width = len(row)
-    tail = [float(weight)] + [0.0] * (width * world_size)
-    tail[1 + rank * width : 1 + (rank + 1) * width] = [float(value) for value in row]
+    tail: list[Number] = [weight] + [0.0] * (width * world_size)
+    tail[1 + rank * width : 1 + (rank + 1) * width] = list(row)
     return tail
+
+
+def _fill_tail(target: Tensor, tail: Sequence[Number]) -> None:
+    """Write ``tail`` into ``target``: host numbers in one copy, then each device number where it belongs.
+
+    A device number is copied on the device, so the host never waits for it (a ``float()`` of it would).
+    """
+    copy_from_host(target, [0.0 if isinstance(value, Tensor) else float(value) for value in tail])
+    for position, value in enumerate(tail):
+        if isinstance(value, Tensor):
+            target[position].copy_(value.reshape(()))
 
 
 def _split_tail(values: list[float], width: int) -> tuple[float, list[list[float]]]:

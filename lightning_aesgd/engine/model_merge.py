@@ -14,7 +14,7 @@ import logging
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -26,9 +26,9 @@ from lightning_aesgd.core.schedule import LearningRateDrop
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.admission import MIN_PROBE_INTERVAL
-from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
-from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, ReplicaStalledError
-from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, to_host
+from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings, ReducedMerge
+from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, Number, ReplicaStalledError
+from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device
 from lightning_aesgd.engine.gradients import update_skipped
 from lightning_aesgd.engine.learner_tuning import LearnerTuning, tune_learners
 from lightning_aesgd.engine.learners import LearnerStep
@@ -256,52 +256,45 @@ class ModelMerge(StepPipeline):
         self.alone.owes_merge = True
         return True
 
-    def _read_before_merge(self, averager: ElasticAverager) -> tuple[float, list[float], float]:
-        """What the merge's report needs from the device, read back in one host synchronisation.
-
-        Returns the finite probe (:meth:`~.ElasticAverager.finite_probe`), whether each step since the last merge
-        was skipped (its scaler's flag, nonzero when skipped) and the merged model's norm after the last merge.
-        """
-        values = [averager.finite_probe(), *(skipped for skipped, _ in self._maybe_skipped), self._center_norm]
-        read = _read_numbers(values, averager.device)
-        return read[0], read[1:-1], read[-1]
-
-    def _discount_skipped_steps(self, averager: ElasticAverager, skipped: list[float]) -> None:
-        # The scaler lowers its scale exactly when it skips a step; read once per merge (no per-step host sync).
-        for flag, (_, num_samples) in zip(skipped, self._maybe_skipped, strict=True):
-            if flag:
-                averager.discount_skipped(num_samples)
-        self._maybe_skipped.clear()
-
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer, stop_requested: bool) -> None:
+        """Merge with every replica, the host reading the device once, after the collective.
+
+        The merge weight hangs on what only the device knows: whether the model is finite, and which steps the
+        GradScaler skipped. Both are computed there and travel in the collective, with the merged model's norm
+        for adaptive normalization; the host reads them back with the rows. A replica that is not finite (a NaN
+        loss or gradient) sends weight 0, but its NaNs still reach the sum (0·NaN): its row says so, and every
+        replica merges again with weights the host checked (:meth:`_merge_again`). Then the replica is left out
+        and restored from the merged model: replicas are whole models, so the others carry on.
+        """
         rank = averager.comm.rank
-        probe, skipped, center_norm = self._read_before_merge(averager)
-        self._discount_skipped_steps(averager, skipped)
-        # A replica whose model is not finite (a NaN loss or gradient) is left out with weight 0 and restored from
-        # the merged model: replicas are whole models, so the others carry on. Its flag rides in its report.
-        finite = averager.is_finite(probe)
-        weight = self.normalization.weight(averager.own_weight(), rank, self.plans.merge_weights, averager.local_steps)
-        report = self.arrivals.arrive(
-            weight if finite else 0.0, stop=stop_requested, finite=finite, center_norm=center_norm
-        )
+        finite = torch.isfinite(averager.finite_probe()).to(torch.float64)
+        weight = self._own_weight(averager)
+        row: list[Number] = list(self.arrivals.arrive(0.0, stop=stop_requested).as_row())
+        row[_WEIGHT], row[_FINITE], row[_CENTER_NORM] = weight, finite, self._center_norm
+        self._maybe_skipped.clear()
+        reduced: ReducedMerge | None
         try:
-            center, rows = averager.merge(report.merge_weight, optimizer, report.as_row())
+            # The weight as sent (not finite: 0); the row keeps it as computed, for a merge again.
+            reduced = averager.reduce(finite * weight, optimizer, row)
+            rows = reduced.rows
         except NoMergeWeightError as error:
-            lost = [r for r, row in enumerate(error.rows) if not PeriodReport.from_row(row).finite]
-            if not lost:  # every replica's updates since the last merge were skipped: its model is unchanged
-                averager.skip_merge()
-                self._receive(error.rows)
-                return
-            if len(lost) == averager.comm.world_size:
-                raise NonFiniteReplicasError(
-                    f"Every replica's model ({lost}) is not finite at step {self._global_step}: nothing is left to "
-                    "merge. HINT: lower the learning rate, clip gradients (gradient_clip_val) or check the loss "
-                    "for NaN; resume from the last checkpoint."
-                ) from error
-            raise
+            reduced, rows = None, error.rows
         except ReplicaStalledError as error:
             raise error.during(f"the merge after global step {self._global_step}") from error
-        if not finite:
+        own = PeriodReport.from_row(rows[rank])
+        own_finite = bool(own.finite)
+        if not all(PeriodReport.from_row(other).finite for other in rows):
+            own_finite = own_finite or averager.is_finite()  # a sum that overflowed on finite values
+            reduced = self._merge_again(averager, optimizer, replace(own, finite=float(own_finite)))
+            if reduced is None:
+                return
+            rows, own = reduced.rows, PeriodReport.from_row(reduced.rows[rank])
+        elif reduced is None:  # every replica's updates since the last merge were skipped: its model is unchanged
+            averager.skip_merge()
+            self._receive(rows)
+            return
+        center = averager.apply(reduced, own.merge_weight, optimizer)
+        if not own_finite:
             averager.restore_from(center, optimizer)
         self._note_exclusions(rows)
         if self.normalization.enabled:
@@ -311,6 +304,48 @@ class ModelMerge(StepPipeline):
             self.normalization.observe(PeriodReport.from_row(rows[0]).center_norm)
             self._center_norm = center.norm()  # now, as `center` may be scratch that the next merge overwrites
         self._receive(rows)
+
+    def _own_weight(self, averager: ElasticAverager) -> Number:
+        """This replica's merge weight, nudged; on the device when a GradScaler's skips are still unread there."""
+        factor = self.normalization.factor(averager.comm.rank, self.plans.merge_weights, averager.local_steps)
+        if not self._maybe_skipped:
+            return averager.own_weight() * factor
+        # The scaler lowers its scale exactly when it skips a step: its flags, summed where they lie.
+        flags = torch.stack([skipped for skipped, _ in self._maybe_skipped]).to(torch.float64)
+        samples = [num_samples for _, num_samples in self._maybe_skipped]
+        skipped_samples = torch.stack([flag * num for flag, num in zip(flags.unbind(), samples, strict=True)]).sum()
+        return averager.own_weight_less(skipped_samples, flags.sum()) * factor
+
+    def _merge_again(
+        self, averager: ElasticAverager, optimizer: torch.optim.Optimizer, own: PeriodReport
+    ) -> ReducedMerge | None:
+        """A replica's model was not finite: merge again, each replica's weight checked on the host (rare).
+
+        Returns:
+            The merge, or ``None`` where there is nothing to merge: every replica's updates since the last merge
+            were skipped (the models are unchanged; the merge is skipped).
+
+        Raises:
+            NonFiniteReplicasError: if no replica's model is finite.
+        """
+        weight = own.merge_weight if own.finite else 0.0
+        try:
+            return averager.reduce(weight, optimizer, replace(own, merge_weight=weight).as_row())
+        except NoMergeWeightError as error:
+            lost = [r for r, row in enumerate(error.rows) if not PeriodReport.from_row(row).finite]
+            if not lost:
+                averager.skip_merge()
+                self._receive(error.rows)
+                return None
+            if len(lost) == averager.comm.world_size:
+                raise NonFiniteReplicasError(
+                    f"Every replica's model ({lost}) is not finite at step {self._global_step}: nothing is left to "
+                    "merge. HINT: lower the learning rate, clip gradients (gradient_clip_val) or check the loss "
+                    "for NaN; resume from the last checkpoint."
+                ) from error
+            raise
+        except ReplicaStalledError as error:
+            raise error.during(f"the merge after global step {self._global_step}") from error
 
     def _note_exclusions(self, rows: list[list[float]]) -> None:
         lost = [rank for rank, row in enumerate(rows) if not PeriodReport.from_row(row).finite]
@@ -435,6 +470,8 @@ class ModelMerge(StepPipeline):
             optimizer.load_state_dict(own["optimizer"])
 
 
+_WEIGHT, _FINITE, _CENTER_NORM = (PeriodReport.field_index(name) for name in ("merge_weight", "finite", "center_norm"))
+
 MAX_STEPS_ALONE = MIN_PROBE_INTERVAL
 """Most steps a replica training alone goes without a merge (as long as the shortest probe interval)."""
 
@@ -492,20 +529,6 @@ def _loss_scale(grad_scaler: Any) -> Any:
     if scale is None:  # before the first scaled loss: the scale it will start from
         return torch.tensor(float(grad_scaler.get_scale()))
     return scale.clone()
-
-
-def _read_numbers(values: list[Any], device: torch.device) -> list[float]:
-    """Numbers, some of them one-element tensors, as floats: the tensors read back together, in one synchronisation.
-
-    Host numbers stay on the host (sending them to the device would cost a synchronisation of its own).
-    """
-    tensors = [value.to(device=device, dtype=torch.float64).reshape(()) for value in values if _is_tensor(value)]
-    read = iter(to_host(torch.stack(tensors)) if tensors else [])
-    return [next(read) if _is_tensor(value) else float(value) for value in values]
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
 
 
 def _on_cpu(state: Any) -> Any:

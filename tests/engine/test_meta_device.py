@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader
 from lightning_aesgd.core.merge import get_merge_rule
 from lightning_aesgd.engine import averager as averager_module
 from lightning_aesgd.engine import comm as comm_module
-from lightning_aesgd.engine import model_merge as replica_module
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import WeightedAllReduce
 from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
@@ -57,7 +56,7 @@ class HostReads:
 @pytest.fixture
 def host_reads(monkeypatch: pytest.MonkeyPatch) -> HostReads:
     reads = HostReads()
-    for module in (comm_module, averager_module, replica_module):
+    for module in (comm_module, averager_module):
         monkeypatch.setattr(module, "to_host", reads)
     return reads
 
@@ -194,21 +193,24 @@ def test_finite_values_whose_sum_overflows_are_finite(host_reads):
 class _Scaler:
     """A GradScaler as the engine reads it, whose loss scale never drops (no step skipped)."""
 
-    _scale = torch.tensor(1024.0)
+    def __init__(self, device: str) -> None:
+        self._scale = torch.tensor(1024.0, device=device)
 
     def is_enabled(self) -> bool:
         return True
 
 
-def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
-    # Once before the collective (the finite probe, the scaler's flags, the last merged norm) and once after it
-    # (the summed weight and the rows): whatever the period and the options.
-    module = nn.Linear(2, 1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_merge_of_the_engine_reads_the_device_back_once(device, host_reads):
+    # After the collective only (the summed weight and the rows): the finite probe, the scaler's flags and the last
+    # merged norm travel in it as device numbers. On `meta` any other read would raise.
+    module = nn.Linear(2, 1, device=device)
     settings = MergeSettings(get_merge_rule("elastic_average"), period=3)
     options = {"lr_scaling": False, "lr_schedule": None, "step_batch_size": None}
     options |= {"plan_lag": None, "sample_costs": None, "checkpoint_replicas": True}
     engine = ModelMerge(settings, PlanSettings(), l2_nudge=True, **options)
-    engine.start(module, FakeCommunicator(world_size=1), torch.device("cpu"), TrainerHooks(grad_scaler=_Scaler()))
+    comm = FakeCommunicator(world_size=1, device=device)
+    engine.start(module, comm, torch.device(device), TrainerHooks(grad_scaler=_Scaler(device)))
     loader = engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     reads_per_merge = []
@@ -218,8 +220,24 @@ def test_a_merge_of_the_engine_reads_the_device_back_twice(host_reads):
         engine.optimizer_step(optimizer, lambda: None)
         if engine.synced_last_step:
             reads_per_merge.append(len(host_reads.tensors) - before)
-    assert reads_per_merge == [2] * engine.averager.merges
+    assert reads_per_merge == [1] * engine.averager.merges
     assert engine.averager.merges == 3
+    assert host_reads.devices() == {device}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_weight_and_row_numbers_on_the_device_travel_as_host_ones_do(device, host_reads):
+    comm = FakeCommunicator(world_size=2, rank=1, device=device)
+    flats = [torch.full((3,), 2.0, device=device)]
+    on_device = {"device": device, "dtype": torch.float64}
+    row = [torch.tensor(5.0, **on_device), 6.0, torch.tensor(7.0, device=device)]  # any dtype of the device
+    means, rows = WeightedAllReduce(comm)(flats, torch.tensor(3.0, **on_device), row=row)
+    _on(device, means)
+    assert len(host_reads.tensors) == 1
+    if device == "cpu":
+        host_means, host_rows = WeightedAllReduce(comm)(flats, 3.0, row=[5.0, 6.0, 7.0])
+        torch.testing.assert_close(means[0], host_means[0])
+        assert rows == host_rows == [[0.0] * 3, [10.0, 12.0, 14.0]]
 
 
 def test_the_finite_guard_stays_on_the_device_without_reading_it():

@@ -177,14 +177,14 @@ def test_the_l2_gate_follows_rank_zeros_gathered_norm_and_is_judged_afresh_each_
     center_norm = [f.name for f in fields(PeriodReport)].index("center_norm")
     # Rank zero's norms as the merge gathers them: rising, a dip, then (a new window) rising again.
     gathered = iter([1.0, 2.0, 1.5, 1.7, 2.0, 3.0, 4.0, 5.0])
-    merge = engine.averager.merge
+    reduce = engine.averager.reduce
 
-    def scripted_merge(weight, optimizer, row):
-        center, rows = merge(weight, optimizer, row)
-        rows[0][center_norm] = next(gathered)
-        return center, rows
+    def scripted_reduce(weight, optimizer, row):
+        reduced = reduce(weight, optimizer, row)
+        reduced.rows[0][center_norm] = next(gathered)
+        return reduced
 
-    engine.averager.merge = scripted_merge  # type: ignore[method-assign]
+    engine.averager.reduce = scripted_reduce  # type: ignore[method-assign]
     active = []
     for index, _ in enumerate(loader):
         if index == 4:  # an evaluation pass between steps 3 and 4
