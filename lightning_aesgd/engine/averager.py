@@ -207,8 +207,10 @@ class ElasticAverager:
         Returns:
             What :meth:`own_weight` returns once :meth:`discount_skipped` took each skipped step back.
         """
-        if self.updates_since_merge == 0:  # no step since the last merge that the device could have skipped
+        if self.updates_since_merge == 0:  # no update the device could have skipped (idle steps taken back)
             return self.own_weight()
+        # The counts cannot fall below 0 (replica_weight's check): a skipped step is a step counted here, and an
+        # idle step, taken back on the host, is never flagged.
         samples = self.samples_since_merge - skipped_samples
         updates = self.updates_since_merge - skipped_updates
         if self.weights == "samples":
@@ -341,20 +343,15 @@ class ElasticAverager:
     def finite_probe(self) -> Tensor:
         """A scalar on the device that is finite when the replica's own parameters and buffers all are.
 
-        A sum reads the model once without a temporary, and leaves the host free: the caller reads it back
-        with whatever else it needs from the device, in one synchronisation. It is not finite when an element is
-        not, but also when finite elements overflow it; :meth:`is_finite` tells the two apart.
+        A sum reads the model once without a temporary, and leaves the host free: a merge turns it into a flag
+        on the device and sends it in its collective. It is not finite when an element is not, but also when finite
+        elements overflow it; :meth:`is_finite` tells the two apart.
         """
         return self.params.current().sum() + self.buffers.read().sum()
 
-    def is_finite(self, probe: float | None = None) -> bool:
-        """Whether the replica's own parameters and buffers are all finite (one pass over the model).
-
-        Args:
-            probe: the value of :meth:`finite_probe`, where the caller has read it back already.
-        """
-        if probe is None:
-            probe = to_host(self.finite_probe())[0]
+    def is_finite(self) -> bool:
+        """Whether the replica's own parameters and buffers are all finite (one pass over the model, a host read)."""
+        probe = to_host(self.finite_probe())[0]
         if math.isfinite(probe):
             return True
         # Rare: only a sum that is not finite needs the elementwise check, to tell an overflow from a NaN.

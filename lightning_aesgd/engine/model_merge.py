@@ -259,16 +259,17 @@ class ModelMerge(StepPipeline):
     def _merge(self, averager: ElasticAverager, optimizer: torch.optim.Optimizer, stop_requested: bool) -> None:
         """Merge with every replica, the host reading the device once, after the collective.
 
-        The merge weight hangs on what only the device knows: whether the model is finite, and which steps the
-        GradScaler skipped. Both are computed there and travel in the collective, with the merged model's norm
-        for adaptive normalization; the host reads them back with the rows. A replica that is not finite (a NaN
-        loss or gradient) sends weight 0, but its NaNs still reach the sum (0·NaN): its row says so, and every
-        replica merges again with weights the host checked (:meth:`_merge_again`). Then the replica is left out
-        and restored from the merged model: replicas are whole models, so the others carry on.
+        The merge weight hangs on what only the device knows: whether the model is finite, and (with a
+        GradScaler) which steps were skipped. Both are computed there and travel in the collective, with the
+        merged model's norm for adaptive normalization; the host reads them back with the rows. A replica that is
+        not finite (a NaN loss or gradient) sends weight 0, but its NaNs may still reach the sum (0·NaN): its row
+        says so, and every replica merges again with weights the host checked (:meth:`_merge_again`). Then the
+        replica is left out and restored from the merged model: replicas are whole models, so the others carry on.
         """
         rank = averager.comm.rank
         finite = torch.isfinite(averager.finite_probe()).to(torch.float64)
         weight = self._own_weight(averager)
+        host_weight = None if isinstance(weight, torch.Tensor) else weight  # exact, where the host knows it
         row: list[Number] = list(self.arrivals.arrive(0.0, stop=stop_requested).as_row())
         row[_WEIGHT], row[_FINITE], row[_CENTER_NORM] = weight, finite, self._center_norm
         self._maybe_skipped.clear()
@@ -285,6 +286,8 @@ class ModelMerge(StepPipeline):
         own_finite = bool(own.finite)
         if not all(PeriodReport.from_row(other).finite for other in rows):
             own_finite = own_finite or averager.is_finite()  # a sum that overflowed on finite values
+            if host_weight is not None:
+                own = replace(own, merge_weight=host_weight)  # not the row's, rounded to the carrier's precision
             reduced = self._merge_again(averager, optimizer, replace(own, finite=float(own_finite)))
             if reduced is None:
                 return
@@ -293,7 +296,8 @@ class ModelMerge(StepPipeline):
             averager.skip_merge()
             self._receive(rows)
             return
-        center = averager.apply(reduced, own.merge_weight, optimizer)
+        exact = host_weight if host_weight is not None and own_finite else own.merge_weight
+        center = averager.apply(reduced, exact, optimizer)
         if not own_finite:
             averager.restore_from(center, optimizer)
         self._note_exclusions(rows)
@@ -310,8 +314,11 @@ class ModelMerge(StepPipeline):
         factor = self.normalization.factor(averager.comm.rank, self.plans.merge_weights, averager.local_steps)
         if not self._maybe_skipped:
             return averager.own_weight() * factor
-        # The scaler lowers its scale exactly when it skips a step: its flags, summed where they lie.
-        flags = torch.stack([skipped for skipped, _ in self._maybe_skipped]).to(torch.float64)
+        # The scaler lowers its scale exactly when it skips a step: its flags, summed where they lie. A flag made
+        # before the scaler held a scale of its own lies on the CPU: it joins the others on the device.
+        device = averager.device
+        flags = torch.stack([skipped.to(device, non_blocking=True) for skipped, _ in self._maybe_skipped])
+        flags = flags.to(torch.float64)
         samples = [num_samples for _, num_samples in self._maybe_skipped]
         skipped_samples = torch.stack([flag * num for flag, num in zip(flags.unbind(), samples, strict=True)]).sum()
         return averager.own_weight_less(skipped_samples, flags.sum()) * factor
@@ -327,6 +334,8 @@ class ModelMerge(StepPipeline):
 
         Raises:
             NonFiniteReplicasError: if no replica's model is finite.
+            NoMergeWeightError: if the replicas whose models are finite all have weight 0 (every update skipped).
+            ReplicaStalledError: if a peer stopped answering during the merge.
         """
         weight = own.merge_weight if own.finite else 0.0
         try:

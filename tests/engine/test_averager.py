@@ -105,6 +105,26 @@ def test_merge_weight_follows_the_merge_weights_and_resets_after_a_merge():
     assert averager.own_weight() == 8  # no work since: the last weight stands, e.g. for evaluation
 
 
+@pytest.mark.parametrize("weights", ["samples", "updates", "uniform"])
+@pytest.mark.parametrize("skipped", [(), (1,), (0, 2), (0, 1, 2)], ids=["none", "one", "two", "all"])
+def test_the_weight_less_the_devices_skipped_steps_is_the_weight_after_taking_them_back(weights, skipped):
+    samples = [4.0, 6.0, 8.0]  # three steps since the last merge; `skipped` the GradScaler skipped
+
+    def averager() -> ElasticAverager:
+        made = ElasticAverager(_model(1.0), LocalCommunicator(), MergeSettings(ElasticAverage(), weights=weights))
+        for num_samples in samples:
+            made.after_local_step(num_samples)
+        return made
+
+    on_device = averager()
+    flags = torch.tensor([float(step in skipped) for step in range(3)], dtype=torch.float64)
+    weight = on_device.own_weight_less((flags * torch.tensor(samples, dtype=torch.float64)).sum(), flags.sum())
+    on_host = averager()
+    for step in skipped:
+        on_host.discount_skipped(samples[step])
+    assert float(weight) == on_host.own_weight()
+
+
 def test_swap_in_global_model_and_back_restores_the_replica_exactly():
     model = _model(1.0)
     averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(alpha=0.5)))

@@ -155,6 +155,30 @@ def test_a_lone_replica_that_is_not_finite_stops_training_with_the_fix():
         engine.optimizer_step(optimizer, poison)
 
 
+def test_a_model_whose_sum_overflows_merges_again_and_stays_in():
+    module = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        module.weight.fill_(3e38)  # finite, but their sum is not: the finite flag the merge sends says "not finite"
+    engine, loader = _started(module, merging=MergeSettings(ElasticAverage(), weights="uniform"))  # w·θ stays finite
+    reduce, weights = engine.averager.reduce, []
+
+    def counted_reduce(weight, optimizer, row):
+        weights.append(weight)
+        return reduce(weight, optimizer, row)
+
+    engine.averager.reduce = counted_reduce  # type: ignore[method-assign]
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    next(iter(loader))
+    engine.begin_step(0, 0, 0)
+    engine.optimizer_step(optimizer, lambda: None)
+    assert len(weights) == 2  # sent on the device as 0, then again with the weight the host checked
+    assert float(weights[0]) == 0.0
+    assert weights[1] == 1.0
+    assert engine.exclusion_count == 0
+    assert engine.plans.latest_reports[0].finite == 1.0
+    assert bool((module.weight == 3e38).all())  # merged with itself, not restored
+
+
 class _RankZeroSends(FakeCommunicator):
     """Peers whose broadcasts deliver rank zero's tensor, here: every element 7."""
 
