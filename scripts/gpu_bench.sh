@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/results/gpu/: the race benchmark on whatever GPU is present, on the training clock.
-#   1. one GPU: Lightning's single-device Trainer, Lightning's DDP (1 process) and the strategy's defaults, on
+#   1. one GPU: Lightning's single-device Trainer, Lightning's DDP (1 process; the race's `ddp` skips DDP's
+#      per-forward buffer broadcast, as the strategy does) and the strategy's defaults, on
 #      XMC mini with dense gradients and on the Fashion-MNIST CNN: per-step overhead and throughput;
 #   2. 4 replicas sharing the GPU under the strong profile: the defaults against DDP sharing it the same way.
 # Uses $AESGD_PYTHON (default python3) as it is. Each race interleaves its entrants in every repeat (their spread
