@@ -56,8 +56,11 @@ class SharedDeviceDDPStrategy(SharedDevices, DDPStrategy):
         self.sync_buffers_at_forward = sync_buffers_at_forward
 
 
-class PostLocalSGDStrategy(SharedDevices, DDPStrategy):
+class PostLocalSGDStrategy(SharedDeviceDDPStrategy):
     """Lightning's ``DDPStrategy`` running post-local SGD, with its communication hook on CPU (gloo) too.
+
+    DDP's per-forward buffer broadcast (``sync_buffers_at_forward``, see :class:`SharedDeviceDDPStrategy`) would run
+    in the local phase too: a collective every step where local SGD means to have none between averages.
 
     Args:
         period: steps between model averages after the warm-up (torch's ``PeriodicModelAverager.period``).
@@ -66,9 +69,9 @@ class PostLocalSGDStrategy(SharedDevices, DDPStrategy):
         post_local_gradient_allreduce: after the warm-up, still all-reduce gradients every step within each
             node's subgroup (torch's default, meant for many nodes). Off by default: on one machine the
             subgroup is every replica, and the run would be DDP plus redundant averaging.
-        replicas_per_device: replica processes per device (see :class:`~lightning_aesgd.placement.SharedDevices`).
-        **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``process_group_backend``, DDP's own
-            arguments such as ``broadcast_buffers``) except the three post-local-SGD arguments set here.
+        **kwargs: everything :class:`SharedDeviceDDPStrategy` takes (``replicas_per_device``,
+            ``sync_buffers_at_forward``, ``start_method``, ``process_group_backend``, DDP's own arguments) except the
+            three post-local-SGD arguments set here.
 
     Raises:
         ValueError: if ``period`` is below 1 or ``warmup_steps`` is negative.

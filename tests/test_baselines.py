@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_aesgd.baselines import SharedDeviceDDPStrategy
+from lightning_aesgd.baselines import PostLocalSGDStrategy, SharedDeviceDDPStrategy
 from lightning_aesgd.settings import NO_BUFFER_SYNC_AT_FORWARD
 
 
@@ -24,3 +24,10 @@ def test_the_ddp_config_takes_the_option_from_an_override():
     config = OmegaConf.merge({"launch": launch}, {"algorithm": config}, override)
     strategy = instantiate(config.algorithm)
     assert NO_BUFFER_SYNC_AT_FORWARD.items() <= strategy._ddp_kwargs.items()
+
+
+def test_post_local_sgd_skips_the_broadcast_in_its_local_steps_only_when_asked():
+    assert PostLocalSGDStrategy()._ddp_kwargs == {}  # the hook and the period are DDPStrategy's own arguments
+    fair = PostLocalSGDStrategy(period=4, sync_buffers_at_forward=False)
+    assert fair._ddp_kwargs == NO_BUFFER_SYNC_AT_FORWARD
+    assert fair._model_averaging_period == 4

@@ -170,7 +170,7 @@ def test_ddp_races_without_its_per_forward_buffer_broadcast_unless_asked(tmp_pat
     def strategy(algorithm: str):
         return instantiate(_profile_config(settings, base, "strong", algorithm).algorithm)
 
-    for fair in ("ddp", "ddp_b64"):
+    for fair in ("ddp", "ddp_b64", "post_local_sgd"):
         assert NO_BUFFER_SYNC_AT_FORWARD.items() <= strategy(fair)._ddp_kwargs.items(), fair
     for broadcasting in ("ddp_lightning", "ddp_own"):  # Lightning's default, as a user gets it
         assert strategy(broadcasting)._ddp_kwargs == {}, broadcasting

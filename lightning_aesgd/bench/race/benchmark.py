@@ -105,8 +105,9 @@ def entrant_overrides(variants: dict[str, list[str]], algorithm: str) -> list[st
 
     Lightning's DDP broadcasts the BatchNorm buffers from rank zero at every forward, a second collective per step
     for models that have them, which the strategy skips (it hands rank zero's buffers over at evaluation,
-    checkpoints and the end of fit). Every DDP entrant therefore races without that broadcast, unless its
-    overrides set the switch themselves; ``ddp_lightning`` is Lightning's DDP as it comes.
+    checkpoints and the end of fit). Every DDP entrant (``ddp``, and ``post_local_sgd``, whose local steps would
+    otherwise still broadcast) therefore races without that broadcast, unless its overrides set the switch
+    themselves; ``ddp_lightning`` is Lightning's DDP as it comes.
 
     Example:
         >>> entrant_overrides({}, "ddp")
@@ -117,7 +118,7 @@ def entrant_overrides(variants: dict[str, list[str]], algorithm: str) -> list[st
     chosen = variants.get(algorithm) or BUILT_IN_VARIANTS.get(algorithm) or [f"algorithm={algorithm}"]
     algorithms = [override.split("=", 1)[1] for override in chosen if override.startswith("algorithm=")]
     sets_switch = any(override.lstrip("+").startswith(f"{BUFFER_BROADCAST}=") for override in chosen)
-    if algorithms[-1:] == ["ddp"] and not sets_switch:
+    if algorithms[-1:] in (["ddp"], ["post_local_sgd"]) and not sets_switch:
         return [*chosen, f"{BUFFER_BROADCAST}=false"]
     return list(chosen)
 
