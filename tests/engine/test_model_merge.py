@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import fields
 
@@ -258,6 +259,32 @@ def test_a_step_the_grad_scaler_skipped_carries_no_merge_weight():
     # an error). Steps 1-2 with 2 skipped: 4 samples of weight. Steps 3-4: 8. Steps 5-6, both skipped: nothing.
     assert weights == [0.0, 4.0, 8.0, 0.0]
     assert engine.averager.merges == 2
+
+
+def test_the_steps_a_real_grad_scaler_skips_carry_no_merge_weight():
+    module = torch.nn.Linear(2, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # its scale is made at the first scaled loss
+    engine, loader = _started(
+        module, TrainerHooks(grad_scaler=scaler), merging=MergeSettings(ElasticAverage(), period=2)
+    )
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+
+    def step(overflow: bool) -> None:  # what Lightning's optimizer step does under 16-mixed
+        optimizer.zero_grad()
+        loss = module(torch.ones(4, 2)).sum() * (math.inf if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # skipped where the gradients are not finite; the scale then halves
+        scaler.update()
+
+    weights = []
+    for index, _ in enumerate(loader):
+        engine.begin_step(0, index, index)
+        engine.optimizer_step(optimizer, lambda index=index: step(index in {0, 2, 5, 6}))
+        if engine.synced_last_step and engine.plans.latest_reports:
+            weights.append(engine.plans.latest_reports[0].merge_weight)
+    assert weights == [0.0, 4.0, 8.0, 0.0]  # as with the scripted scaler above
+    assert engine.averager.merges == 2
+    assert scaler.get_scale() == 1024.0 / 2**4
 
 
 def test_a_merge_period_of_steps_weighs_as_one_report_in_the_speed_models():
