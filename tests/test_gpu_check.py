@@ -114,3 +114,20 @@ def test_a_gpu_bench_filter_that_names_no_race_fails():
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh")], env=env, capture_output=True, timeout=60)
     assert done.returncode == 2
     assert b"names no race" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_gpu_session_runs_its_stages_and_reports_each_one(tmp_path):
+    # On a machine without a GPU the cuda tests skip: the stage passes, and its log says so.
+    env = {**os.environ, "OUT": str(tmp_path), "AESGD_GPU_SKIP_WHEELS": "1", "AESGD_GPU_STAGE_SECONDS": "240"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # python3: this interpreter's
+    script = str(ROOT / "scripts" / "gpu_session.sh")
+    done = subprocess.run([script, "run", "cuda-tests"], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "== cuda-tests: exit 0" in done.stdout
+    assert "tests/test_cuda.py" in done.stdout
+    log = (tmp_path / "cuda-tests.log").read_text()
+    assert " skipped" in log or " passed" in log, log
+    unknown = subprocess.run([script, "run", "nope"], env=env, capture_output=True, text=True, check=False)
+    assert unknown.returncode == 2
+    assert "no stage 'nope'" in unknown.stderr
