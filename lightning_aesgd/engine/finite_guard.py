@@ -41,18 +41,26 @@ def guarded(buffer: Tensor, share: float, rider: Tensor | None = None) -> Tensor
         contribution[buffer.numel() + FLAG_SLOTS :].copy_(rider)
     head = contribution[: buffer.numel() + FLAG_SLOTS]
     if _on_host(buffer):
-        if math.isfinite(buffer.sum().item()):
+        if math.isfinite(finite_probe(buffer).item()):
             head[:-2].copy_(buffer)
             head[-2:] = torch.tensor([share, 0.0], dtype=buffer.dtype)
         else:
             head.zero_()
             head[-1] = 1.0
         return contribution
-    finite = torch.isfinite(buffer.sum())
+    finite = torch.isfinite(finite_probe(buffer))
     zero = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
     torch.where(finite, buffer, zero, out=head[:-2])
     head[-2:] = torch.stack([finite * share, ~finite]).to(buffer.dtype)
     return contribution
+
+
+def finite_probe(tensor: Tensor) -> Tensor:
+    """The sum of ``tensor``, finite when every element is (one pass), accumulated in at least float32.
+
+    Finite half-precision values whose sum passes 65504 (float16) are then not taken for a NaN.
+    """
+    return tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))
 
 
 def renormalised(summed: Tensor) -> Tensor:
@@ -131,8 +139,10 @@ class Exclusions:
         One host read; the run in progress carries over to the next read.
         """
         if self._counts is not None:
-            excluded, run, longest = self._counts.cpu().tolist()
-            self._counts = torch.tensor([0.0, run, run], dtype=torch.float64, device=self._counts.device)
+            counts = self._counts
+            # The next counts from these on the device: a tensor built from the host numbers would wait again.
+            self._counts = torch.stack([torch.zeros_like(counts[1]), counts[1], counts[1]])
+            excluded, run, longest = counts.cpu().tolist()
         else:
             excluded, run, longest = self._host_counts
             self._host_counts = (0.0, run, run)

@@ -55,8 +55,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_aesgd.core.wide_floats import CARRIERS, joined_wide, split_wide
-from lightning_aesgd.engine.comm import Communicator, TorchCommunicator, completed
-from lightning_aesgd.engine.finite_guard import FLAG_SLOTS, Exclusions, flags_of, guarded, renormalised
+from lightning_aesgd.engine.comm import Communicator, TorchCommunicator, completed, copy_from_host
+from lightning_aesgd.engine.finite_guard import FLAG_SLOTS, Exclusions, finite_probe, flags_of, guarded, renormalised
 from lightning_aesgd.engine.sparse_sums import (
     SparseReduction,
     densified_sum,
@@ -295,17 +295,18 @@ class GradientSum:
         local = buffer if native else buffer.coalesce()
         # On the host: the exchange below reads it anyway. The values' sum, as for dense buckets (one pass): an
         # embedding's gradient holds a row per occurrence, and isfinite().all() over them cost 35x the sum.
-        finite = not self.guard or math.isfinite(float(local._values().sum()))
+        finite = not self.guard or math.isfinite(float(finite_probe(local._values())))
         if not finite:
             local = no_rows(local)
         if native:
             # A delayed sum outlives this backward and keeps the contribution's values (see _held_contribution).
             contribution = _held_contribution(local) if self.delay and finite else local
-            return native_sparse_sum(contribution, self.share if finite else 0.0, comm)
+            return native_sparse_sum(contribution, self.share, comm, finite)
         with self.waiting():
-            exchange = exchange_rows(local, self.share if finite else 0.0, comm)
+            exchange = exchange_rows(local, self.share, comm, finite)
         counts, finite_share, left_out = exchange
-        flags = torch.tensor([finite_share, float(left_out)], dtype=torch.float64, device=buffer.device)
+        flags = torch.empty(2, dtype=torch.float64, device=buffer.device)
+        copy_from_host(flags, [finite_share, float(left_out)])  # pinned: no wait for the backward queued before
         densify = densifies(local, counts, self.sparse_reduction)
         result = densified_sum(local, comm) if densify else gathered_sum(local, counts, comm)
         if left_out:

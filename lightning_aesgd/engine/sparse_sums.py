@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_aesgd.engine.comm import Communicator, completed
+from lightning_aesgd.engine.comm import Communicator, completed, copy_from_host
 
 SparseReduction = Literal["auto", "all_reduce", "gather", "densify"]
 """How a sparse gradient is summed: ``"auto"`` is ``"all_reduce"`` where the backend takes sparse tensors, else the
@@ -86,14 +86,15 @@ def sparse_sum_method(
 
 
 def native_sparse_sum(
-    contribution: Tensor, share: float, comm: Communicator
+    contribution: Tensor, share: float, comm: Communicator, finite: bool = True
 ) -> tuple[torch.futures.Future[Tensor], Tensor]:
     """A sparse all-reduce (gloo's), its finite flags summed beside it: nothing blocks the backward.
 
-    A ``share`` of 0 marks this replica's gradient as left out (sent as no rows). The returned flags are filled
-    when the sums complete, before the future's value is handed to DDP.
+    A replica whose gradient is not ``finite`` is left out (sent as no rows); one with a ``share`` of 0 and a
+    finite gradient (an idle step) is not. The returned flags are filled when the sums complete, before the
+    future's value is handed to DDP.
     """
-    mine = torch.tensor([share, 1.0 if share == 0 else 0.0], dtype=torch.float64, device=contribution.device)
+    mine = _flags_on(contribution.device, [share if finite else 0.0, 0.0 if finite else 1.0])
     flags = torch.zeros(2, dtype=torch.float64, device=contribution.device)
     both = torch.futures.collect_all([comm.all_reduce_sum_async(contribution), comm.all_reduce_sum_async(mine)])
 
@@ -110,12 +111,15 @@ def native_sparse_sum(
     return both.then(renormalised_sum), flags
 
 
-def exchange_rows(sparse: Tensor, share: float, comm: Communicator) -> tuple[list[int], float, int]:
+def exchange_rows(
+    sparse: Tensor, share: float, comm: Communicator, finite: bool = True
+) -> tuple[list[int], float, int]:
     """Every replica's stored rows of ``sparse`` (rank order), the finite shares' sum and the replicas left out.
 
-    A ``share`` of 0 marks this replica's gradient as left out. Read on the host: it blocks.
+    A replica whose gradient is not ``finite`` is left out; one with a ``share`` of 0 and a finite gradient (an
+    idle step) is not. Read on the host: it blocks.
     """
-    mine = torch.tensor([sparse._nnz(), share, 1.0 if share == 0 else 0.0], dtype=torch.float64, device=sparse.device)
+    mine = _flags_on(sparse.device, [float(sparse._nnz()), share if finite else 0.0, 0.0 if finite else 1.0])
     rows = torch.stack(comm.all_gather(mine)).cpu().tolist()
     return [round(row[0]) for row in rows], sum(row[1] for row in rows), round(sum(row[2] for row in rows))
 
@@ -179,3 +183,10 @@ def densified_sum(sparse: Tensor, comm: Communicator) -> torch.futures.Future[Te
         )
 
     return summed.then(every_row)
+
+
+def _flags_on(device: torch.device, values: list[float]) -> Tensor:
+    """Host numbers as a float64 tensor on ``device``, copied without blocking (a pinned staging tensor)."""
+    flags = torch.empty(len(values), dtype=torch.float64, device=device)
+    copy_from_host(flags, values)
+    return flags

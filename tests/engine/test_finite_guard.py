@@ -70,6 +70,15 @@ def test_a_contribution_carries_its_share_and_zeros_when_not_finite():
 
 
 @pytest.mark.parametrize("on_host", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_values_whose_sum_passes_their_range_are_finite(dtype, on_host, monkeypatch):
+    monkeypatch.setattr(finite_guard, "_on_host", lambda tensor: on_host)
+    buffer = torch.ones(100_000, dtype=dtype)  # a sum of 100,000: past float16's 65,504
+    assert flags_of(guarded(buffer, 0.5)).tolist() == [0.5, 0.0]
+    assert flags_of(guarded(torch.tensor([1.0, math.nan], dtype=dtype), 0.5)).tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("on_host", [True, False])
 def test_exclusions_count_the_most_left_out_of_any_bucket_and_the_longest_run_without_a_finite_replica(
     on_host, monkeypatch
 ):

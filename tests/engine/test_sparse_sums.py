@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_aesgd.engine import sparse_sums
+from lightning_aesgd.engine.comm import LocalCommunicator
 from lightning_aesgd.engine.gradients import GradientSum, gradient_sum_hook
 from lightning_aesgd.engine.sparse_sums import sparse_sum_method
 
@@ -304,3 +305,20 @@ def test_gathered_and_densified_sums_are_the_sparse_all_reduces_through_ddp(tmp_
         join=True,
         start_method="fork",
     )
+
+
+@pytest.mark.parametrize("exchange", ["rows", "native"])
+def test_an_idle_replica_with_a_finite_gradient_is_not_left_out_and_a_non_finite_one_is(exchange):
+    comm = LocalCommunicator()
+    sparse = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (4, 3), check_invariants=True).coalesce()
+
+    def left_out(share: float, finite: bool) -> int:
+        if exchange == "rows":
+            return sparse_sums.exchange_rows(sparse, share, comm, finite)[2]
+        future, flags = sparse_sums.native_sparse_sum(sparse, share, comm, finite)
+        future.wait()
+        return round(flags[1].item())
+
+    assert left_out(0.0, finite=True) == 0  # an idle step: no samples, nothing wrong
+    assert left_out(0.5, finite=True) == 0
+    assert left_out(0.5, finite=False) == 1
