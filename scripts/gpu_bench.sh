@@ -8,7 +8,8 @@
 # is in results.json). Sized from the first GPU run (one H100): a run there spends most of its wall time starting,
 # validating and testing, so validation is thinned; XMC mini's steps take about 4 ms on one GPU, so it trains 40
 # epochs (1,120 steps); 4 replicas sharing the GPU train 20 epochs (140 gradient sums: 28 did not let the plan
-# settle). Extra arguments go to every race and win (e.g. --repeats 5; not --out: the races would share it).
+# settle). Extra arguments go to every race and win (e.g. --repeats 5; not --out: the races would share it);
+# AESGD_GPU_BENCH_REPEATS=N sets the repeats (3 by default) where extra arguments cannot reach, as in gpu_session.sh.
 # AESGD_GPU_BENCH_ONLY=NAMES (a regular expression matching whole names, e.g. "xmc_mini_one_gpu|fashion_mnist_one_gpu")
 # keeps those races: xmc_mini_one_gpu, fashion_mnist_one_gpu, xmc_mini_shared_strong.
 set -euo pipefail
@@ -24,7 +25,7 @@ race() {  # race NAME ARGS...: one race into $out/NAME, unless AESGD_GPU_BENCH_O
     if [[ $name =~ ^($only)$ ]]; then
         echo "== $name"
         raced=$((raced + 1))
-        "$python" -m lightning_aesgd.bench --repeats 3 --out "$out/$name" "$@"
+        "$python" -m lightning_aesgd.bench --repeats "${AESGD_GPU_BENCH_REPEATS:-3}" --out "$out/$name" "$@"
     fi
 }
 once_per_epoch=(--override ++trainer.val_check_interval=1.0)

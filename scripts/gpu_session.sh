@@ -9,19 +9,22 @@
 #       There: installs the wheels into /tmp/site (the image's torch and Lightning stay), then runs the stages in
 #       the order given, each under `timeout` ($AESGD_GPU_STAGE_SECONDS, 480 by default), its output in
 #       $OUT/STAGE.log (./gpu_session_out without $OUT). Exits non-zero if any stage failed or ran out of time.
-#
+#       A stage written `a+b` runs a and b at the same time (checks whose timings mean nothing, e.g.
+#       `cuda-tests+check`); `STAGE@SECONDS` gives a stage (or such a group) its own time box.
 # Stages, most telling first for the checks that need a GPU:
-#   cuda-tests  the tests marked `cuda` (a few minutes)
-#   check       scripts/gpu_check.sh: every algorithm config, the experiments, replicas sharing the GPU, GPU + CPU
+#   cuda-tests  the tests marked `cuda` (a few minutes; AESGD_GPU_TEST_WORKERS=N runs them in N pytest workers)
+#   check       steps 1-4 of scripts/gpu_check.sh (scripts/gpu_check.py; step 5 is the cuda-tests stage): every
+#               algorithm config, the experiments, replicas sharing the GPU, GPU + CPU
 #               (AESGD_GPU_CHECK_JOBS runs several at once; 4 by default here)
 #   bench       scripts/gpu_bench.sh: one GPU against DDP and a single-device Trainer, 4 replicas sharing it
-#               (AESGD_GPU_BENCH_ONLY picks races); each race's table is appended to the log
+#               (AESGD_GPU_BENCH_ONLY picks races); each race's table is appended to the log, and its
+#               records (results.json, each run's record.json and metrics.csv) come back in bench_results.tgz
 #   probe       scripts/gpu_sharing_probe.py: what a host synchronisation costs on a shared GPU
 #   placement   the placement benchmark on XMC EURLex-shaped data (GPU alone, GPU + CPU replicas, CPU alone)
 #   seeds       Crossbow's learners on one GPU (seeds --claims crossbow_learners_gpu)
 #   suite       the whole test suite (4 workers, one thread each)
 # Arguments after `--` go to every stage's command. Example, in one call of the device tool:
-#   carry [".gpu"], command "AESGD_GPU_STAGE_SECONDS=240 scripts/gpu_session.sh run cuda-tests check"
+#   carry [".gpu"], command "scripts/gpu_session.sh run cuda-tests+check@240 bench@300"
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -64,13 +67,19 @@ pack() {
     echo "[gpu_session] carry .gpu; there: scripts/gpu_session.sh run ${STAGES[*]}" >&2
 }
 
+test_workers() {  # -n N for pytest where AESGD_GPU_TEST_WORKERS=N asks for it and pytest-xdist is installed
+    if [[ -n ${AESGD_GPU_TEST_WORKERS:-} ]] && python3 -c "import xdist" 2>/dev/null; then
+        echo "-n $AESGD_GPU_TEST_WORKERS"
+    fi
+}
+
 stage_command() {  # the command of one stage, extra arguments last
     local stage=$1
     shift
     case $stage in
-        cuda-tests) echo python3 -m pytest -o addopts= -p no:cacheprovider -q -m cuda \
+        cuda-tests) echo python3 -m pytest -o addopts= -p no:cacheprovider -q -m cuda "$(test_workers)" \
                         "$(grep -rl --include='test_*.py' pytest.mark.cuda tests | sort | tr '\n' ' ')" "$@" ;;
-        check) echo scripts/gpu_check.sh "$@" ;;
+        check) echo python3 scripts/gpu_check.py "$@" ;;
         bench) echo scripts/gpu_bench.sh "$@" ;;
         probe) echo python3 scripts/gpu_sharing_probe.py "$@" ;;
         placement) echo python3 -m lightning_aesgd.bench placement --workloads xmc_eurlex --repeats 3 "$@" ;;
@@ -80,19 +89,52 @@ stage_command() {  # the command of one stage, extra arguments last
     esac
 }
 
+run_stage() {  # run_stage STAGE SECONDS OUT EXTRA...: one stage under its time box; its exit status
+    local stage=$1 seconds=$2 out=$3 command status started=$SECONDS
+    shift 3
+    command="$(stage_command "$stage" "$@")"
+    echo "== $stage: $command (at most $seconds s)"
+    set +e
+    if [[ $stage == suite ]]; then
+        OMP_NUM_THREADS=1 timeout --signal=INT --kill-after=20 "$seconds" $command >"$out/$stage.log" 2>&1
+    else
+        timeout --signal=INT --kill-after=20 "$seconds" $command >"$out/$stage.log" 2>&1
+    fi
+    status=$?
+    set -e
+    if [[ $stage == bench ]]; then
+        for table in bench_results/gpu/*/results.md; do
+            [[ -f $table ]] && { echo "== $table"; cat "$table"; } >>"$out/$stage.log"
+        done
+        [[ -d bench_results/gpu ]] && tar -czf "$out/bench_results.tgz" \
+            --exclude='*.ckpt' --exclude='*.pt' --exclude='*.png' bench_results/gpu
+    fi
+    echo "== $stage: exit $status after $((SECONDS - started)) s (124: out of time); last lines:"
+    tail -n 5 "$out/$stage.log"
+    return "$status"
+}
+
 run() {
-    local stages=() extra=()
+    local specs=() extra=() spec stage group=()
     while (($#)); do
         if [[ $1 == -- ]]; then
             shift
             extra=("$@")
             break
         fi
-        stage_command "$1" >/dev/null || { echo "gpu_session: no stage '$1'; stages: ${STAGES[*]}" >&2; exit 2; }
-        stages+=("$1")
+        spec=${1%%@*}
+        if [[ $1 == *@* ]] && ! [[ ${1#*@} =~ ^[0-9]+$ ]]; then
+            echo "gpu_session: '$1': the time box after @ is a number of seconds" >&2
+            exit 2
+        fi
+        IFS=+ read -ra group <<<"$spec"
+        for stage in "${group[@]}"; do
+            stage_command "$stage" >/dev/null || { echo "gpu_session: no stage '$stage'; stages: ${STAGES[*]}" >&2; exit 2; }
+        done
+        specs+=("$1")
         shift
     done
-    ((${#stages[@]})) || { echo "gpu_session: name the stages to run: ${STAGES[*]}" >&2; exit 2; }
+    ((${#specs[@]})) || { echo "gpu_session: name the stages to run: ${STAGES[*]}" >&2; exit 2; }
     if [[ -d .gpu/whl ]] && [[ -z ${AESGD_GPU_SKIP_WHEELS:-} ]]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .gpu/whl/*.whl
@@ -104,30 +146,20 @@ run() {
     # The package from this checkout, and its pytest plugin (the `aesgd_trainer` fixture) for the suite.
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" AESGD_PYTHON=python3 PYTHONUNBUFFERED=1
     export AESGD_GPU_CHECK_JOBS="${AESGD_GPU_CHECK_JOBS:-4}" PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -p lightning_aesgd.testing"
-    local out="${OUT:-gpu_session_out}" seconds="${AESGD_GPU_STAGE_SECONDS:-480}" failed=()
+    local out="${OUT:-gpu_session_out}" failed=()
     mkdir -p "$out"
     nvidia-smi -L 2>/dev/null || echo "gpu_session: no NVIDIA GPU visible" >&2
-    for stage in "${stages[@]}"; do
-        local command status started
-        command="$(stage_command "$stage" "${extra[@]}")"
-        started=$SECONDS
-        echo "== $stage: $command (at most $seconds s)"
-        set +e
-        if [[ $stage == suite ]]; then
-            OMP_NUM_THREADS=1 timeout --signal=INT --kill-after=20 "$seconds" $command >"$out/$stage.log" 2>&1
-        else
-            timeout --signal=INT --kill-after=20 "$seconds" $command >"$out/$stage.log" 2>&1
-        fi
-        status=$?
-        set -e
-        if [[ $stage == bench ]]; then
-            for table in bench_results/gpu/*/results.md; do
-                [[ -f $table ]] && { echo "== $table"; cat "$table"; } >>"$out/$stage.log"
-            done
-        fi
-        echo "== $stage: exit $status after $((SECONDS - started)) s (124: out of time); last lines:"
-        tail -n 5 "$out/$stage.log"
-        ((status == 0)) || failed+=("$stage")
+    for spec in "${specs[@]}"; do
+        local seconds="${AESGD_GPU_STAGE_SECONDS:-480}" group=() pids=() i
+        [[ $spec == *@* ]] && seconds=${spec#*@}
+        IFS=+ read -ra group <<<"${spec%%@*}"
+        for stage in "${group[@]}"; do
+            run_stage "$stage" "$seconds" "$out" "${extra[@]}" &
+            pids+=($!)
+        done
+        for i in "${!group[@]}"; do
+            wait "${pids[$i]}" || failed+=("${group[$i]}")
+        done
     done
     if ((${#failed[@]})); then
         echo "gpu_session: failed or out of time: ${failed[*]}" >&2

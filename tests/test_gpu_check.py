@@ -122,12 +122,14 @@ def test_a_gpu_session_runs_its_stages_and_reports_each_one(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "AESGD_GPU_SKIP_WHEELS": "1", "AESGD_GPU_STAGE_SECONDS": "240"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # python3: this interpreter's
     script = str(ROOT / "scripts" / "gpu_session.sh")
-    done = subprocess.run([script, "run", "cuda-tests"], env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run([script, "run", "cuda-tests@200"], env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "(at most 200 s)" in done.stdout  # the stage's own time box, not the default
     assert "== cuda-tests: exit 0" in done.stdout
     assert "tests/test_cuda.py" in done.stdout
     log = (tmp_path / "cuda-tests.log").read_text()
     assert " skipped" in log or " passed" in log, log
-    unknown = subprocess.run([script, "run", "nope"], env=env, capture_output=True, text=True, check=False)
-    assert unknown.returncode == 2
-    assert "no stage 'nope'" in unknown.stderr
+    for spec, error in (("cuda-tests+nope", "no stage 'nope'"), ("cuda-tests@soon", "a number of seconds")):
+        refused = subprocess.run([script, "run", spec], env=env, capture_output=True, text=True, check=False)
+        assert refused.returncode == 2, spec
+        assert error in refused.stderr, refused.stderr
