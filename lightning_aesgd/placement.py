@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning_fabric.accelerators.cuda import num_cuda_devices
+from lightning_fabric.utilities.distributed import _init_dist_connection
 
 if TYPE_CHECKING:
     from pytorch_lightning.strategies import DDPStrategy
@@ -96,6 +98,20 @@ def process_group_backend(devices: Sequence[torch.device], chosen: str | None) -
             "(gloo is chosen), or place one replica per GPU and no CPU replicas."
         )
     return "gloo"
+
+
+def bound_device(backend: str, device: torch.device) -> torch.device | None:
+    """The device to bind a new default process group to (``init_process_group``'s ``device_id``), if any.
+
+    Only NCCL uses the binding (an eagerly formed communicator, subgroups split from it). Lightning binds every
+    group whose root device is a GPU; a bound gloo group makes ``new_group`` call ``perform_nocolor_split`` on each
+    rank a subgroup leaves out, which gloo lacks (torch 2.11 and 2.13): replicas sharing a GPU then fail as soon as
+    one of them sits out a step.
+
+    >>> bound_device("nccl", torch.device("cuda", 1)), bound_device("gloo", torch.device("cuda", 0))
+    (device(type='cuda', index=1), None)
+    """
+    return device if backend == "nccl" and device.type != "cpu" else None
 
 
 GPU_FEEDER_CORES = 2
@@ -242,6 +258,17 @@ class SharedDevices(_Base):
         devices = self.parallel_devices or []
         chosen = process_group_backend(devices, self._process_group_backend)
         return chosen or super()._get_process_group_backend()
+
+    def setup_distributed(self) -> None:
+        """Lightning's set-up, but a gloo group is created bound to no device (:func:`bound_device`)."""
+        backend = self._get_process_group_backend()
+        if not dist.is_initialized() and bound_device(backend, self.root_device) is None:
+            assert self.cluster_environment is not None  # as Lightning's own set-up asserts
+            self.set_world_ranks()
+            # Lightning's own connection (its environment variables and log lines), without ``device_id``; its
+            # set-up below then finds the group initialised and keeps it.
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        super().setup_distributed()
 
     def _sums_gradients(self) -> bool:
         """Whether replicas sum gradients (DDP): then every replica's gradients must share one loss scale."""

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_aesgd.placement import bound_device
+
 log = logging.getLogger(__name__)
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
@@ -135,14 +137,14 @@ def init_attempt_group(strategy: Any) -> None:
     if store is None or dist.is_initialized():
         return
     strategy.set_world_ranks()
-    environment, device = strategy.cluster_environment, strategy.root_device
+    environment, backend = strategy.cluster_environment, strategy._get_process_group_backend()
     dist.init_process_group(
-        strategy._get_process_group_backend(),
+        backend,
         store=store,
         rank=environment.global_rank(),
         world_size=environment.world_size(),
         timeout=strategy._timeout,
-        device_id=device if device.type != "cpu" else None,
+        device_id=bound_device(backend, strategy.root_device),
     )
 
 

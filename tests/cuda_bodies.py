@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -17,7 +18,7 @@ from helpers import RegressionModel, flat_parameters
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_aesgd import AdaptiveElasticStrategy
+from lightning_aesgd import AdaptiveElasticStrategy, SlowdownCallback
 
 TIMEOUT = timedelta(seconds=120)
 
@@ -118,6 +119,30 @@ def fit_in_precision(precision: str, sync: str) -> None:
 def fit_replicas_sharing_the_gpu(sync: str) -> None:
     """Two replica processes on the first GPU, over gloo: plans, merges and the sampler on CUDA."""
     _fit_and_check(RegressionModel(), _strategy(sync, replicas_per_device=2, slowdown=[1, 3]))
+
+
+class _SatOut(pl.Callback):
+    """Writes the steps each rank sat out into ``directory`` when its training ends."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        steps = trainer.strategy.engine.sat_out_steps  # type: ignore[attr-defined]
+        (self.directory / f"sat_out{trainer.global_rank}").write_text(str(steps))
+
+
+def fit_a_straggler_among_replicas_sharing_the_gpu(directory: str, accelerator: str = "gpu") -> None:
+    """Three replicas on the first GPU over gloo, the third 50 times slower: the other two sum their gradients in a
+    subgroup that leaves it out (which a gloo group bound to the GPU failed to form), and it sits out."""
+    slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": 0.001})
+    model = RegressionModel(size=480, batch_size=8)  # 20 steps an epoch of 24 samples among 3 replicas
+    strategy = _strategy("gradients", replicas_per_device=3)
+    options = {"accelerator": accelerator, "max_steps": -1, "max_epochs": 2, "callbacks": [slow, _SatOut(directory)]}
+    _fit_and_check(model, strategy, **options)
+    sat_out = [int((Path(directory) / f"sat_out{rank}").read_text()) for rank in range(3)]
+    assert sat_out[2] > 0, f"steps each replica sat out: {sat_out}"
+    assert sat_out[0] == sat_out[1] == 0, f"steps each replica sat out: {sat_out}"
 
 
 def fit_placed_replicas(sync: str, sparse: bool, devices: tuple[str, ...] = ("cuda:0", "cpu")) -> None:

@@ -35,6 +35,10 @@ def test_two_replicas_share_one_gpu(sync):
     run_on_cuda("cuda_bodies:fit_replicas_sharing_the_gpu", sync)
 
 
+def test_a_straggler_sharing_the_gpu_sits_out_of_the_others_sums(tmp_path):
+    run_on_cuda("cuda_bodies:fit_a_straggler_among_replicas_sharing_the_gpu", str(tmp_path))
+
+
 @pytest.mark.parametrize("sync", ["gradients", "models"])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_a_cpu_replica_trains_beside_the_gpu(sync, sparse):

@@ -273,3 +273,44 @@ def _one_gpu_machine(monkeypatch, cores: int) -> None:
     """What ``replica_devices`` sees of a machine with one CUDA GPU and ``cores`` cores."""
     monkeypatch.setattr(placement, "num_cuda_devices", lambda: 1)
     monkeypatch.setattr(placement, "available_cores", lambda: cores)
+
+
+def _set_up_and_leave_one_out(rank: int, port: int, strategy_class: type) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
+    os.environ["LOCAL_RANK"] = str(rank)
+    environment, devices = LightningEnvironment(), [torch.device("cuda", 0)]
+    strategy = strategy_class(replicas_per_device=2, parallel_devices=devices, cluster_environment=environment)
+    strategy._local_rank = rank  # as Lightning's spawn launcher sets it
+    strategy.setup_distributed()
+    try:
+        assert dist.get_backend() == "gloo"
+        assert dist.group.WORLD.bound_device_id is None
+        present = dist.new_group([0])  # rank 1 sits out, as a straggler's does
+        if rank == 0:
+            total = torch.ones(1)
+            dist.all_reduce(total, group=present)
+            assert total.item() == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy_class", [AdaptiveElasticStrategy, SharedDeviceDDPStrategy])
+def test_replicas_sharing_a_gpu_can_form_a_group_that_leaves_one_out(strategy_class):
+    # Lightning binds a group to a GPU root device; a bound gloo group failed every subgroup that left a rank out
+    # (on one H100: 4 replicas sharing it, the first time the slowest sat out). Unbound, the group never touches
+    # the GPU it names, so this runs on the CPU.
+    from lightning_fabric.plugins.environments.lightning import find_free_network_port
+
+    torch.multiprocessing.spawn(_set_up_and_leave_one_out, args=(find_free_network_port(), strategy_class), nprocs=2)
+
+
+def test_only_nccl_groups_are_bound_to_their_device():
+    gpu = torch.device("cuda", 0)
+    assert placement.bound_device("nccl", gpu) == gpu
+    assert placement.bound_device("gloo", gpu) is None
+    assert placement.bound_device("nccl", torch.device("cpu")) is None
