@@ -12,7 +12,8 @@
 #       A stage written `a+b` runs a and b at the same time (checks whose timings mean nothing, e.g.
 #       `cuda-tests+check`); `STAGE@SECONDS` gives a stage (or such a group) its own time box.
 # Stages, most telling first for the checks that need a GPU:
-#   cuda-tests  the tests marked `cuda` (a few minutes; AESGD_GPU_TEST_WORKERS=N runs them in N pytest workers)
+#   cuda-tests  the tests marked `cuda`, each named in the log as it ends (a few minutes; AESGD_GPU_TEST_WORKERS=N
+#               runs them in N pytest workers)
 #   check       steps 1-4 of scripts/gpu_check.sh (scripts/gpu_check.py; step 5 is the cuda-tests stage): every
 #               algorithm config, the experiments, replicas sharing the GPU, GPU + CPU
 #               (AESGD_GPU_CHECK_JOBS runs several at once; 4 by default here)
@@ -77,7 +78,7 @@ stage_command() {  # the command of one stage, extra arguments last
     local stage=$1
     shift
     case $stage in
-        cuda-tests) echo python3 -m pytest -o addopts= -p no:cacheprovider -q -m cuda "$(test_workers)" \
+        cuda-tests) echo python3 -m pytest -o addopts= -p no:cacheprovider -v -m cuda "$(test_workers)" \
                         "$(grep -rl --include='test_*.py' pytest.mark.cuda tests | sort | tr '\n' ' ')" "$@" ;;
         check) echo python3 scripts/gpu_check.py "$@" ;;
         bench) echo scripts/gpu_bench.sh "$@" ;;

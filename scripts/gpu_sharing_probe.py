@@ -20,6 +20,7 @@ import os
 import queue
 import statistics
 import time
+from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
 
 import torch
@@ -97,14 +98,16 @@ def measure(device: str, processes: int, seconds: float, synchronise: bool) -> l
     return rates
 
 
-def table(device: str, counts: list[int], seconds: float) -> str:
-    """A Markdown table: per process count and mode, each process's steps/s, ms per step and the total."""
-    lines = [
-        f"Probe network {INPUTS}→{HIDDEN}→{LABELS}, batch {BATCH}, on {device}, {seconds:g} s per run.",
-        "",
-        "| processes | wait for the device | steps/s per process (median) | ms per step | steps/s, all processes |",
-        "|---|---|---|---|---|",
-    ]
+def table(device: str, counts: list[int], seconds: float) -> Iterator[str]:
+    """A Markdown table, printed line by line as each run ends.
+
+    Per process count and mode: each process's steps/s, ms per step and the total. A time box that stops the probe
+    keeps the rows printed before it.
+    """
+    yield f"Probe network {INPUTS}→{HIDDEN}→{LABELS}, batch {BATCH}, on {device}, {seconds:g} s per run."
+    yield ""
+    yield "| processes | wait for the device | steps/s per process (median) | ms per step | steps/s, all processes |"
+    yield "|---|---|---|---|---|"
     for count in counts:
         for synchronise in (False, True):
             rates = measure(device, count, seconds, synchronise)
@@ -112,8 +115,7 @@ def table(device: str, counts: list[int], seconds: float) -> str:
             mode = "every step" if synchronise else "at the end"
             if not device.startswith("cuda"):
                 mode += " (no device to wait for)"
-            lines.append(f"| {count} | {mode} | {median:.1f} | {1000 / median:.2f} | {sum(rates):.1f} |")
-    return "\n".join(lines)
+            yield f"| {count} | {mode} | {median:.1f} | {1000 / median:.2f} | {sum(rates):.1f} |"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("process counts must be >= 1 and --seconds > 0")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"{args.device} is not available: CUDA is not. HINT: --device cpu runs the probe on the CPU")
-    print(table(args.device, counts, args.seconds), flush=True)
+    for line in table(args.device, counts, args.seconds):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,27 @@ def test_a_process_that_fails_fails_the_probe_instead_of_hanging():
     result = _probe("--device", "xpu", "--processes", "2", "--seconds", "0.1")
     assert result.returncode != 0
     assert "a probe process failed or hung" in result.stderr
+
+
+def test_each_row_comes_out_before_the_next_run(monkeypatch):
+    # A time box that stops the probe keeps the rows it measured.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_sharing_probe", SCRIPT)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    runs = []
+
+    def measure(device, processes, seconds, synchronise):
+        runs.append(processes)
+        if processes == 2:
+            raise TimeoutError("the time box")
+        return [10.0] * processes
+
+    monkeypatch.setattr(probe, "measure", measure)
+    lines = probe.table("cpu", [1, 2], 0.1)
+    first = [next(lines) for _ in range(6)]  # the heading, then both modes of one process
+    assert [line[:4] for line in first[-2:]] == ["| 1 ", "| 1 "]
+    assert runs == [1, 1]
+    with pytest.raises(TimeoutError):
+        next(lines)
