@@ -22,7 +22,7 @@ from lightning_aesgd.bench.race.analysis import (
 )
 from lightning_aesgd.bench.race.benchmark import BenchSettings, _profile_config
 from lightning_aesgd.bench.race.recorder import RunRecord, Validation, batch_length
-from lightning_aesgd.bench.race.report import race_table
+from lightning_aesgd.bench.race.report import failed_runs, race_table
 from lightning_aesgd.bench.race.runner import shrink_replicas
 from lightning_aesgd.bench.race.suites import Target, Workload, get_workload
 from lightning_aesgd.emulation.profiles import SlowdownChange, SlowdownProfile
@@ -81,6 +81,17 @@ def test_race_table_marks_missing_figures():
     assert lines[2] == "| strong | ddp | 100.0 | 12.50 | 50% | not reached | – | 1.00 | 1.00-1.00 | – |"
     one_step = aggregate([RunFigures("strong", "ddp", 0, throughput=100.0, efficiency=0.5)])
     assert race_table(one_step, Target("val/acc", 0.9)).splitlines()[2].startswith("| strong | ddp | 100.0 | – |")
+
+
+def test_a_failed_run_is_named_beneath_the_table_it_has_no_row_in():
+    error = "Traceback (most recent call last):\n  ...\nAttributeError: no perform_nocolor_split\n"
+    runs = [RunFigures("strong", "ddp", 0, throughput=100.0), RunFigures("strong", "adaptive_elastic", 0, error=error)]
+    assert [row.algorithm for row in aggregate(runs)] == ["ddp"]
+    assert failed_runs(runs).splitlines() == [
+        "Failed runs, left out of the table:",
+        "- strong / adaptive_elastic / repeat 0: AttributeError: no perform_nocolor_split",
+    ]
+    assert failed_runs(runs[:1]) == ""
 
 
 def test_the_median_step_leaves_the_warm_up_and_a_stall_out():

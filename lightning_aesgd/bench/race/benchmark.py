@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_aesgd.bench.race.analysis import AggregateFigures, RunFigures, aggregate, run_figures
 from lightning_aesgd.bench.race.recorder import RunKey, RunRecord
-from lightning_aesgd.bench.race.report import race_table, write_results
+from lightning_aesgd.bench.race.report import failed_runs, race_table, write_results
 from lightning_aesgd.bench.race.runner import compose_config, run_once, shrink_replicas, threads_per_replica
 from lightning_aesgd.bench.race.suites import Target, get_workload
 from lightning_aesgd.emulation.profiles import as_profile
@@ -85,7 +85,7 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
                     records[key] = record
                 print(f"[{len(runs)}/{total}] {_progress(figures)}")
     rows = aggregate(runs)
-    table = race_table(rows, settings.target)
+    table = "\n\n".join(filter(None, [race_table(rows, settings.target), failed_runs(runs)]))
     files = write_results(settings.out, _settings_dict(settings, solo, configs), runs, rows, table)
     files += _plots(settings, records, configs)
     return BenchResult(solo, runs, rows, table, files)

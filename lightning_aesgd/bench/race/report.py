@@ -43,6 +43,19 @@ def race_table(rows: Sequence[AggregateFigures], target: Target) -> str:
     return markdown_table(header, [_cells(row) for row in rows])
 
 
+def failed_runs(runs: Sequence[RunFigures]) -> str:
+    """Lines for beneath the table naming each failed run (it has no row) and its error's last line; "" if none.
+
+    A race whose candidate failed in every repeat would otherwise show DDP's row alone, as if nothing else ran.
+    """
+    lines = [
+        f"- {run.profile} / {run.algorithm} / repeat {run.repeat}: {run.error.strip().splitlines()[-1]}"
+        for run in runs
+        if run.error
+    ]
+    return "\n".join(["Failed runs, left out of the table:", *lines]) if lines else ""
+
+
 def _cells(row: AggregateFigures) -> list[str]:
     return [
         row.profile,
