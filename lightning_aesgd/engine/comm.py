@@ -232,7 +232,7 @@ class TorchCommunicator:
         ranks = sorted(members)
         timeout = _group_timeout(self.group, self.device)
         group = dist.new_group(ranks, timeout=timeout)
-        host = None if _is_gloo(None) else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        host = None if _is_gloo(None) else gloo_group_beside_bound_world(ranks, timeout)
         if dist.get_rank() not in ranks:
             return None
         return TorchCommunicator(self.device, group=group, host_group=host)
@@ -302,6 +302,23 @@ def _backend_on(device: torch.device, group: Any) -> str:
         if device_type in ("", device.type):
             return name
     return backend
+
+
+def gloo_group_beside_bound_world(ranks: list[int], timeout: timedelta | None) -> Any:
+    """A gloo group over ``ranks``, created while the world's device binding is lifted; every rank calls it.
+
+    Where the world is bound to a device (Lightning binds an NCCL group to its GPU), torch forms each new group by
+    splitting the world's NCCL communicator, and a rank the new group leaves out joins that split as it returns
+    (``perform_nocolor_split``, a collective of the whole world). Forming a gloo group, the members split nothing,
+    so the left-out rank would wait in the split until its timeout, as NVIDIA-NeMo/RL found (PR 3189). Unbound, no
+    rank splits; the world's own communicator is untouched.
+    """
+    world = dist.distributed_c10d._get_default_group()
+    bound, world.bound_device_id = world.bound_device_id, None
+    try:
+        return dist.new_group(ranks, backend="gloo", timeout=timeout)
+    finally:
+        world.bound_device_id = bound
 
 
 def _is_gloo(group: Any) -> bool:

@@ -75,3 +75,35 @@ def test_collectives_on_two_gloo_processes(tmp_path):
 def test_torch_communicator_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         TorchCommunicator(torch.device("cpu"))
+
+
+def _form_a_gloo_group_beside_a_bound_world(rank: int, world_size: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        # A stand-in for Lightning's binding of an NCCL world to its GPU (torch binds only accelerators itself):
+        # bound, every new group would take the binding and, on a rank it leaves out, split the world's backend.
+        world = dist.distributed_c10d._get_default_group()
+        world.bound_device_id = torch.device("cpu", 0)
+        group = comm_module.gloo_group_beside_bound_world([0], timeout=timedelta(seconds=30))
+        assert world.bound_device_id == torch.device("cpu", 0)  # restored
+        if rank == 0:
+            total = torch.ones(1)
+            dist.all_reduce(total, group=group)
+            assert total.item() == 1.0
+            assert group.bound_device_id is None
+        else:
+            assert group == dist.GroupMember.NON_GROUP_MEMBER
+        world.bound_device_id = None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_gloo_group_leaving_a_rank_out_forms_beside_a_world_bound_to_its_device(tmp_path):
+    mp.start_processes(
+        _form_a_gloo_group_beside_a_bound_world,
+        args=(WORLD_SIZE, str(tmp_path / "pg")),
+        nprocs=WORLD_SIZE,
+        join=True,
+        start_method="fork",
+    )
