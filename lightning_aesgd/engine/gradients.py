@@ -290,27 +290,30 @@ class GradientSum:
         hook blocks on this exchange until every replica has reached this bucket.
         """
         comm = self._comm(buffer.device)
-        native = self._all_reduces_sparse(buffer.device)
-        # An embedding's gradient repeats a row per occurrence: gathered or densified, each row travels once.
-        local = buffer if native else buffer.coalesce()
-        # On the host: the exchange below reads it anyway. The values' sum, as for dense buckets (one pass): an
-        # embedding's gradient holds a row per occurrence, and isfinite().all() over them cost 35x the sum.
-        finite = not self.guard or math.isfinite(float(finite_probe(local._values())))
-        if not finite:
-            local = no_rows(local)
-        if native:
+        if self._all_reduces_sparse(buffer.device):
+            # Gloo stages the tensors through the host anyway: the finiteness is read there before the sum. The
+            # values' sum, as for dense buckets (one pass): an embedding's gradient holds a row per occurrence,
+            # and isfinite().all() over them cost 35x the sum.
+            finite = not self.guard or math.isfinite(float(finite_probe(buffer._values())))
+            local = buffer if finite else no_rows(buffer)
             # A delayed sum outlives this backward and keeps the contribution's values (see _held_contribution).
             contribution = _held_contribution(local) if self.delay and finite else local
             return native_sparse_sum(contribution, self.share, comm, finite)
+        # An embedding's gradient repeats a row per occurrence: gathered or densified, each row travels once.
+        local = buffer.coalesce()
+        # The finiteness stays on the device and rides in the exchange, which the host reads anyway: one wait.
+        on_device = torch.isfinite(finite_probe(local._values())) if self.guard else True
         with self.waiting():
-            exchange = exchange_rows(local, self.share, comm, finite)
-        counts, finite_share, left_out = exchange
+            exchange = exchange_rows(local, self.share, comm, on_device)
+        if not exchange.finite[comm.rank]:
+            local = no_rows(local)
         flags = torch.empty(2, dtype=torch.float64, device=buffer.device)
-        copy_from_host(flags, [finite_share, float(left_out)])  # pinned: no wait for the backward queued before
-        densify = densifies(local, counts, self.sparse_reduction)
-        result = densified_sum(local, comm) if densify else gathered_sum(local, counts, comm)
-        if left_out:
-            scale = 1.0 / finite_share if finite_share > 0 else 0.0
+        # pinned: no wait for the backward queued before
+        copy_from_host(flags, [exchange.finite_share, float(exchange.left_out)])
+        densify = densifies(local, exchange.counts, self.sparse_reduction)
+        result = densified_sum(local, comm) if densify else gathered_sum(local, exchange.counts, comm)
+        if exchange.left_out:
+            scale = 1.0 / exchange.finite_share if exchange.finite_share > 0 else 0.0
             result = result.then(lambda future: future.value() * scale)
         return result, flags
 

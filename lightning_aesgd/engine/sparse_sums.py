@@ -12,12 +12,13 @@ as a dense tensor of its full size (:func:`densified_sum`). Both need every repl
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_aesgd.engine.comm import Communicator, completed, copy_from_host
+from lightning_aesgd.engine.flat import to_host
 
 SparseReduction = Literal["auto", "all_reduce", "gather", "densify"]
 """How a sparse gradient is summed: ``"auto"`` is ``"all_reduce"`` where the backend takes sparse tensors, else the
@@ -111,17 +112,36 @@ def native_sparse_sum(
     return both.then(renormalised_sum), flags
 
 
-def exchange_rows(
-    sparse: Tensor, share: float, comm: Communicator, finite: bool = True
-) -> tuple[list[int], float, int]:
-    """Every replica's stored rows of ``sparse`` (rank order), the finite shares' sum and the replicas left out.
+class RowExchange(NamedTuple):
+    """What the row exchange tells every replica alike (:func:`exchange_rows`)."""
 
-    A replica whose gradient is not ``finite`` is left out; one with a ``share`` of 0 and a finite gradient (an
-    idle step) is not. Read on the host: it blocks.
+    counts: list[int]
+    """Each replica's stored rows to sum, in rank order: 0 for a replica left out."""
+    finite_share: float
+    """The sum of the finite replicas' shares of the step."""
+    left_out: int
+    """How many replicas were left out, their gradients not finite."""
+    finite: list[bool]
+    """Whether each replica's gradient is finite, in rank order."""
+
+
+def exchange_rows(sparse: Tensor, share: float, comm: Communicator, finite: bool | Tensor = True) -> RowExchange:
+    """Every replica's stored rows of ``sparse``, share and finiteness, exchanged in one small all-gather.
+
+    A replica whose gradient is not ``finite`` is left out (its rows count 0, and it must send none); one with a
+    ``share`` of 0 and a finite gradient (an idle step) is not. ``finite`` may be a flag on the device that the host
+    has not read (a 0-dim bool tensor): it travels in the exchange, so that the host reads the device once, with the
+    rows. Read on the host: it blocks.
     """
-    mine = _flags_on(sparse.device, [float(sparse._nnz()), share if finite else 0.0, 0.0 if finite else 1.0])
-    rows = torch.stack(comm.all_gather(mine)).cpu().tolist()
-    return [round(row[0]) for row in rows], sum(row[1] for row in rows), round(sum(row[2] for row in rows))
+    flag = finite.to(torch.float64) if isinstance(finite, Tensor) else float(finite)
+    mine = _flags_on(sparse.device, [float(sparse._nnz()), share, 1.0])
+    mine[1:2].mul_(flag)  # the share where finite, else 0
+    mine[2:3].sub_(flag)  # 0 where finite, else 1: left out
+    numbers = to_host(torch.stack(comm.all_gather(mine)))
+    rows = [numbers[start : start + 3] for start in range(0, len(numbers), 3)]
+    finites = [row[2] == 0.0 for row in rows]
+    counts = [round(row[0]) if ok else 0 for row, ok in zip(rows, finites, strict=True)]
+    return RowExchange(counts, sum(row[1] for row in rows), finites.count(False), finites)
 
 
 def gathered_sum(local: Tensor, counts: list[int], comm: Communicator) -> torch.futures.Future[Tensor]:

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from lightning_aesgd.core.merge import get_merge_rule
 from lightning_aesgd.engine import averager as averager_module
 from lightning_aesgd.engine import comm as comm_module
+from lightning_aesgd.engine import sparse_sums
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import WeightedAllReduce
 from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
@@ -56,7 +57,7 @@ class HostReads:
 @pytest.fixture
 def host_reads(monkeypatch: pytest.MonkeyPatch) -> HostReads:
     reads = HostReads()
-    for module in (comm_module, averager_module):
+    for module in (comm_module, averager_module, sparse_sums):
         monkeypatch.setattr(module, "to_host", reads)
     return reads
 
@@ -297,3 +298,36 @@ def test_the_merge_of_several_learners_stays_on_the_device(device, host_reads):
     averager.adopt_global_model()
     _on(device, [center, *model.parameters(), *model.buffers(), *averager.rule_state.values()])
     assert host_reads.devices() == {device}
+
+
+class _SparseBucket(_MetaBucket):
+    """A bucket holding an embedding's sparse gradient (a row repeated), on ``device``; NaN unless ``finite``."""
+
+    def __init__(self, device: str, finite: bool) -> None:
+        self.params = [nn.Parameter(torch.empty(5, 2, device=device))]
+        values = torch.ones(3, 2) if finite else torch.full((3, 2), float("nan"))
+        self.grad = torch.sparse_coo_tensor(torch.tensor([[1, 3, 1]]), values, (5, 2)).to(device)
+
+    def buffer(self) -> Tensor:
+        return self.grad
+
+
+@pytest.mark.parametrize(
+    ("device", "method", "finite"),
+    # Sparse meta tensors lack the ops of densifying and of renormalising: on `meta`, the gather of finite rows.
+    [("meta", "gather", True), ("cpu", "gather", False), ("cpu", "densify", True), ("cpu", "densify", False)],
+)
+def test_a_sparse_sum_without_a_sparse_all_reduce_reads_the_device_once(device, method, finite, host_reads):
+    # As on NCCL: the exchange of rows is read on the host, and the finite flag rides in it. On `meta` any other
+    # read (a finite test of its own) would raise.
+    host_reads.value = 0.0  # on `meta`, every replica's row: no rows, no share, finite
+    reduce = GradientSum(comm=FakeCommunicator(world_size=2, device=device), sparse_reduction=method)
+    reduce.begin_step()
+    summed = reduce.reduce(_SparseBucket(device, finite)).wait()
+    reduce.end_step()
+    assert (summed.device.type, summed.is_sparse) == (device, True)
+    assert len(host_reads.tensors) == 1
+    if device == "cpu":  # the fake's peer sends what this replica does: both finite, or both left out
+        expected = torch.zeros(5, 2)
+        expected[[1, 3]] = torch.tensor([[2.0, 2.0], [1.0, 1.0]]) * 2 if finite else 0.0
+        torch.testing.assert_close(summed.to_dense(), expected)

@@ -322,3 +322,39 @@ def test_an_idle_replica_with_a_finite_gradient_is_not_left_out_and_a_non_finite
     assert left_out(0.0, finite=True) == 0  # an idle step: no samples, nothing wrong
     assert left_out(0.5, finite=True) == 0
     assert left_out(0.5, finite=False) == 1
+
+
+def _leave_one_non_finite_replica_out(rank: int, world_size: int, init_file: str, method: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        # Replica 1's gradient is NaN in one row; each replica holds half of the step.
+        values = [[1.0, 2.0], [3.0, 4.0]] if rank == 0 else [[float("nan"), 1.0], [5.0, 6.0]]
+        grad = torch.sparse_coo_tensor([[1, 3]] if rank == 0 else [[0, 3]], values, (5, 2))
+        with mock.patch.object(dist, "get_backend", return_value="nccl"):  # the exchange of rows, as on NCCL
+            reduce = GradientSum(sparse_reduction=method)
+            reduce.share = 0.5
+            reduce.begin_step()
+            summed = reduce.reduce(SparseBucket(nn.Parameter(torch.zeros(5, 2)), grad)).wait()
+            reduce.end_step()
+        # The mean gradient of the finite replica's samples: its contribution over its share.
+        expected = torch.zeros(5, 2)
+        expected[1], expected[3] = torch.tensor([1.0, 2.0]) / 0.5, torch.tensor([3.0, 4.0]) / 0.5
+        torch.testing.assert_close(summed.to_dense(), expected)
+        assert reduce.exclusions.read() == (1, 0)  # one replica left out, in a step that kept a finite one
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["gather", "densify"])
+def test_a_replica_whose_rows_are_not_finite_sends_none_and_the_others_are_renormalised(tmp_path, method):
+    # Its finiteness reached the others in the exchange of rows, as a device flag that the host read with them.
+    mp.start_processes(
+        _leave_one_non_finite_replica_out,
+        args=(WORLD_SIZE, str(tmp_path / "pg"), method),
+        nprocs=WORLD_SIZE,
+        join=True,
+        start_method="fork",
+    )
