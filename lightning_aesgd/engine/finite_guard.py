@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_aesgd.engine.flat import to_host
+
 FLAG_SLOTS = 2
 """Numbers appended to a guarded contribution: the finite share ``fᵢ·sᵢ`` and the non-finite count ``1 − fᵢ``."""
 
@@ -138,11 +140,24 @@ class Exclusions:
 
         One host read; the run in progress carries over to the next read.
         """
-        if self._counts is not None:
-            counts = self._counts
+        counts = self.take()
+        return self.counted(None if counts is None else to_host(counts))
+
+    def take(self) -> Tensor | None:
+        """The counts to read where they live on the device (else ``None``), restarted there from them.
+
+        For a caller that reads them with other device numbers in one wait, then hands them to :meth:`counted`.
+        """
+        counts = self._counts
+        if counts is not None:
             # The next counts from these on the device: a tensor built from the host numbers would wait again.
             self._counts = torch.stack([torch.zeros_like(counts[1]), counts[1], counts[1]])
-            excluded, run, longest = counts.cpu().tolist()
+        return counts
+
+    def counted(self, numbers: list[float] | None) -> tuple[int, int]:
+        """What :meth:`read` returns, from the numbers of the counts :meth:`take` gave (``None`` where it gave none)."""
+        if numbers is not None:
+            excluded, _, longest = numbers
         else:
             excluded, run, longest = self._host_counts
             self._host_counts = (0.0, run, run)

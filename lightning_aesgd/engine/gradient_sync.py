@@ -291,19 +291,20 @@ class GradientSync(StepPipeline):
     def _take_reports(self) -> None:
         # Synchronous: this step's reports. Delayed: the previous exchange's, while this one's travel.
         keep, waiting = (1, self._waiting_for_peers) if self.reduce.delay else (0, nullcontext)
-        for rows in self.reports.received(keep, waiting):
+        exclusions = self.reduce.exclusions
+        for rows, counts in self.reports.received(keep, waiting, exclusions.take):
             for rank in self.sitting.absent:  # no report from a replica sitting out: a period that measures nothing
                 rows[rank] = PeriodReport(merge_weight=0.0).as_row()
             self._receive(rows, released=False)
             self.reports.space_out(self.plans, self._step_key - self._global_step)
-            self._count_exclusions()
+            self._count_exclusions(exclusions.counted(counts))
 
-    def _count_exclusions(self) -> None:
-        """Take in the replicas left out of sums since the last count (read with the reports: no extra wait).
+    def _count_exclusions(self, counts: tuple[int, int] | None = None) -> None:
+        """Take in the replicas left out of sums since the last count: ``counts`` if read with the reports, else now.
 
         While a replica sits out, a failure waits for the segment's end, where every replica raises it together.
         """
-        excluded, run = self.reduce.exclusions.read()
+        excluded, run = self.reduce.exclusions.read() if counts is None else counts
         self.excluded += excluded
         try:
             _judge_exclusions(excluded, run, self._global_step, self._comm().rank == 0)
@@ -381,7 +382,7 @@ class GradientSync(StepPipeline):
     def flush(self) -> None:
         """Apply the delayed sum still in flight (ABS-SGD), so that none is lost: before evaluation and at the end."""
         pending = self.reduce.take_pending()
-        for rows in self.reports.received(0, nullcontext):
+        for rows, _ in self.reports.received(0, nullcontext):
             self._receive(rows, released=False)
         self._count_exclusions()
         optimizer = self._optimizer

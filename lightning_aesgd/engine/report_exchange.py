@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_aesgd.core.schedule import report_interval
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.comm import Communicator, completed, copy_from_host
+from lightning_aesgd.engine.flat import to_host
 from lightning_aesgd.engine.plan_loop import PlanLoop
 
 Carrier = Callable[[Tensor], "torch.futures.Future[Tensor] | None"]
@@ -75,13 +76,29 @@ class ReportExchange:
         carried = carrier(table) if carrier is not None else None
         self._in_flight.append(carried if carried is not None else _summed(table, comm))
 
-    def received(self, keep: int, waiting: Callable[[], AbstractContextManager[Any]]) -> Iterator[list[list[float]]]:
-        """Every exchange but the latest ``keep``, oldest first, as rows; the wait for each inside ``waiting()``."""
+    def received(
+        self,
+        keep: int,
+        waiting: Callable[[], AbstractContextManager[Any]],
+        beside: Callable[[], Tensor | None] = lambda: None,
+    ) -> Iterator[tuple[list[list[float]], list[float] | None]]:
+        """Every exchange but the latest ``keep``, oldest first, as rows; the wait for each inside ``waiting()``.
+
+        Each comes with the numbers of what ``beside()`` then gives (``None`` where it gives nothing), read in the
+        same wait where they share the rows' device: one host read per exchange.
+        """
         while len(self._in_flight) > keep:
             future = self._in_flight.pop(0)
             with waiting():
-                rows = future.wait()
-            yield rows.cpu().tolist()
+                table = future.wait()
+            extra = beside()
+            if extra is not None and extra.device == table.device:
+                numbers = to_host(torch.cat([table.reshape(-1), extra.reshape(-1).to(table.dtype)]))
+            else:
+                numbers = to_host(table) + ([] if extra is None else to_host(extra))
+            width, cells = table.shape[1], table.numel()
+            rows = [numbers[start : start + width] for start in range(0, cells, width)]
+            yield rows, None if extra is None else numbers[cells:]
 
     def state_dict(self) -> dict[str, int]:
         """When the next report is due (for a replica that missed some): nothing in flight is included."""

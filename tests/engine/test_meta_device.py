@@ -11,6 +11,7 @@ the same reads return the real numbers and the values are checked.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -20,9 +21,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_aesgd.core.merge import get_merge_rule
+from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine import averager as averager_module
 from lightning_aesgd.engine import comm as comm_module
-from lightning_aesgd.engine import sparse_sums
+from lightning_aesgd.engine import finite_guard, report_exchange, sparse_sums
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.comm import WeightedAllReduce
 from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
@@ -57,7 +59,7 @@ class HostReads:
 @pytest.fixture
 def host_reads(monkeypatch: pytest.MonkeyPatch) -> HostReads:
     reads = HostReads()
-    for module in (comm_module, averager_module, sparse_sums):
+    for module in (comm_module, averager_module, sparse_sums, report_exchange, finite_guard):
         monkeypatch.setattr(module, "to_host", reads)
     return reads
 
@@ -331,3 +333,21 @@ def test_a_sparse_sum_without_a_sparse_all_reduce_reads_the_device_once(device, 
         expected = torch.zeros(5, 2)
         expected[[1, 3]] = torch.tensor([[2.0, 2.0], [1.0, 1.0]]) * 2 if finite else 0.0
         torch.testing.assert_close(summed.to_dense(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_report_and_the_exclusion_counts_are_read_in_one_wait(device, host_reads):
+    # Under gradient sync with the guard on a device: the counts of replicas left out of sums ride in the read of
+    # the report's rows.
+    exchange, comm = report_exchange.ReportExchange(), FakeCommunicator(world_size=2, device=device)
+    exchange.launch(PeriodReport(0.5, work=8.0, steps=1.0).as_row(), comm, torch.device(device))
+    exclusions = Exclusions()
+    one_left_out = torch.tensor([0.5, 1.0], dtype=torch.float64, device=device)  # [Σ fᵢ·sᵢ, Σ (1 − fᵢ)]
+    exclusions.add_step([one_left_out], world_size=2)
+    ((rows, counts),) = list(exchange.received(0, lambda: contextlib.nullcontext(), exclusions.take))
+    assert len(host_reads.tensors) == 1
+    assert len(rows) == 2
+    if device == "cpu":
+        assert PeriodReport.from_row(rows[0]).work == 16.0  # the fake's peer sends what this replica does
+        assert exclusions.counted(counts) == (1, 0)
+        assert exclusions.read() == (0, 0)  # counted once

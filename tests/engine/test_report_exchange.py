@@ -44,10 +44,10 @@ def test_reports_travel_in_rank_order_and_the_latest_keep_stay_in_flight():
         waits.append(True)
         yield
 
-    (rows,) = list(exchange.received(keep=1, waiting=waiting))  # the delayed mode keeps the latest in flight
+    ((rows, _),) = list(exchange.received(keep=1, waiting=waiting))  # the delayed mode keeps the latest in flight
     assert [PeriodReport.from_row(row).work for row in rows] == [8.0, 16.0]
     assert waits == [True]
-    (rows,) = list(exchange.received(keep=0, waiting=waiting))
+    ((rows, _),) = list(exchange.received(keep=0, waiting=waiting))
     assert PeriodReport.from_row(rows[1]).merge_weight == 0.75
     assert list(exchange.received(keep=0, waiting=waiting)) == []
 
@@ -152,11 +152,11 @@ def test_a_carried_table_needs_no_all_reduce_of_its_own_and_a_declined_one_gets_
     exchange.launch(row, comm, torch.device("cpu"), carrier=carrier)
     assert comm.calls == []
     torch.testing.assert_close(carried[0][1], torch.tensor(row, dtype=torch.float64))
-    (rows,) = list(exchange.received(keep=0, waiting=nullcontext))
+    ((rows, _),) = list(exchange.received(keep=0, waiting=nullcontext))
     assert PeriodReport.from_row(rows[1]).work == 48.0
     exchange.launch(row, comm, torch.device("cpu"), carrier=lambda table: None)
     assert comm.calls == ["all_reduce_sum_async"]
-    (rows,) = list(exchange.received(keep=0, waiting=nullcontext))
+    ((rows, _),) = list(exchange.received(keep=0, waiting=nullcontext))
     assert PeriodReport.from_row(rows[1]).work == 32.0  # the fake's peer sends the same row
 
 
@@ -165,6 +165,6 @@ def test_one_replica_alone_sums_its_report_without_a_collective():
     exchange, comm = ReportExchange(), FakeCommunicator(world_size=1, rank=0)
     row = PeriodReport(1.0, work=16.0, steps=1.0).as_row()
     exchange.launch(row, comm, torch.device("cpu"), slot=2, rows=3)
-    (rows,) = list(exchange.received(keep=0, waiting=nullcontext))
+    ((rows, _),) = list(exchange.received(keep=0, waiting=nullcontext))
     assert comm.calls == []
     assert [PeriodReport.from_row(each).work for each in rows] == [0.0, 0.0, 16.0]

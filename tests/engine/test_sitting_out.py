@@ -280,7 +280,7 @@ def test_reports_over_a_group_keep_world_rows():
     exchange = ReportExchange()
     group = FakeCommunicator(world_size=2, rank=1, peers_sum=lambda tensor: torch.zeros_like(tensor))
     exchange.launch([1.0, 2.0], group, torch.device("cpu"), slot=3, rows=4)
-    (rows,) = list(exchange.received(0, nullcontext))
+    ((rows, _),) = list(exchange.received(0, nullcontext))
     assert rows == [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 2.0]]
     exchange.due(0, SimpleNamespace(lag=1))
     state = exchange.state_dict()
