@@ -20,6 +20,7 @@ replica's step has arrived); the engine's buckets need no copy of their own.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 import warnings
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.accelerators.cuda import num_cuda_devices
 from lightning_fabric.utilities.distributed import _init_dist_connection
+
+from lightning_aesgd.forked_threads import threads_that_run_after_fork
 
 if TYPE_CHECKING:
     from pytorch_lightning.strategies import DDPStrategy
@@ -275,9 +278,14 @@ class SharedDevices(_Base):
         return True
 
     def setup_environment(self) -> None:
-        """Under ``replica_devices``, this rank's accelerator, precision and threads, then Lightning's set-up."""
+        """Under ``replica_devices``, this rank's accelerator, precision and threads, then Lightning's set-up.
+
+        A forked replica keeps its intra-op threads only where they can run (:mod:`~lightning_aesgd.forked_threads`).
+        """
         if self._placed is not None:
             self._take_own_device(self._placed)
+        if getattr(self, "_start_method", None) == "fork" and multiprocessing.parent_process() is not None:
+            threads_that_run_after_fork(warn=self.global_rank == 0)
         super().setup_environment()
 
     def _take_own_device(self, devices: list[torch.device]) -> None:

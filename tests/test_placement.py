@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -258,7 +262,8 @@ def test_cpu_replicas_placed_by_replica_devices_split_the_cores(tmp_path, strate
     pl.seed_everything(0)
     threads = torch.get_num_threads()
     try:
-        strategy = strategy_class(replica_devices=["cpu", "cpu"], start_method="fork")
+        # Spawned: a forked replica may have to give up its threads (test_a_forked_replica_trains_after_...).
+        strategy = strategy_class(replica_devices=["cpu", "cpu"], start_method="spawn")
         trainer = cpu_trainer(strategy, devices=1, max_steps=4, callbacks=[_RecordThreads(tmp_path)])
         trainer.fit(RegressionModel())
     finally:
@@ -267,6 +272,75 @@ def test_cpu_replicas_placed_by_replica_devices_split_the_cores(tmp_path, strate
     assert trainer.state.finished
     expected = f"{max(1, available_cores() // 2)} Precision"
     assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == [expected, expected]
+
+
+FORK_AFTER_PARALLEL_WORK = """
+import sys
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_aesgd.MODULE import STRATEGY
+
+
+class Wide(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(512, 2048), nn.Tanh(), nn.Linear(2048, 1))
+
+    def training_step(self, batch, batch_idx):
+        with open(sys.argv[1], "w") as out:
+            out.write(str(torch.get_num_threads()))
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+torch.set_num_threads(2)
+if sys.argv[2] == "worked":
+    torch.randn(2_000_000).tanh()  # the launching process's own CPU work on two threads: OpenMP's pool starts here
+data = DataLoader(TensorDataset(torch.randn(256, 512), torch.randn(256, 1)), batch_size=64)
+trainer = pl.Trainer(
+    accelerator="cpu", devices=1, strategy=STRATEGY(start_method="fork"), max_steps=3, logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(Wide(), data)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(available_cores() < 2, reason="one core: Lightning gives the replica one thread anyway")
+@pytest.mark.parametrize(
+    ("strategy_class", "before"),
+    [(AdaptiveElasticStrategy, "worked"), (SharedDeviceDDPStrategy, "worked"), (AdaptiveElasticStrategy, "idle")],
+)
+def test_a_forked_replica_keeps_its_threads_only_where_they_can_run(tmp_path, strategy_class, before):
+    # Lightning gives a lone forked replica both cores. After the launching process "worked" on two threads, GNU
+    # OpenMP would hang it in its first wide kernel: it runs one thread, and says so. After none, it keeps both.
+    module = "baselines" if strategy_class is SharedDeviceDDPStrategy else "strategy"
+    script = tmp_path / "fork_after_work.py"
+    script.write_text(FORK_AFTER_PARALLEL_WORK.replace("MODULE", module).replace("STRATEGY", strategy_class.__name__))
+    environment = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    with subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "threads"), before],
+        env=environment, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    ) as done:  # fmt: skip
+        try:
+            _, errors = done.communicate(timeout=100)
+        except subprocess.TimeoutExpired:
+            os.killpg(done.pid, signal.SIGKILL)  # the forked replica with it
+            _, errors = done.communicate()
+            pytest.fail(f"the forked replica hung; its output ends with:\n{errors[-3000:]}")
+    assert done.returncode == 0, errors[-3000:]
+    capped = before == "worked"
+    assert (tmp_path / "threads").read_text() == ("1" if capped else "2")
+    assert ("Forked replicas run one intra-op thread each, not 2" in errors) is capped
 
 
 def _one_gpu_machine(monkeypatch, cores: int) -> None:
