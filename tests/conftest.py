@@ -7,6 +7,7 @@ tests marked ``cuda`` run their bodies in fresh processes that see them again (`
 """
 
 import os
+import threading
 
 # Before torch answers any CUDA question: device counts then come from NVML, which reads CUDA_VISIBLE_DEVICES
 # when asked, so hiding the GPUs below takes effect even though torch is already imported.
@@ -71,12 +72,25 @@ def _teardown_process_group():
     stop_heartbeat()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # A heartbeat the test started by itself: it would beat on in this process, into every later fork of it.
+    beating = [thread for thread in threading.enumerate() if thread.name.startswith("aesgd-heartbeat")]
+    for thread in beating:
+        thread.join(1.0)
+    if left := [thread.name for thread in beating if thread.is_alive()]:
+        pytest.fail(f"the test left heartbeat thread(s) beating: {left}; stop them (Heartbeat.stop) before it ends")
 
 
 @pytest.fixture(autouse=True)
 def _restore_env_variables():
-    """Lightning's launchers export rank variables; keep them from leaking into later tests."""
+    """Lightning's launchers export rank variables and set torch's threads; keep them from leaking into later tests.
+
+    A thread count raised in this process (Lightning's script launcher sets ``cores / processes`` where
+    ``OMP_NUM_THREADS`` is unset) would reach the replicas that later tests fork with Lightning's own ``DDPStrategy``:
+    GNU OpenMP hangs those in their first wide kernel once this process has run a team of threads.
+    """
     env_backup = os.environ.copy()
+    threads = torch.get_num_threads()
     yield
     os.environ.clear()
     os.environ.update(env_backup)
+    torch.set_num_threads(threads)

@@ -126,16 +126,29 @@ def test_peer_failures_are_told_from_other_errors(message, expected):
 # --- the roll call's decisions, on one process's store ----------------------------------------------------------
 
 
-def _beating(store, rank: int) -> Heartbeat:
-    """Replica ``rank``'s heartbeat, beating fast (20 a second) so that the tests' waits stay short."""
-    return Heartbeat(store, rank, interval=0.05)
+@pytest.fixture
+def beating():
+    """Start replica ``rank``'s heartbeat, beating fast (20 a second) so that the tests' waits stay short.
+
+    Each is stopped after its test: a thread left beating would outlive the test in this process, and be beating
+    whenever a later test forks its replicas from it.
+    """
+    started: list[Heartbeat] = []
+
+    def start(store, rank: int) -> Heartbeat:
+        started.append(Heartbeat(store, rank, interval=0.05))
+        return started[-1]
+
+    yield start
+    for heartbeat in started:
+        heartbeat.stop()
 
 
-def test_a_replica_that_answered_is_present_with_its_wait_and_arrival():
+def test_a_replica_that_answered_is_present_with_its_wait_and_arrival(beating):
     store = dist.HashStore()
     now = time.time()
     store.set("call/2", f"4.500 {now - 5.5:.3f}")  # replica 2 failed in the same collective, arriving first
-    _beating(store, 1).enter("call")  # replica 1 is inside it still
+    beating(store, 1).enter("call")  # replica 1 is inside it still
     roll = roll_call(store, "call", rank=0, world_size=3, waited=5.0, stale_after=0.5, patience=5.0)
     assert roll is not None
     assert roll.waited == {0: 5.0, 2: 4.5}
@@ -144,9 +157,9 @@ def test_a_replica_that_answered_is_present_with_its_wait_and_arrival():
     assert roll.missing == []
 
 
-def test_a_live_replica_is_waited_for_and_reported_late_by_how_late_it_arrived():
+def test_a_live_replica_is_waited_for_and_reported_late_by_how_late_it_arrived(beating):
     store = dist.HashStore()
-    late = _beating(store, 1)
+    late = beating(store, 1)
     threading.Timer(0.6, late.enter, args=("call",)).start()  # it arrives 0.6 s after the roll call begins
     started = time.monotonic()
     roll = roll_call(store, "call", rank=0, world_size=2, waited=0.2, stale_after=0.3, patience=10.0)
@@ -181,9 +194,9 @@ def test_a_replica_that_said_it_is_gone_is_absent_at_once():
     assert time.monotonic() - started < 1
 
 
-def test_a_live_replica_that_never_arrives_is_stalled_once_the_patience_runs_out():
+def test_a_live_replica_that_never_arrives_is_stalled_once_the_patience_runs_out(beating):
     store = dist.HashStore()
-    _beating(store, 1).enter("an earlier collective")
+    beating(store, 1).enter("an earlier collective")
     started = time.monotonic()
     roll = roll_call(store, "call", rank=0, world_size=2, waited=1.0, stale_after=0.2, patience=0.6)
     elapsed = time.monotonic() - started
@@ -193,9 +206,9 @@ def test_a_live_replica_that_never_arrives_is_stalled_once_the_patience_runs_out
     assert 0.6 <= elapsed < 2
 
 
-def test_the_roll_call_reads_the_heartbeats_of_a_groups_members_by_their_world_rank():
+def test_the_roll_call_reads_the_heartbeats_of_a_groups_members_by_their_world_rank(beating):
     store = dist.HashStore()
-    _beating(store, 7).enter("call")  # the group's rank 1 is the world's rank 7
+    beating(store, 7).enter("call")  # the group's rank 1 is the world's rank 7
     roll = roll_call(store, "call", rank=0, world_size=2, waited=1.0, stale_after=0.3, patience=5.0, members=[5, 7])
     assert roll is not None
     assert set(roll.arrived) == {0, 1}
@@ -233,9 +246,9 @@ def test_a_roll_call_whose_store_is_gone_knows_nothing():
 # --- the heartbeat ----------------------------------------------------------------------------------------------
 
 
-def test_the_heartbeat_carries_the_collective_entered_last_and_says_gone_when_stopped():
+def test_the_heartbeat_carries_the_collective_entered_last_and_says_gone_when_stopped(beating):
     store = dist.HashStore()
-    heartbeat = _beating(store, 3)
+    heartbeat = beating(store, 3)
     heartbeat.enter("aesgd/roll_call/4")
     entered = time.time()
     deadline = time.monotonic() + 2
