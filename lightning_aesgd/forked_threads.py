@@ -11,10 +11,13 @@ hangs, as PyTorch's DataLoader workers always do.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import time
 import warnings
+from typing import NoReturn
 
 import torch
 
@@ -27,23 +30,42 @@ def teams_form_after_fork(threads: int, patience: float = PROBE_SECONDS) -> bool
 
     A probe forked from this process runs one kernel wide enough to be split over ``threads`` threads, and exits.
     One that has not exited after ``patience`` seconds is taken to hang (a loaded machine errs on the safe side),
-    and is killed.
+    and is killed; so is one left behind by an interruption. It holds none of this process's files (a launcher
+    watches a replica's pipe to learn that it ended), and on Linux it dies with this process.
     """
     probe = os.fork()
     if probe == 0:
-        try:
-            torch.set_num_threads(threads)
-            torch.ones(1 << 20).tanh_()  # past torch's grain size and MKL's threshold: a parallel region
-        finally:
-            os._exit(0)
-    deadline = time.monotonic() + patience
-    while time.monotonic() < deadline:
-        if os.waitpid(probe, os.WNOHANG)[0]:
-            return True
-        time.sleep(0.005)
-    os.kill(probe, signal.SIGKILL)
-    os.waitpid(probe, 0)
-    return False
+        _run_probe(threads)
+    try:
+        deadline = time.monotonic() + patience
+        while time.monotonic() < deadline:
+            ended, status = os.waitpid(probe, os.WNOHANG)
+            if ended:
+                probe = 0
+                return os.waitstatus_to_exitcode(status) == 0
+            time.sleep(0.005)
+        return False
+    except ChildProcessError:  # reaped by someone else (SIGCHLD ignored): its verdict is lost, so assume the worst
+        probe = 0
+        return False
+    finally:
+        if probe:
+            os.kill(probe, signal.SIGKILL)
+            os.waitpid(probe, 0)
+
+
+def _run_probe(threads: int) -> NoReturn:
+    """The probe's life: one parallel kernel, then exit 0 (1 if it raised); it never returns to the caller."""
+    code = 1
+    try:
+        os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024)
+        if sys.platform == "linux":  # die with the replica that forked it (prctl PR_SET_PDEATHSIG = 1)
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+        torch.set_num_threads(threads)
+        torch.ones(1 << 20).tanh_()  # past torch's grain size and MKL's threshold: a parallel region
+        code = 0
+    finally:
+        os._exit(code)
 
 
 def threads_that_run_after_fork(warn: bool) -> int:

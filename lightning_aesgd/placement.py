@@ -285,8 +285,15 @@ class SharedDevices(_Base):
         if self._placed is not None:
             self._take_own_device(self._placed)
         if getattr(self, "_start_method", None) == "fork" and multiprocessing.parent_process() is not None:
-            threads_that_run_after_fork(warn=self.global_rank == 0)
+            threads_that_run_after_fork(warn=self._first_replica())
         super().setup_environment()
+
+    def _first_replica(self) -> bool:
+        """Whether this is the job's first replica, also before the world ranks are set.
+
+        The global rank is still 0 in every process then; the launcher has already set each one's local rank.
+        """
+        return self.local_rank == 0 and self.node_rank == 0
 
     def _take_own_device(self, devices: list[torch.device]) -> None:
         device = self.root_device
@@ -298,7 +305,7 @@ class SharedDevices(_Base):
                 "32-bit without one: their summed gradients would mix scales. HINT: precision='bf16-mixed' (no "
                 "scaler) or '32-true', or sync='models' (each replica steps on its own gradients)."
             )
-        if mixes_device_types(devices) and self._sums_gradients() and self.global_rank == 0:
+        if mixes_device_types(devices) and self._sums_gradients() and self._first_replica():
             warnings.warn(
                 "CPU and GPU replicas sum their gradients every step over gloo, through host memory, even while a "
                 "CPU replica is left out of the step. HINT: beside a fast GPU use sync='models' "
