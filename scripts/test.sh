@@ -8,6 +8,9 @@ python="$(scripts/setup_env.sh --with-data)"
 "$python" -m mypy
 # Test workers: most tests wait on processes they start (imports, rendezvous, timeouts), so two workers share
 # even two cores well; more than four crowd a big machine with each one's replica processes. AESGD_TEST_WORKERS=0
-# runs in this process alone; a `-n` of your own comes last and wins.
-workers="${AESGD_TEST_WORKERS:-$("$python" -c 'from lightning_aesgd.placement import available_cores as c; print(min(4, max(2, c())))')}"
-exec "$python" -m pytest -n "$workers" "$@"
+# runs the tests in one process (for --pdb, or -p no:xdist); a `-n` of your own comes last and wins.
+workers="${AESGD_TEST_WORKERS:-$("$python" -c 'import os; print(min(4, max(2, len(os.sched_getaffinity(0)))))')}"
+if [[ "$workers" != 0 ]]; then
+    set -- -n "$workers" "$@"
+fi
+exec "$python" -m pytest "$@"

@@ -23,15 +23,13 @@ if os.environ["AESGD_TEST_CUDA_PRESENT"] == "unknown":
     os.environ["AESGD_TEST_CUDA_PRESENT"] = "1" if torch.cuda.device_count() > 0 else "0"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-# Under pytest-xdist, each worker and the replicas it starts get their share of the cores: torch's default of one
-# thread per core in every worker oversubscribes a many-core machine, and the timed tests (the learner tuner's
-# measurements, stall timeouts) then measure the contention instead of the code.
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    from lightning_aesgd.placement import available_cores  # the cores this process may use (affinity, quotas)
-
-    _THREADS = max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
-    torch.set_num_threads(_THREADS)
+# Every test process runs one intra-op thread, and so do the replicas it forks or starts (OMP_NUM_THREADS). GNU
+# OpenMP hangs a process forked after its parent ran a team of threads, and the replicas that tests fork with
+# Lightning's own DDPStrategy inherit this process's thread count: on one thread they form no team, and this process
+# forms none for them to inherit. One thread also keeps pytest-xdist's workers from oversubscribing the cores, which
+# the timed tests (the learner tuner's measurements, stall timeouts) would measure instead of the code.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -84,9 +82,9 @@ def _teardown_process_group():
 def _restore_env_variables():
     """Lightning's launchers export rank variables and set torch's threads; keep them from leaking into later tests.
 
-    A thread count raised in this process (Lightning's script launcher sets ``cores / processes`` where
-    ``OMP_NUM_THREADS`` is unset) would reach the replicas that later tests fork with Lightning's own ``DDPStrategy``:
-    GNU OpenMP hangs those in their first wide kernel once this process has run a team of threads.
+    A test that raises this process's thread count (Lightning and the strategy set a replica's share of the cores in
+    the process that runs rank zero) may form a team of threads here; a later test's replicas forked with Lightning's
+    own ``DDPStrategy`` would inherit the raised count and hang in GNU OpenMP, but inherit one thread once restored.
     """
     env_backup = os.environ.copy()
     threads = torch.get_num_threads()
