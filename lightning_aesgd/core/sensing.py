@@ -121,8 +121,9 @@ class ArrivalModel:
 
     Each rank updates its copy from the same reports in the same order, so all copies stay identical. A replica
     whose periods leave its model for a new level (:func:`~lightning_aesgd.core.noise.is_level_shift`: two in a
-    row, beyond its noise) has its estimates restarted there, so that a real change of speed is followed within a
-    few periods instead of the smoothing's dozen; :attr:`shifted` says which replicas did at the latest update.
+    row, beyond its noise and beyond what a change of its batch explains) has its estimates restarted there, so
+    that a real change of speed is followed within a few periods instead of the smoothing's dozen; :attr:`shifted`
+    says which replicas did at the latest update.
 
     The averages remember steps rather than reports: a report of ``s`` steps keeps the past with ``β^w``,
     ``w = max(1, s / reference_steps)``. Reports under gradient synchronisation come every ``lag + 1`` steps until
@@ -150,8 +151,8 @@ class ArrivalModel:
         self.step_time = [StepTimeEstimator(smoothing) for _ in range(num_replicas)]
         self.speed = [SpeedEstimator(smoothing) for _ in range(num_replicas)]
         self.step_noise = [StepNoise() for _ in range(num_replicas)]
-        self._misses: list[list[float]] = [[] for _ in range(num_replicas)]  # the latest two log(measured/model)
-        self._sizes = [0.0] * num_replicas  # each replica's latest planned batch per step
+        # Each replica's model as it was before its latest period, that model's batch b̄, and the period's miss.
+        self._before: list[tuple[StepTime, float, float] | None] = [None] * num_replicas
         self._stale: set[int] = set()  # replicas whose next measurement restarts their estimates
         self.shifted = [False] * num_replicas
 
@@ -177,20 +178,25 @@ class ArrivalModel:
 
     def _account(self, rank: int, size: float, work: float, seconds: float, weight: float) -> None:
         step_time, speed, noise = self.step_time[rank], self.speed[rank], self.step_noise[rank]
-        model, misses = step_time.model(), self._misses[rank]
-        if model is None or size != self._sizes[rank]:
-            # Only at an unchanged batch: a new plan moves the step time by design, and where the model's fixed
-            # cost is still unknown its prediction for the new batch may miss by far without any change of speed.
-            misses.clear()
-        else:
-            misses[:] = [*misses[-1:], math.log(seconds / model.seconds(size))]
-            self.shifted[rank] = is_level_shift(misses, noise.relative)
-        self._sizes[rank] = size
+        model, before = step_time.model(), self._before[rank]
+        if before is not None:
+            # This period and the previous one, both against the model from before the previous one: that one's
+            # slowness, averaged into the model since, would hide part of this one's (nearly half, for the long
+            # reports of a settled plan), and a second miss that small passes for noise.
+            reference, reference_size, previous_miss = before
+            miss = _unexplained_miss(reference, size, seconds, reference_size)
+            self.shifted[rank] = is_level_shift([previous_miss, miss], noise.relative)
+        if model is not None:
+            self._before[rank] = (
+                model,
+                step_time.mean_size,
+                _unexplained_miss(model, size, seconds, step_time.mean_size),
+            )
         if self.shifted[rank] or rank in self._stale:
             self._stale.discard(rank)
             step_time.restart(size, seconds, weight)
             speed.restart(work, seconds, weight)
-            misses.clear()
+            self._before[rank] = None
         else:
             step_time.update(size, seconds, weight)
             speed.update(work, seconds, weight)
@@ -247,6 +253,20 @@ class ArrivalModel:
             noise.load_state_dict(saved)
         self._stale = {int(rank) for rank in state.get("stale") or []}
         self.smoothing_now = float(state.get("smoothing_now", self.smoothing))
+
+
+def _unexplained_miss(model: StepTime, size: float, seconds: float, model_size: float) -> float:
+    """The part of a period's miss ``m = log(t / t̂(b))`` that no fixed cost could explain, signed as ``m``.
+
+    The model reproduces the recent average step, of ``b̄ = model_size`` samples. For any true fixed cost ``a ≥ 0``,
+    ``t(b)/t(b̄)`` lies between ``b/b̄`` and 1, and so does the model's own ratio: however wrong its fixed cost, its
+    prediction for a new batch misses by at most ``|log(b/b̄)|``. Only the rest is a change of speed. Plans that move
+    the batch at every report (a change of speed damped over several plans) then cannot hide a change larger than
+    their moves, as they did when only periods at an unchanged batch were compared.
+    """
+    miss = math.log(seconds / model.seconds(size))
+    allowance = abs(math.log(size / model_size))
+    return math.copysign(max(abs(miss) - allowance, 0.0), miss)
 
 
 def check_plan_damping(min_share: float, gain: float, dead_band: float) -> None:

@@ -219,6 +219,11 @@ class StepTimeEstimator:
         self._moments = [0.0] * 6
         self.update(size, seconds, weight)
 
+    @property
+    def mean_size(self) -> float:
+        """The average recent batch ``b̄``, where the model reproduces the average step (0 before the first step)."""
+        return self._moments[0] / self._moments[5] if self._moments[5] else 0.0
+
     def model(self) -> StepTime | None:
         """The fitted step-time model, or ``None`` before the first step."""
         if self._moments[5] == 0:

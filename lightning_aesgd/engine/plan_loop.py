@@ -251,9 +251,9 @@ class PlanLoop:
     def _restart_others_at_a_first_leaving(self, step: int, current: Sequence[int], taking_part: list[bool]) -> None:
         """When a replica is left out for the first time in this fit, the others' models restart once it applies.
 
-        The others' contention changes (one process fewer on shared cores or a shared device). Their models would
-        not follow: a level shift is detected only at an unchanged batch, and the plans change their batches at
-        nearly every report. A probe's verdict, which leaves a replica out again, changes nothing the models knew.
+        The others' contention changes (one process fewer on shared cores or a shared device). Their models might
+        not follow: the change can be small (1.3x), and a level shift is only what the plans' moves of their batches
+        do not explain. A probe's verdict, which leaves a replica out again, changes nothing the models knew.
         """
         leaving = {rank for rank, takes_part in enumerate(taking_part) if not takes_part and current[rank] > 0}
         if leaving - self._left_out_once:

@@ -100,3 +100,29 @@ def test_a_new_plan_is_not_taken_for_a_change_of_speed():
     for _ in range(3):  # a batch of 8 with a large fixed cost: far from the proportional prediction, same speed
         model.update([_report(8, 0.040)])
         assert model.shifted == [False]
+
+
+def test_a_replica_that_becomes_4x_slower_while_its_batch_moves_is_restarted_after_two_periods():
+    """A plan made at the first slow period moves the batch; the change must still be told from the move."""
+    model = ArrivalModel(2, smoothing=0.8)
+    for _ in range(20):
+        model.update([_report(64, 0.064), _report(64, 0.064)])
+    model.update([_report(64, 0.064), _report(64, 0.256)])
+    assert model.shifted == [False, False]
+    model.update([_report(80, 0.080), _report(48, 0.192)])  # 4x slower at the batch a damped plan gave it
+    assert model.shifted == [False, True]
+    assert model.step_seconds()[1] == pytest.approx(0.192)
+
+
+@given(
+    fixed=st.floats(0.0, 1.0),
+    per_sample=st.floats(1e-4, 1e-2),
+    sizes=st.lists(st.integers(1, 1024), min_size=2, max_size=30),
+    smoothing=st.floats(0.0, 0.95),
+)
+def test_no_batch_sizes_pass_for_a_change_of_speed_on_a_device_of_constant_speed(fixed, per_sample, sizes, smoothing):
+    """For any fixed cost the model does not know, its miss on a new batch stays within what the move explains."""
+    model = ArrivalModel(1, smoothing=smoothing)
+    for size in sizes:
+        model.update([_report(size, fixed + per_sample * size)])
+        assert model.shifted == [False]
