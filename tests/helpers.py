@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytorch_lightning as pl
@@ -180,3 +183,13 @@ def single_process_trainer(epochs: int) -> pl.Trainer:
 def no_report_on_its_own(table: Tensor, comm: Any) -> Any:
     """Stands in for a report's own all-reduce (``report_exchange._summed``) where every report must ride in a sum."""
     raise AssertionError("a report table had an all-reduce of its own instead of riding in the last bucket's sum")
+
+
+def load_script(name: str) -> ModuleType:
+    """The module of ``scripts/<name>.py`` (scripts are not a package), loaded afresh."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

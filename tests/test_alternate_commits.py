@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "alternate_commits.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("alternate_commits", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_figures_are_compared_by_medians_ranges_and_pairs():
-    lines = _script().comparison(
+    lines = load_script("alternate_commits").comparison(
         [{"ms": 12.0, "left": None, "name": "a"}, {"ms": 14.0, "left": 3, "name": "a"}],
         [{"ms": 13.0, "left": 5, "name": "b"}, {"ms": 11.0, "left": 4, "name": "b"}],
     )
@@ -51,7 +42,7 @@ def test_each_commit_runs_in_a_worktree_of_its_own_removed_afterwards():
 
 
 def test_same_copies_a_folder_or_a_file_of_this_checkout_over_the_worktrees(tmp_path):
-    copy = _script()._copy
+    copy = load_script("alternate_commits")._copy
     (tmp_path / "here" / "bench").mkdir(parents=True)
     (tmp_path / "here" / "bench" / "new.py").write_text("new")
     (tmp_path / "tree" / "bench").mkdir(parents=True)

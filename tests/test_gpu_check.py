@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,10 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def gpu_check(monkeypatch):
     monkeypatch.chdir(ROOT)  # the script reads configs/ relative to the repository, as gpu_check.sh runs it
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def test_every_algorithm_config_is_run_on_xmc_but_those_needing_dense_layers(gpu_check):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_sharing_probe.py"
 
@@ -55,11 +56,7 @@ def test_a_process_that_fails_fails_the_probe_instead_of_hanging():
 
 def test_each_row_comes_out_before_the_next_run(monkeypatch):
     # A time box that stops the probe keeps the rows it measured.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_sharing_probe", SCRIPT)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script("gpu_sharing_probe")
     runs = []
 
     def measure(device, processes, seconds, synchronise):

@@ -2,36 +2,28 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "segment_rates.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("segment_rates", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_segment_counts_the_samples_of_its_steps_over_their_seconds():
     clock = [1.0, 2.0, 4.0, 8.0]  # the training clock at the end of steps 1 to 4
     samples = [10, 20, 40, 80]
-    assert _script().segment_rates(clock, samples, [(1, 3), (3, 4), (1, 4)]) == [60 / 3, 80 / 4, 140 / 7]
+    rates = load_script("segment_rates").segment_rates(clock, samples, [(1, 3), (3, 4), (1, 4)])
+    assert rates == [60 / 3, 80 / 4, 140 / 7]
 
 
 @pytest.mark.parametrize("segment", [(0, 2), (2, 2), (3, 5)])
 def test_a_segment_outside_the_run_is_refused(segment):
     with pytest.raises(ValueError, match="outside the run's 4 steps"):
-        _script().segment_rates([1.0, 2.0, 3.0, 4.0], [1, 1, 1, 1], [segment])
+        load_script("segment_rates").segment_rates([1.0, 2.0, 3.0, 4.0], [1, 1, 1, 1], [segment])
 
 
 def test_the_table_gives_each_repeat_its_ratio_to_ddp_of_the_same_repeat(tmp_path):
