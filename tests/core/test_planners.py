@@ -265,3 +265,43 @@ def test_a_replica_whose_own_floor_outlasts_the_step_is_left_out_and_its_cap_kep
     assert admitted_replicas(96, times, min_size=[1, 1, 80], max_size=[40, 40, None]) == [True, True, True]
     additive = AdditivePlanner(step=8, min_batch=[8, 8, 40], max_batch=[64, 64, 64])
     assert additive.plan([32, 32, 32], times, 96) == [28, 28, 40]
+
+
+def _admitted_by_every_k(total, times, lows, highs, margin):
+    """The rule as stated: T_k for every k of slowest replicas left out, the shortest by more than the margin."""
+    slowest_first = sorted(range(len(times)), key=lambda i: -times[i].seconds(lows[i]))
+
+    def step_time(ranks):
+        return balanced_step_time(total, [times[i] for i in ranks], [lows[i] for i in ranks], [highs[i] for i in ranks])
+
+    best, best_time = 0, step_time(slowest_first)
+    for left_out in range(1, len(times)):
+        rest = slowest_first[left_out:]
+        if None not in [highs[i] for i in rest] and sum(highs[i] for i in rest) < total:
+            break
+        if (time := step_time(rest)) < (1 - margin) * best_time:
+            best, best_time = left_out, time
+    return [i in set(slowest_first[best:]) for i in range(len(times))]
+
+
+@given(
+    fleet=st.lists(
+        st.tuples(st.floats(0.0, 0.05), st.floats(1e-5, 1e-2), st.integers(1, 16), st.sampled_from([1, 2, 50])),
+        min_size=1,
+        max_size=12,
+    ),
+    per_replica=st.integers(4, 64),
+    margin=st.sampled_from([0.1, 0.3]),
+    capped=st.booleans(),
+)
+def test_admission_stops_early_only_where_no_more_left_out_could_win(fleet, per_replica, margin, capped) -> None:
+    """It stops once the rest's slowest replica no longer holds the step at its floor (without the stop, planning
+    64 replicas cost 64 balanced plans): the same choice as trying every k, at the strategy's margin (10%) or more
+    and batches of 4 samples and more above the floors. Without a margin, or at smaller batches, one sample of the
+    balanced plans' rounding can make a larger k look better, and the stop keeps those replicas in."""
+    times = [StepTime(overhead * slowness, per_sample * slowness) for overhead, per_sample, _, slowness in fleet]
+    lows = [low for _, _, low, _ in fleet]
+    total = sum(lows) + per_replica * len(fleet)
+    highs = [low + 2 * per_replica for low in lows] if capped else [None] * len(fleet)
+    expected = _admitted_by_every_k(total, times, lows, highs, margin)
+    assert admitted_replicas(total, times, lows, highs, margin) == expected
