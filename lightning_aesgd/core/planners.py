@@ -27,6 +27,7 @@ __all__ = [
     "balance_step_times",
     "balanced_step_time",
     "get_planner",
+    "water_level",
 ]
 
 
@@ -56,7 +57,8 @@ def balance_step_times(
     """Batch sizes, summing to ``total``, whose predicted step times are as equal as the bounds allow.
 
     With ``tᵢ(b) = aᵢ + cᵢ·b`` the common step time ``T`` solves ``Σᵢ clamp((T − aᵢ)/cᵢ, min, max) = total``
-    (water filling, by bisection on ``T``: the left side grows with ``T``); the real-valued sizes are then
+    (water filling: the left side is piecewise linear in ``T``, solved exactly by :func:`water_level`); the
+    real-valued sizes are then
     rounded by :func:`apportion`. Without overheads this is the speed-proportional split; with them, a replica
     whose fixed cost alone exceeds ``T`` gets the minimum, and the others share the rest so that they finish
     together. Where that replica's step at the minimum outlasts ``T``, it sets the step time whatever the plan:
@@ -82,25 +84,54 @@ def balance_step_times(
             for t, low, high in zip(step_times, lows, highs, strict=True)
         ]
 
-    low_time = min(t.seconds(low) for t, low in zip(step_times, lows, strict=True))
-    high_time = max(t.seconds(high) for t, high in zip(step_times, highs, strict=True))
-    for _ in range(100):
-        middle = (low_time + high_time) / 2
-        low_time, high_time = (middle, high_time) if sum(sizes_at(middle)) < total else (low_time, middle)
+    step = water_level(total, [(-t.overhead / t.per_sample, 1.0 / t.per_sample) for t in step_times], lows, highs)
     # A replica whose step at the smallest batch already outlasts T sets the step time itself: every replica
     # may then take up to what it does in that time, and more work on the others buys nothing. Of those plans,
     # the one closest to equal batches is kept (what a replica's fixed cost alone cannot change, no plan fixes).
     slowest = max(t.seconds(low) for t, low in zip(step_times, lows, strict=True))
-    if slowest <= high_time:
-        return apportion(total, sizes_at(high_time), lows, caps)
+    if slowest <= step:
+        return apportion(total, sizes_at(step), lows, caps)
     capacities = sizes_at(slowest)
-    low_level, high_level = float(min(lows)), float(max(highs))
-    for _ in range(100):
-        level = (low_level + high_level) / 2
-        filled = sum(max(min(level, capacity), low) for capacity, low in zip(capacities, lows, strict=True))
-        low_level, high_level = (level, high_level) if filled < total else (low_level, level)
-    levelled = [max(min(high_level, capacity), low) for capacity, low in zip(capacities, lows, strict=True)]
+    level = water_level(total, [(0.0, 1.0)] * len(capacities), lows, capacities)
+    levelled = [max(min(level, capacity), low) for capacity, low in zip(capacities, lows, strict=True)]
     return apportion(total, levelled, lows, caps)
+
+
+def water_level(
+    total: float, lines: Sequence[tuple[float, float]], lows: Sequence[float], highs: Sequence[float]
+) -> float:
+    """The ``x`` at which ``Σᵢ clamp(αᵢ + βᵢ·x, lowᵢ, highᵢ)`` reaches ``total``, for lines ``(αᵢ, βᵢ)``, ``βᵢ > 0``.
+
+    The sum is piecewise linear and non-decreasing in ``x``: replica ``i`` leaves its low at ``(lowᵢ − αᵢ)/βᵢ`` and
+    reaches its high at ``(highᵢ − αᵢ)/βᵢ``. Walking those 2n breakpoints in order, with the sum's slope and
+    intercept over the replicas between their bounds, finds the segment where it reaches ``total`` and solves it:
+    ``O(n log n)``, where bisection took 100 passes over every replica (9 ms a plan at 256 replicas). Where the
+    bounds cannot reach ``total``, the last breakpoint (every replica at its high); where the lows already
+    exceed it, the first.
+
+    Example:
+        >>> water_level(100, [(0.0, 1.0), (0.0, 3.0)], [1, 1], [100, 100])  # sizes x and 3x: 25 and 75
+        25.0
+    """
+    events = []
+    for i, ((alpha, beta), low, high) in enumerate(zip(lines, lows, highs, strict=True)):
+        events.append(((low - alpha) / beta, 0, i))
+        events.append(((high - alpha) / beta, 1, i))
+    events.sort()
+    at_bounds, intercept, slope, between = float(sum(lows)), 0.0, 0.0, 0
+    previous = events[0][0]
+    for x, reaches_high, i in events:
+        if between and at_bounds + intercept + slope * x >= total:
+            return min(max((total - at_bounds - intercept) / slope, previous), x)
+        if at_bounds >= total and not between:
+            return x
+        alpha, beta = lines[i]
+        if reaches_high:
+            at_bounds, intercept, slope, between = at_bounds + highs[i], intercept - alpha, slope - beta, between - 1
+        else:
+            at_bounds, intercept, slope, between = at_bounds - lows[i], intercept + alpha, slope + beta, between + 1
+        previous = x
+    return events[-1][0]
 
 
 def balanced_step_time(total: int, step_times: Sequence[StepTime], min_size: Low = 1, max_size: High = None) -> float:

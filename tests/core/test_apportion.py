@@ -275,3 +275,44 @@ def test_bounds_per_replica_take_a_list_of_one_per_replica() -> None:
     assert in_multiples([6, 6, 4], 4, max_size=[4, None, None]) == [4, 8, 4]
     with pytest.raises(ValueError, match=r"`min_size` holds 2 values for 3 replicas.*HINT"):
         apportion(10, [1.0, 1.0, 1.0], min_size=[1, 1])
+
+
+def fraction_apportion(total: int, shares: list[float], min_size: int, max_size: int | None) -> list[int]:
+    """The exact-fraction apportionment the integer one replaced (``fractions.Fraction`` throughout): the reference."""
+    weights = [Fraction(share) for share in shares]
+    fixed: dict[int, Fraction] = {}
+    while len(fixed) < len(weights):
+        free = {i: weight for i, weight in enumerate(weights) if i not in fixed}
+        if sum(free.values()) == 0:
+            free = dict.fromkeys(free, Fraction(1))
+        remaining = total - sum(fixed.values(), Fraction(0))
+        tentative = {i: remaining / sum(free.values()) * weight for i, weight in free.items()}
+        high = math.inf if max_size is None else max_size
+        clamped = {i: Fraction(min(max(q, min_size), high)) for i, q in tentative.items()}
+        surplus = sum(clamped.values()) - remaining
+        newly = {
+            i: q
+            for i, q in clamped.items()
+            if q != tentative[i] and (surplus == 0 or (surplus > 0) == (q > tentative[i]))
+        }
+        if not newly:
+            fixed.update(tentative)
+        fixed.update(newly)
+    quotas = [fixed[i] for i in range(len(weights))]
+    sizes = [math.floor(q) for q in quotas]
+    order = sorted(range(len(quotas)), key=lambda i: (sizes[i] - quotas[i], i))
+    for i in order[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+@given(bounded_problems())
+def test_apportion_gives_what_exact_fractions_give(problem: tuple[int, list[float], int, int | None]) -> None:
+    # Integers over common denominators replaced Fraction arithmetic for speed; every size and tie must stay.
+    total, shares, min_size, max_size = problem
+    assert apportion(total, shares, min_size, max_size) == fraction_apportion(total, shares, min_size, max_size)
+
+
+@given(st.lists(st.floats(min_value=1e-12, max_value=1e12), min_size=2, max_size=40), st.integers(40, 10_000))
+def test_apportion_is_exact_across_magnitudes(shares: list[float], total: int) -> None:
+    assert apportion(total, shares) == fraction_apportion(total, shares, 1, None)

@@ -15,6 +15,7 @@ from lightning_aesgd.core.planners import (
     balance_step_times,
     balanced_step_time,
     get_planner,
+    water_level,
 )
 from lightning_aesgd.core.speed import StepTime
 
@@ -305,3 +306,29 @@ def test_admission_stops_early_only_where_no_more_left_out_could_win(fleet, per_
     highs = [low + 2 * per_replica for low in lows] if capped else [None] * len(fleet)
     expected = _admitted_by_every_k(total, times, lows, highs, margin)
     assert admitted_replicas(total, times, lows, highs, margin) == expected
+
+
+@st.composite
+def water_problems(draw: st.DrawFn) -> tuple[float, list[tuple[float, float]], list[float], list[float]]:
+    """Lines ``(α, β)`` with bounds, and a total the bounds can reach."""
+    n = draw(st.integers(1, 12))
+    lines = [(draw(st.floats(-1e3, 1e3)), draw(st.floats(1e-3, 1e3))) for _ in range(n)]
+    lows = [draw(st.integers(0, 50)) for _ in range(n)]
+    highs = [low + draw(st.integers(0, 500)) for low in lows]
+    total = draw(st.floats(sum(lows), sum(highs)))
+    return total, lines, [float(low) for low in lows], [float(high) for high in highs]
+
+
+@given(water_problems())
+def test_water_level_is_where_the_clamped_sum_first_reaches_the_total(problem) -> None:
+    total, lines, lows, highs = problem
+
+    def filled(x: float) -> float:
+        return sum(min(max(a + b * x, low), high) for (a, b), low, high in zip(lines, lows, highs, strict=True))
+
+    level = water_level(total, lines, lows, highs)
+    scale = max(1.0, abs(level), *(abs(a) / b for a, b in lines))
+    assert filled(level) == pytest.approx(total, rel=1e-9, abs=1e-6 * scale)
+    first = min((low - a) / b for (a, b), low in zip(lines, lows, strict=True))
+    if level > first + 1e-6 * scale:  # the smallest such x: a little less falls short
+        assert filled(level - 1e-6 * scale) < total
