@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,7 +79,7 @@ def apportion(total: int, shares: Sequence[float], min_size: Low = 1, max_size: 
         >>> apportion(100, [10.0, 1.0, 1.0], max_size=[50, None, None])
         [50, 25, 25]
     """
-    weights = _integer_weights(checked_weights(shares))
+    weights, total = _integer_weights(checked_weights(shares)), whole(total, "total")
     lows, highs = check_feasible(total, len(weights), min_size, max_size)
     return _largest_remainder(*_bounded_quotas(total, weights, lows, highs))
 
@@ -199,8 +200,15 @@ def share_error(sizes: Sequence[int], speeds: Sequence[float]) -> float:
 
 
 def check_feasible(total: int, num_replicas: int, min_size: Low, max_size: High) -> tuple[list[int], list[int | None]]:
-    """Raise unless sizes within the bounds can sum to ``total``; return the bounds, one per replica."""
-    lows, highs = per_replica(min_size, num_replicas, "min_size"), per_replica(max_size, num_replicas, "max_size")
+    """Raise unless sizes within the bounds can sum to ``total``; return the bounds, one per replica, as ints.
+
+    Bounds become plain ``int`` (numpy's integers too): the exact arithmetic of :func:`apportion` multiplies them by
+    integers far beyond 64 bits, where a fixed-width integer would wrap around.
+    """
+    lows = [whole(low, "min_size") for low in per_replica(min_size, num_replicas, "min_size")]
+    highs = [
+        None if high is None else whole(high, "max_size") for high in per_replica(max_size, num_replicas, "max_size")
+    ]
     if total < 0:
         raise ValueError(f"`total` must be >= 0, got {total}")
     for low, high in zip(lows, highs, strict=True):
@@ -217,6 +225,21 @@ def check_feasible(total: int, num_replicas: int, min_size: Low, max_size: High)
             "raise the maximum batch size or lower the global batch size"
         )
     return lows, highs
+
+
+def whole(value: Any, name: str) -> int:
+    """``value`` as a plain ``int``, or a ``TypeError`` naming the fix: sizes and their bounds count samples.
+
+    Example:
+        >>> whole(7, "total")
+        7
+    """
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` counts samples: it must be a whole number, got {value!r}. HINT: pass an int."
+        ) from None
 
 
 def _integer_weights(shares: Sequence[float]) -> list[int]:

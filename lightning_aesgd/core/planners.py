@@ -76,6 +76,8 @@ def balance_step_times(
     The bounds may differ per replica (``min_size=[1, 8]``): each replica's size stays within its own.
     """
     lows, caps = check_feasible(total, len(step_times), min_size, max_size)
+    if sum(lows) == total:
+        return lows  # no choice left (all zero at a total of 0, which no share could apportion)
     highs = [total if cap is None else cap for cap in caps]
 
     def sizes_at(time: float) -> list[float]:
@@ -103,35 +105,46 @@ def water_level(
     """The ``x`` at which ``Σᵢ clamp(αᵢ + βᵢ·x, lowᵢ, highᵢ)`` reaches ``total``, for lines ``(αᵢ, βᵢ)``, ``βᵢ > 0``.
 
     The sum is piecewise linear and non-decreasing in ``x``: replica ``i`` leaves its low at ``(lowᵢ − αᵢ)/βᵢ`` and
-    reaches its high at ``(highᵢ − αᵢ)/βᵢ``. Walking those 2n breakpoints in order, with the sum's slope and
-    intercept over the replicas between their bounds, finds the segment where it reaches ``total`` and solves it:
-    ``O(n log n)``, where bisection took 100 passes over every replica (9 ms a plan at 256 replicas). Where the
-    bounds cannot reach ``total``, the last breakpoint (every replica at its high); where the lows already
-    exceed it, the first.
+    reaches its high at ``(highᵢ − αᵢ)/βᵢ``. A binary search over those 2n breakpoints, summing at each, finds the
+    segment where the sum reaches ``total``, and the segment's line is solved: ``O(n log n)``, where bisection on
+    ``x`` took 100 passes over every replica (9 ms a plan at 256 replicas). Each sum is taken afresh, never as a
+    running total (``math.fsum`` where signs mix), so replicas whose speeds differ by 10¹⁵ lose nothing to
+    cancellation, as a running slope lost a slow replica's to a fast one's.
+    Where the bounds cannot reach ``total``, the last breakpoint; where the lows already do, the first.
 
     Example:
         >>> water_level(100, [(0.0, 1.0), (0.0, 3.0)], [1, 1], [100, 100])  # sizes x and 3x: 25 and 75
         25.0
     """
-    events = []
-    for i, ((alpha, beta), low, high) in enumerate(zip(lines, lows, highs, strict=True)):
-        events.append(((low - alpha) / beta, 0, i))
-        events.append(((high - alpha) / beta, 1, i))
-    events.sort()
-    at_bounds, intercept, slope, between = float(sum(lows)), 0.0, 0.0, 0
-    previous = events[0][0]
-    for x, reaches_high, i in events:
-        if between and at_bounds + intercept + slope * x >= total:
-            return min(max((total - at_bounds - intercept) / slope, previous), x)
-        if at_bounds >= total and not between:
-            return x
-        alpha, beta = lines[i]
-        if reaches_high:
-            at_bounds, intercept, slope, between = at_bounds + highs[i], intercept - alpha, slope - beta, between - 1
-        else:
-            at_bounds, intercept, slope, between = at_bounds - lows[i], intercept + alpha, slope + beta, between + 1
-        previous = x
-    return events[-1][0]
+    bounded = list(zip(lines, lows, highs, strict=True))
+
+    def filled(x: float) -> float:
+        # Clamped sizes are never negative: a plain sum cancels nothing.
+        return sum(min(max(alpha + beta * x, low), high) for (alpha, beta), low, high in bounded)
+
+    points = sorted({(bound - alpha) / beta for (alpha, beta), low, high in bounded for bound in (low, high)})
+    if filled(points[0]) >= total:
+        return points[0]
+    if filled(points[-1]) < total:
+        return points[-1]
+    short, reached = 0, len(points) - 1  # filled(points[short]) < total <= filled(points[reached])
+    while reached - short > 1:
+        middle = (short + reached) // 2
+        short, reached = (short, middle) if filled(points[middle]) >= total else (middle, reached)
+    left, right = points[short], points[reached]
+    # No breakpoint lies between left and right: each replica is at a bound, or on its line, all the way across.
+    inside = (left + right) / 2
+    on_lines = [(alpha, beta) for (alpha, beta), low, high in bounded if low < alpha + beta * inside < high]
+    at_bounds = math.fsum(
+        low if alpha + beta * inside <= low else high
+        for (alpha, beta), low, high in bounded
+        if not low < alpha + beta * inside < high
+    )
+    slope = math.fsum(beta for _, beta in on_lines)
+    if slope <= 0:
+        return right
+    level = (total - at_bounds - math.fsum(alpha for alpha, _ in on_lines)) / slope
+    return min(max(level, left), right)
 
 
 def balanced_step_time(total: int, step_times: Sequence[StepTime], min_size: Low = 1, max_size: High = None) -> float:

@@ -316,3 +316,10 @@ def test_apportion_gives_what_exact_fractions_give(problem: tuple[int, list[floa
 @given(st.lists(st.floats(min_value=1e-12, max_value=1e12), min_size=2, max_size=40), st.integers(40, 10_000))
 def test_apportion_is_exact_across_magnitudes(shares: list[float], total: int) -> None:
     assert apportion(total, shares) == fraction_apportion(total, shares, 1, None)
+
+
+def test_apportion_takes_numpy_integers_as_ints_and_refuses_fractional_totals() -> None:
+    # Exact arithmetic multiplies the total and bounds by integers beyond 64 bits, where int64 wraps around.
+    assert apportion(np.int64(1000), [2.0**-60, 3.0, 1.0], min_size=np.int64(1)) == [1, 749, 250]
+    with pytest.raises(TypeError, match="whole number"):
+        apportion(10.5, [1.0, 1.0])

@@ -332,3 +332,13 @@ def test_water_level_is_where_the_clamped_sum_first_reaches_the_total(problem) -
     first = min((low - a) / b for (a, b), low in zip(lines, lows, strict=True))
     if level > first + 1e-6 * scale:  # the smallest such x: a little less falls short
         assert filled(level - 1e-6 * scale) < total
+
+
+def test_balanced_plans_hold_where_speeds_differ_by_1e15_or_the_floors_take_everything() -> None:
+    # Sums taken as running totals lost a slow replica's slope to a fast one's (found in review): a worse plan, or a
+    # division by zero. At a total its floors take whole, every replica sits at its floor, zeros included.
+    assert balance_step_times(50, [StepTime(0.0, 1e-16), StepTime(0.0, 1.0)], 0, [10, 100]) == [10, 40]
+    fast = StepTime(0.7272772337629, 1.8417238682387558e-17)
+    mixed = [StepTime(0.6626413407502934, 0.5097926495396711), fast, StepTime(0.0, 1.4977639153824007)]
+    assert balance_step_times(11, mixed, [3, 0, 0], [8, 11, 9]) == [3, 7, 1]
+    assert balance_step_times(0, [StepTime(0.3, 1e-3), StepTime(0.0, 1.0)], 0) == [0, 0]
