@@ -23,7 +23,8 @@
 #   probe       scripts/gpu_sharing_probe.py: what a host synchronisation costs on a shared GPU
 #   placement   the placement benchmark on XMC EURLex-shaped data (GPU alone, GPU + CPU replicas, CPU alone)
 #   seeds       Crossbow's learners on one GPU (seeds --claims crossbow_learners_gpu)
-#   suite       the whole test suite (4 workers, one thread each)
+#   suite       the whole test suite, each test named as it ends (AESGD_GPU_SUITE_WORKERS workers, 12 by default,
+#               one thread each)
 # Arguments after `--` go to every stage's command. Example, in one call of the device tool:
 #   carry [".gpu"], command "scripts/gpu_session.sh run cuda-tests+check@240 bench@300"
 set -euo pipefail
@@ -85,7 +86,7 @@ stage_command() {  # the command of one stage, extra arguments last
         probe) echo python3 scripts/gpu_sharing_probe.py "$@" ;;
         placement) echo python3 -m lightning_aesgd.bench placement --workloads xmc_eurlex --repeats 3 "$@" ;;
         seeds) echo python3 -m lightning_aesgd.bench seeds --claims crossbow_learners_gpu "$@" ;;
-        suite) echo python3 -m pytest -p no:cacheprovider -q -n 4 "$@" ;;
+        suite) echo python3 -m pytest -p no:cacheprovider -v -n "${AESGD_GPU_SUITE_WORKERS:-12}" "$@" ;;
         *) return 1 ;;
     esac
 }
@@ -137,9 +138,14 @@ run() {
     done
     ((${#specs[@]})) || { echo "gpu_session: name the stages to run: ${STAGES[*]}" >&2; exit 2; }
     if [[ -d .gpu/whl ]] && [[ -z ${AESGD_GPU_SKIP_WHEELS:-} ]]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .gpu/whl/*.whl
-        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+        # Into the interpreter's own site-packages where it lets us (the wheel test's fresh environment reuses
+        # those, never PYTHONPATH); else beside it, on PYTHONPATH.
+        local install=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade)
+        if ! "${install[@]}" --break-system-packages .gpu/whl/*.whl 2>/dev/null &&
+            ! "${install[@]}" .gpu/whl/*.whl 2>/dev/null; then
+            "${install[@]}" --target /tmp/site .gpu/whl/*.whl
+            export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+        fi
     fi
     if [[ -d .gpu/fashion-mnist ]]; then
         export AESGD_FASHION_MNIST_DIR="$PWD/.gpu/fashion-mnist"
