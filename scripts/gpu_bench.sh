@@ -7,8 +7,9 @@
 # Uses $AESGD_PYTHON (default python3) as it is. Each race interleaves its entrants in every repeat (their spread
 # is in results.json). Sized from the first GPU run (one H100): a run there spends most of its wall time starting,
 # validating and testing, so validation is thinned; XMC mini's steps take about 4 ms on one GPU, so it trains 40
-# epochs (1,120 steps); 4 replicas sharing the GPU train 20 epochs (140 gradient sums: 28 did not let the plan
-# settle). Extra arguments go to every race and win (e.g. --repeats 5; not --out: the races would share it);
+# epochs (1,120 steps); 4 replicas sharing the GPU train 60 epochs (420 gradient sums: 28 did not let the plan
+# settle, and over 140 the first step's warm-up of 1.3-2.1 s, the same in every entrant, was a third of the
+# defaults' training clock). Extra arguments go to every race and win (e.g. --repeats 5; not --out: the races would share it);
 # AESGD_GPU_BENCH_REPEATS=N sets the repeats (3 by default) where extra arguments cannot reach, as in gpu_session.sh.
 # AESGD_GPU_BENCH_ONLY=NAMES (a regular expression matching whole names, e.g. "xmc_mini_one_gpu|fashion_mnist_one_gpu")
 # keeps those races: xmc_mini_one_gpu, fashion_mnist_one_gpu, xmc_mini_shared_strong.
@@ -35,7 +36,7 @@ race xmc_mini_one_gpu --workload xmc_mini "${one_gpu[@]}" --override model.spars
      --override ++trainer.check_val_every_n_epoch=10 "$@"
 race fashion_mnist_one_gpu --workload fashion_mnist "${one_gpu[@]}" --epochs 1 "$@"
 race xmc_mini_shared_strong --workload xmc_mini --profiles strong --algorithms adaptive_elastic,ddp \
-     --override experiment=gpu_shared --epochs 20 "${once_per_epoch[@]}" --override ++trainer.check_val_every_n_epoch=5 \
+     --override experiment=gpu_shared --epochs 60 "${once_per_epoch[@]}" --override ++trainer.check_val_every_n_epoch=5 \
      "$@"
 if ((raced == 0)); then
     echo "gpu_bench: AESGD_GPU_BENCH_ONLY=$only names no race" >&2

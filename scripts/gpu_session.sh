@@ -78,15 +78,21 @@ test_workers() {  # -n N for pytest where AESGD_GPU_TEST_WORKERS=N asks for it a
 stage_command() {  # the command of one stage, extra arguments last
     local stage=$1
     shift
+    local cuda_files
+    cuda_files="$(grep -rl --include='test_*.py' pytest.mark.cuda tests | sort | tr '\n' ' ')"
     case $stage in
         cuda-tests) echo python3 -m pytest -o addopts= -p no:cacheprovider -v -m cuda "$(test_workers)" \
-                        "$(grep -rl --include='test_*.py' pytest.mark.cuda tests | sort | tr '\n' ' ')" "$@" ;;
+                        "$cuda_files" "$@" ;;
         check) echo python3 scripts/gpu_check.py "$@" ;;
         bench) echo scripts/gpu_bench.sh "$@" ;;
         probe) echo python3 scripts/gpu_sharing_probe.py "$@" ;;
         placement) echo python3 -m lightning_aesgd.bench placement --workloads xmc_eurlex --repeats 3 "$@" ;;
         seeds) echo python3 -m lightning_aesgd.bench seeds --claims crossbow_learners_gpu "$@" ;;
-        suite) echo python3 -m pytest -p no:cacheprovider -v -n "${AESGD_GPU_SUITE_WORKERS:-12}" "$@" ;;
+        suite) # The files of cuda tests first, the others after: the slowest tests there then start first (a
+               # directory named beside its own files would be collected in its own order).
+               echo python3 -m pytest -p no:cacheprovider -v -n "${AESGD_GPU_SUITE_WORKERS:-12}" "$cuda_files" \
+                   "$(find tests -name 'test_*.py' | sort | grep -vxF "${cuda_files// /$'\n'}" | tr '\n' ' ')" \
+                   lightning_aesgd "$@" ;;
         *) return 1 ;;
     esac
 }

@@ -18,6 +18,8 @@ from lightning_aesgd.bench.race.analysis import (
     aggregate,
     ideal_throughput,
     median_step_seconds,
+    run_figures,
+    throughput_after_first_step,
     time_to_target,
 )
 from lightning_aesgd.bench.race.benchmark import BenchSettings, _profile_config
@@ -78,7 +80,8 @@ def test_race_table_marks_missing_figures():
     rows = aggregate([RunFigures("strong", "ddp", 0, throughput=100.0, step_seconds=0.0125, efficiency=0.5)])
     lines = race_table(rows, Target("val/acc", 0.9)).splitlines()
     assert lines[0].startswith("| profile | algorithm | samples/s | step ms (median) | efficiency | time to val/acc")
-    assert lines[2] == "| strong | ddp | 100.0 | 12.50 | 50% | not reached | – | 1.00 | 1.00-1.00 | – |"
+    assert "| throughput ÷ ddp | per repeat | ÷ ddp after step 1 | time to target ÷ ddp |" in lines[0]
+    assert lines[2] == "| strong | ddp | 100.0 | 12.50 | 50% | not reached | – | 1.00 | 1.00-1.00 | – | – |"
     one_step = aggregate([RunFigures("strong", "ddp", 0, throughput=100.0, efficiency=0.5)])
     assert race_table(one_step, Target("val/acc", 0.9)).splitlines()[2].startswith("| strong | ddp | 100.0 | – |")
 
@@ -92,6 +95,22 @@ def test_a_failed_run_is_named_beneath_the_table_it_has_no_row_in():
         "- strong / adaptive_elastic / repeat 0: AttributeError: no perform_nocolor_split",
     ]
     assert failed_runs(runs[:1]) == ""
+
+
+def test_the_ratio_after_the_first_step_leaves_out_a_warm_up_both_entrants_pay():
+    # The same 1 s warm-up, then steps of 0.4 s (DDP) and 0.2 s: over 3 steps the whole-clock ratio is 1.8 / 1.4,
+    # from the first step's end 0.8 / 0.4.
+    target = Target("val/acc", 0.9)
+    runs = [
+        run_figures(RunRecord(2, clock, [100, 100, 100]), RunFigures("strong", name, 0), 1.0, None, target)
+        for name, clock in (("ddp", [1.0, 1.4, 1.8]), ("adaptive_elastic", [1.0, 1.2, 1.4]))
+    ]
+    assert [run.throughput_after_first_step for run in runs] == pytest.approx([250.0, 500.0])
+    rows = {row.algorithm: row for row in aggregate(runs)}
+    assert rows["adaptive_elastic"].throughput_vs_ddp == pytest.approx(1.8 / 1.4)
+    assert rows["adaptive_elastic"].after_first_step_vs_ddp == pytest.approx(2.0)
+    assert rows["ddp"].after_first_step_vs_ddp == pytest.approx(1.0)
+    assert math.isnan(throughput_after_first_step([1.0], [100]))
 
 
 def test_the_median_step_leaves_the_warm_up_and_a_stall_out():

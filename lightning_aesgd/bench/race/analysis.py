@@ -30,6 +30,7 @@ class RunFigures:
     seconds: float = math.nan
     samples: int = 0
     throughput: float = math.nan
+    throughput_after_first_step: float = math.nan
     step_seconds: float = math.nan
     ideal_throughput: float = math.nan
     efficiency: float = math.nan
@@ -47,6 +48,8 @@ class AggregateFigures:
     algorithm: str
     repeats: int
     throughput: float
+    throughput_after_first_step: float
+    """The median over repeats of :func:`throughput_after_first_step`."""
     step_seconds: float
     """The median over repeats of each run's median step time (the per-step overhead, where steps are short)."""
     efficiency: float
@@ -56,6 +59,8 @@ class AggregateFigures:
     time_to_target_vs_ddp: float | None = None
     throughput_vs_ddp_range: tuple[float, float] | None = None
     """The lowest and highest throughput ÷ DDP's of the same repeat: a claim beyond the spread lies outside it."""
+    after_first_step_vs_ddp: float | None = None
+    """The throughput after the first step ÷ DDP's: the ratio a longer run tends to, the warm-up left out."""
 
 
 def ideal_throughput(solo: float, profile: SlowdownProfile | None, num_replicas: int, samples: Sequence[int]) -> float:
@@ -98,6 +103,22 @@ def median_step_seconds(clock: Sequence[float]) -> float:
     return statistics.median(b - a for a, b in itertools.pairwise(clock)) if len(clock) >= 2 else math.nan
 
 
+def throughput_after_first_step(clock: Sequence[float], samples: Sequence[int]) -> float:
+    """Samples of every step but the first over the training clock from the first step's end; NaN for one step.
+
+    The first step holds the device's warm-up (on a GPU, 1.3-2.1 s of CUDA's lazy start in every entrant of a
+    race of replicas sharing one H100, where later steps take 10-50 ms), a cost that does not grow with the run:
+    over a short race it pulls every entrant's throughput towards the same figure, and their ratio towards 1.
+
+    Example:
+        >>> throughput_after_first_step([2.0, 2.5, 3.0], [100, 100, 100])
+        200.0
+    """
+    if len(clock) < 2 or not clock[-1] > clock[0]:
+        return math.nan
+    return sum(samples[1:]) / (clock[-1] - clock[0])
+
+
 def final_metric(validations: Sequence[Validation], metric: str) -> float | None:
     """``metric`` at the last validation that logged it."""
     values = [v.metrics[metric] for v in validations if metric in v.metrics]
@@ -111,6 +132,7 @@ def run_figures(
     figures.seconds = record.seconds
     figures.samples = record.total_samples
     figures.throughput = record.total_samples / record.seconds if record.seconds > 0 else math.nan
+    figures.throughput_after_first_step = throughput_after_first_step(record.clock, record.samples)
     figures.step_seconds = median_step_seconds(record.clock)
     figures.ideal_throughput = ideal_throughput(solo, profile, record.world_size, record.samples)
     figures.efficiency = figures.throughput / figures.ideal_throughput
@@ -135,6 +157,7 @@ def aggregate(runs: Sequence[RunFigures]) -> list[AggregateFigures]:
         baseline = baselines.get(row.profile)
         if baseline is not None:
             row.throughput_vs_ddp = _ratio(row.throughput, baseline.throughput)
+            row.after_first_step_vs_ddp = _ratio(row.throughput_after_first_step, baseline.throughput_after_first_step)
             row.time_to_target_vs_ddp = _ratio(row.time_to_target, baseline.time_to_target)
             row.throughput_vs_ddp_range = _repeat_range(
                 groups[(row.profile, row.algorithm)], groups[(row.profile, BASELINE)]
@@ -159,6 +182,7 @@ def _medians(profile: str, algorithm: str, group: Sequence[RunFigures]) -> Aggre
         algorithm=algorithm,
         repeats=len(group),
         throughput=statistics.median(run.throughput for run in group),
+        throughput_after_first_step=_finite_median([run.throughput_after_first_step for run in group]),
         step_seconds=_finite_median([run.step_seconds for run in group]),
         efficiency=statistics.median(run.efficiency for run in group),
         time_to_target=median_time if math.isfinite(median_time) else None,
