@@ -22,6 +22,7 @@ from lightning_aesgd.bench.scale.simulation import (
     draw_costs,
     draw_noise,
     lockstep_step_times,
+    planned_step_times,
     simulate,
     speedup_bound,
 )
@@ -50,9 +51,24 @@ def test_without_noise_or_spread_the_plans_are_ddps_and_only_planning_differs():
 def test_a_timed_planning_cost_is_added_to_the_adaptive_steps():
     ticks = iter(range(10**6))
     sim = simulate(4, 1.0, 30, STEP_TIME_RATIOS, noise_scale=0.0, clock=lambda: 1e-3 * next(ticks))
-    assert sim.planning_seconds == pytest.approx(1e-3 * sim.steps)  # 1 ms per receive
-    assert sim.speedup == pytest.approx(sim.ddp_seconds / (sim.adaptive_seconds + 1e-3 * sim.steps))
+    reports = len([10, 14, 18, 22, 26])  # the timed steps that report (the cadence test below)
+    assert sim.planning_seconds == pytest.approx(1e-3 * reports)  # 1 ms per report taken in
+    assert sim.speedup == pytest.approx(sim.ddp_seconds / (sim.adaptive_seconds + 1e-3 * reports))
     assert sim.speedup < sim.speedup_without_planning
+
+
+def test_reports_come_at_the_strategys_cadence_and_only_they_cost_planning_time():
+    ticks = iter(range(10**6))
+    clock = lambda: 1e-3 * next(ticks)  # noqa: E731
+    _, planning, _ = planned_step_times(np.ones(4), np.ones((30, 4)), clock)
+    # Every lag + 1 = 3 steps until the plan is settled and every report measured 3 steps (the first measured
+    # one), then about a quarter second apart: ⌈0.25 s / 64 ms⌉ = 4 steps.
+    assert np.flatnonzero(planning).tolist() == [0, 3, 6, 10, 14, 18, 22, 26]
+    assert planning[planning > 0] == pytest.approx(1e-3)
+    # Steps of 94 ms (the balanced plan of factors [1, 1, 2, 4]): ⌈0.25 / 0.094⌉ = 3, as before settling.
+    _, planning, sizes = planned_step_times(np.array([1.0, 1.0, 2.0, 4.0]), np.ones((30, 4)), clock)
+    assert sizes == (93, 93, 47, 23)
+    assert np.flatnonzero(planning).tolist() == list(range(0, 30, 3))
 
 
 def test_without_noise_the_speedup_approaches_the_sum_of_speeds_over_n_times_the_slowest():

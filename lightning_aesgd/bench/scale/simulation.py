@@ -5,10 +5,13 @@ Replica ``i`` has a cost factor ``fᵢ`` (its speed is ``1/fᵢ``), drawn log-un
 part's 1 ms per sample at cost 1 (64 ms per 64-sample step), and ``εᵢₖ`` is per-step noise drawn from measured
 step times (:mod:`.noise`). Every step lasts as long as its slowest replica (both strategies synchronise every
 step). Lockstep DDP gives every replica ``M/n = 64`` samples. The adaptive side runs the strategy's own
-:class:`~lightning_aesgd.engine.plan_loop.PlanLoop` with its default settings: every step it receives every
-replica's :class:`~lightning_aesgd.core.sensing.PeriodReport`, and its plans apply ``LAG`` steps later; the time
-of each ``receive`` (the planning cost) is added to that step. It is the CPU time of the call: on a shared machine
-its wall time also counts whatever else runs, and on a replica's own host the two agree (planning is one thread).
+:class:`~lightning_aesgd.engine.plan_loop.PlanLoop` with its default settings, and its plans apply ``LAG`` steps
+later. Reports come when the strategy's own :class:`~lightning_aesgd.engine.report_exchange.ReportExchange`
+(gradient sync, the default) has them come: every ``LAG + 1`` steps until the plan settles, then about every
+quarter second of training; each replica's :class:`~lightning_aesgd.core.sensing.PeriodReport` holds its steps
+since its previous report. The time of taking the reports in (the planning cost) is added to the step that
+reports. It is the CPU time of the calls: on a shared machine their wall time also counts whatever else runs, and
+on a replica's own host the two agree (planning is one thread).
 
 Without noise, DDP's step lasts ``c·64·max f`` and the best split of ``M = 64·n`` samples lasts ``c·M / Σ 1/fᵢ``
 (every replica busy for the same time), so the speedup is at most ``Σ vᵢ / (n · min v)`` with ``vᵢ = 1/fᵢ``
@@ -28,6 +31,7 @@ from lightning_aesgd.bench.slowness.cases import BATCH
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.report_exchange import ReportExchange
 
 SECONDS_PER_SAMPLE = 0.064 / BATCH
 """A cost-1 replica's seconds per sample: the measured part's 64 ms per 64-sample step."""
@@ -136,7 +140,7 @@ def lockstep_step_times(costs: np.ndarray, noise: np.ndarray) -> np.ndarray:
 def planned_step_times(
     costs: np.ndarray, noise: np.ndarray, clock: Callable[[], float] = time.process_time
 ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    """The adaptive side: the real plan loop's plans, step by step.
+    """The adaptive side: the real plan loop's plans, step by step, from reports at the strategy's cadence.
 
     Args:
         costs: every replica's cost factor.
@@ -151,20 +155,28 @@ def planned_step_times(
     loop = PlanLoop(PlanSettings())
     loop.attach(replicas)
     book = loop.plan_book_for(total, replicas, LAG)
+    reports = ReportExchange()
+    reports.start()
     times, planning = np.zeros(steps), np.zeros(steps)
     sizes: tuple[int, ...] = book.latest
+    work, active, period_steps = np.zeros(replicas), np.zeros(replicas), 0  # since the previous report
     for step in range(steps):
         sizes = book.sizes_at(step)
         seconds = costs * SECONDS_PER_SAMPLE * np.asarray(sizes) * noise[step]
-        # Each replica's report of one step: its active time is its own step, waits for peers left out.
-        rows = [
-            PeriodReport(size / total, work=size, planned=size, steps=1, active=active).as_row()
-            for size, active in zip(sizes, seconds.tolist(), strict=True)
-        ]
-        start = clock()
-        loop.receive(rows, step)
-        planning[step] = clock() - start
         times[step] = seconds.max()
+        work, active, period_steps = work + sizes, active + seconds, period_steps + 1
+        if not reports.due(step, loop):
+            continue
+        start = clock()
+        # Each replica's period: its own steps' time, the waits for peers left out.
+        rows = [
+            PeriodReport(size / total, work=done, planned=done, steps=period_steps, active=own).as_row()
+            for size, done, own in zip(sizes, work.tolist(), active.tolist(), strict=True)
+        ]
+        loop.receive(rows, step)
+        reports.space_out(loop)
+        planning[step] = clock() - start
+        work, active, period_steps = np.zeros(replicas), np.zeros(replicas), 0
     return times, planning, sizes
 
 
