@@ -3,7 +3,8 @@
 #   1. one GPU: Lightning's single-device Trainer, Lightning's DDP (1 process; the race's `ddp` skips DDP's
 #      per-forward buffer broadcast, as the strategy does) and the strategy's defaults, on
 #      XMC mini with dense gradients and on the Fashion-MNIST CNN: per-step overhead and throughput;
-#   2. 4 replicas sharing the GPU under the strong profile: the defaults against DDP sharing it the same way.
+#   2. 4 replicas sharing the GPU under the strong profile: the defaults against DDP sharing it the same way (no
+#      solo run, so no efficiency: a device-time budget of minutes is better spent on pairs).
 # Uses $AESGD_PYTHON (default python3) as it is. Each race interleaves its entrants in every repeat (their spread
 # is in results.json). Sized from the first GPU run (one H100): a run there spends most of its wall time starting,
 # validating and testing, so validation is thinned; XMC mini's steps take about 4 ms on one GPU, so it trains 40
@@ -35,8 +36,8 @@ one_gpu=(--profiles real --algorithms single_device,ddp,adaptive_elastic --no-so
 race xmc_mini_one_gpu --workload xmc_mini "${one_gpu[@]}" --override model.sparse_gradients=false --epochs 40 \
      --override ++trainer.check_val_every_n_epoch=10 "$@"
 race fashion_mnist_one_gpu --workload fashion_mnist "${one_gpu[@]}" --epochs 1 "$@"
-race xmc_mini_shared_strong --workload xmc_mini --profiles strong --algorithms adaptive_elastic,ddp \
-     --override experiment=gpu_shared --epochs 60 "${once_per_epoch[@]}" --override ++trainer.check_val_every_n_epoch=5 \
+race xmc_mini_shared_strong --workload xmc_mini --profiles strong --algorithms adaptive_elastic,ddp --no-solo \
+     --override experiment=gpu_shared --epochs 60 "${once_per_epoch[@]}" --override ++trainer.check_val_every_n_epoch=10 \
      "$@"
 if ((raced == 0)); then
     echo "gpu_bench: AESGD_GPU_BENCH_ONLY=$only names no race" >&2

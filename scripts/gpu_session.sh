@@ -147,8 +147,11 @@ run() {
         # Into the interpreter's own site-packages where it lets us (the wheel test's fresh environment reuses
         # those, never PYTHONPATH); else beside it, on PYTHONPATH.
         local install=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade)
-        if ! "${install[@]}" --break-system-packages .gpu/whl/*.whl 2>/dev/null &&
-            ! "${install[@]}" .gpu/whl/*.whl 2>/dev/null; then
+        if "${install[@]}" --break-system-packages .gpu/whl/*.whl 2>/dev/null ||
+            "${install[@]}" .gpu/whl/*.whl 2>/dev/null; then
+            echo "gpu_session: wheels installed into $(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+        else
+            echo "gpu_session: site-packages refused the wheels; installed into /tmp/site, on PYTHONPATH" >&2
             "${install[@]}" --target /tmp/site .gpu/whl/*.whl
             export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
         fi

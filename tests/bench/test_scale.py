@@ -30,7 +30,9 @@ from lightning_aesgd.bench.slowness.cases import BATCH
 from lightning_aesgd.bench.slowness.comparison import CaseResult
 from lightning_aesgd.bench.slowness.runner import WARMUP_STEPS as MEASURED_WARMUP_STEPS
 from lightning_aesgd.bench.slowness.runner import RunResult
+from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.plan_loop import PlanLoop
 
 
 def _no_time() -> float:
@@ -69,6 +71,24 @@ def test_reports_come_at_the_strategys_cadence_and_only_they_cost_planning_time(
     _, planning, sizes = planned_step_times(np.array([1.0, 1.0, 2.0, 4.0]), np.ones((30, 4)), clock)
     assert sizes == (93, 93, 47, 23)
     assert np.flatnonzero(planning).tolist() == list(range(0, 30, 3))
+
+
+def test_a_period_with_idle_steps_beside_working_ones_measures_nothing(monkeypatch: pytest.MonkeyPatch):
+    received: list[tuple[int, list[float]]] = []
+    receive = PlanLoop.receive
+
+    def recording(self: PlanLoop, rows: list[list[float]], step: int) -> None:
+        received.append((step, rows[-1]))
+        receive(self, rows, step)
+
+    monkeypatch.setattr(PlanLoop, "receive", recording)
+    # A replica 60× slower than seven others is left out by the first plan (step 0), from step 0 + lag = 2 on.
+    _, _, sizes = planned_step_times(np.array([1.0] * 7 + [60.0]), np.ones((12, 8)), _no_time)
+    assert sizes[-1] == 0
+    planned, steps = PeriodReport.field_index("planned"), PeriodReport.field_index("steps")
+    by_step = dict(received)
+    assert (by_step[3][planned], by_step[3][steps]) == (BATCH, 0)  # step 1 worked, steps 2-3 idle: unmeasured
+    assert (by_step[6][planned], by_step[6][steps]) == (0, 3)  # all idle: steps counted, nothing planned
 
 
 def test_without_noise_the_speedup_approaches_the_sum_of_speeds_over_n_times_the_slowest():

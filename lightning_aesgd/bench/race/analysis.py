@@ -60,7 +60,7 @@ class AggregateFigures:
     throughput_vs_ddp_range: tuple[float, float] | None = None
     """The lowest and highest throughput ÷ DDP's of the same repeat: a claim beyond the spread lies outside it."""
     after_first_step_vs_ddp: float | None = None
-    """The throughput after the first step ÷ DDP's: the ratio a longer run tends to, the warm-up left out."""
+    """The throughput after the first step ÷ DDP's: the device's warm-up left out (the plans' settling stays in)."""
 
 
 def ideal_throughput(solo: float, profile: SlowdownProfile | None, num_replicas: int, samples: Sequence[int]) -> float:

@@ -25,7 +25,7 @@ def race_table(rows: Sequence[AggregateFigures], target: Target) -> str:
     and the odd stall left out: with one replica, where steps last milliseconds, the per-step overhead);
     efficiency = throughput / Σᵢ solo speed / (b·fᵢ); time to the target on the training clock; the target metric
     after the last epoch; throughput ÷ DDP's (above 1 is faster), and the range of its ratios repeat by repeat;
-    the same ratio from the first step's end (the device's warm-up left out: the ratio of a longer run); time to
+    the same ratio from the first step's end (the device's warm-up left out, the plans' settling kept); time to
     target ÷ DDP's (below 1 is faster).
     """
     metric = target.metric

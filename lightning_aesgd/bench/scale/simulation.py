@@ -9,9 +9,13 @@ step). Lockstep DDP gives every replica ``M/n = 64`` samples. The adaptive side 
 later. Reports come when the strategy's own :class:`~lightning_aesgd.engine.report_exchange.ReportExchange`
 (gradient sync, the default) has them come: every ``LAG + 1`` steps until the plan settles, then about every
 quarter second of training; each replica's :class:`~lightning_aesgd.core.sensing.PeriodReport` holds its steps
-since its previous report. The time of taking the reports in (the planning cost) is added to the step that
-reports. It is the CPU time of the calls: on a shared machine their wall time also counts whatever else runs, and
-on a replica's own host the two agree (planning is one thread).
+since its previous report; a period with idle steps (batch 0) beside working ones measures nothing, as in the
+strategy. The plan loop's probes follow the strategy's segments
+(:data:`~lightning_aesgd.engine.sitting_out.SEGMENT_STEPS`). What the model leaves out is the sums without a
+left-out replica (it has no sums); no fleet the scale program draws (spreads up to 8) leaves one out. The time of
+taking the reports in (the planning cost) is added to the step that reports. It is the CPU time of the calls: on
+a shared machine their wall time also counts whatever else runs, and on a replica's own host the two agree
+(planning is one thread).
 
 Without noise, DDP's step lasts ``c·64·max f`` and the best split of ``M = 64·n`` samples lasts ``c·M / Σ 1/fᵢ``
 (every replica busy for the same time), so the speedup is at most ``Σ vᵢ / (n · min v)`` with ``vᵢ = 1/fᵢ``
@@ -32,6 +36,7 @@ from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.report_exchange import ReportExchange
+from lightning_aesgd.engine.sitting_out import SEGMENT_STEPS
 
 SECONDS_PER_SAMPLE = 0.064 / BATCH
 """A cost-1 replica's seconds per sample: the measured part's 64 ms per 64-sample step."""
@@ -154,29 +159,34 @@ def planned_step_times(
     total = BATCH * replicas
     loop = PlanLoop(PlanSettings())
     loop.attach(replicas)
+    loop.segment_steps = SEGMENT_STEPS  # as the strategy sets it under gradient sync, where replicas may sit out
     book = loop.plan_book_for(total, replicas, LAG)
     reports = ReportExchange()
     reports.start()
     times, planning = np.zeros(steps), np.zeros(steps)
     sizes: tuple[int, ...] = book.latest
-    work, active, period_steps = np.zeros(replicas), np.zeros(replicas), 0  # since the previous report
+    work, active, idle = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas)  # since the previous report
+    period_steps = 0
     for step in range(steps):
         sizes = book.sizes_at(step)
         seconds = costs * SECONDS_PER_SAMPLE * np.asarray(sizes) * noise[step]
         times[step] = seconds.max()
         work, active, period_steps = work + sizes, active + seconds, period_steps + 1
+        idle += np.asarray(sizes) == 0
         if not reports.due(step, loop):
             continue
         start = clock()
-        # Each replica's period: its own steps' time, the waits for peers left out.
+        # Each replica's period: its own steps' time, the waits for peers left out; idle steps beside working ones
+        # measure nothing (an idle step pays no fixed cost), as the strategy's arrival clock reports them.
+        measured = np.where((idle > 0) & (idle < period_steps), 0, period_steps).tolist()
         rows = [
-            PeriodReport(size / total, work=done, planned=done, steps=period_steps, active=own).as_row()
-            for size, done, own in zip(sizes, work.tolist(), active.tolist(), strict=True)
+            PeriodReport(size / total, work=done, planned=done, steps=counted, active=own).as_row()
+            for size, done, own, counted in zip(sizes, work.tolist(), active.tolist(), measured, strict=True)
         ]
         loop.receive(rows, step)
         reports.space_out(loop)
         planning[step] = clock() - start
-        work, active, period_steps = np.zeros(replicas), np.zeros(replicas), 0
+        work, active, idle, period_steps = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas), 0
     return times, planning, sizes
 
 
