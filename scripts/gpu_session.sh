@@ -89,8 +89,11 @@ stage_command() {  # the command of one stage, extra arguments last
         placement) echo python3 -m lightning_aesgd.bench placement --workloads xmc_eurlex --repeats 3 "$@" ;;
         seeds) echo python3 -m lightning_aesgd.bench seeds --claims crossbow_learners_gpu "$@" ;;
         suite) # The files of cuda tests first, the others after: the slowest tests there then start first (a
-               # directory named beside its own files would be collected in its own order).
-               echo python3 -m pytest -p no:cacheprovider -v -n "${AESGD_GPU_SUITE_WORKERS:-12}" "$cuda_files" \
+               # directory named beside its own files would be collected in its own order). The slowest tests'
+               # durations close the log, also when the time box stops it: on a GPU machine tests ran several
+               # times slower than here, and which ones is what the next time box needs to know.
+               echo python3 -m pytest -p no:cacheprovider -v --durations=60 -n "${AESGD_GPU_SUITE_WORKERS:-12}" \
+                   "$cuda_files" \
                    "$(find tests -name 'test_*.py' | sort | grep -vxF "${cuda_files// /$'\n'}" | tr '\n' ' ')" \
                    lightning_aesgd "$@" ;;
         *) return 1 ;;

@@ -15,7 +15,6 @@ blocks the very change it should follow.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Sequence
 
@@ -76,7 +75,12 @@ class StepNoise:
 
 def _sigma(differences: Sequence[float]) -> float:
     """``σ = median |dₜ| / (0.6745·√2)``; 0 without differences."""
-    return statistics.median(differences) / (_MEDIAN_ABS_NORMAL * math.sqrt(2.0)) if differences else 0.0
+    if not differences:
+        return 0.0
+    # statistics.median's own rule, without its checks: every replica's noise is read again at every report.
+    ordered, middle = sorted(differences), len(differences) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return median / (_MEDIAN_ABS_NORMAL * math.sqrt(2.0))
 
 
 def noise_band(noise: Sequence[float], smoothing: float, floor: float, z: float = 2.5, cap: float = 0.25) -> float:

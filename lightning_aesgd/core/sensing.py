@@ -155,6 +155,7 @@ class ArrivalModel:
         self._before: list[tuple[StepTime, float, float] | None] = [None] * num_replicas
         self._stale: set[int] = set()  # replicas whose next measurement restarts their estimates
         self.shifted = [False] * num_replicas
+        self._models: list[StepTime] | None = None  # models() since the latest update; [] while one is missing
 
     @property
     def num_replicas(self) -> int:
@@ -165,6 +166,7 @@ class ArrivalModel:
         """Account one merge's reports (one per replica, in rank order); unmeasured reports are skipped."""
         if len(reports) != self.num_replicas:
             raise ValueError(f"need one report per replica ({self.num_replicas}), got {len(reports)}")
+        self._models = None
         weights = []
         for rank, report in enumerate(reports):
             self.shifted[rank] = False
@@ -212,8 +214,10 @@ class ArrivalModel:
 
     def models(self) -> list[StepTime] | None:
         """Every replica's fitted step-time model, or ``None`` until every replica has been measured."""
-        fitted = [estimator.model() for estimator in self.step_time]
-        return None if any(model is None for model in fitted) else [m for m in fitted if m is not None]
+        if self._models is None:  # read several times a report (the plan, its checks, the report cadence)
+            fitted = [estimator.model() for estimator in self.step_time]
+            self._models = [] if any(model is None for model in fitted) else [m for m in fitted if m is not None]
+        return list(self._models) if self._models else None
 
     def rates(self) -> list[float]:
         """Every replica's smoothed work per active second (0 where not measured yet)."""
@@ -245,6 +249,7 @@ class ArrivalModel:
         """Restore what :meth:`state_dict` returned; ignored when it describes another number of replicas."""
         if len(state["step_time"]) != self.num_replicas:
             return
+        self._models = None
         for estimator, saved in zip(self.step_time, state["step_time"], strict=True):
             estimator.load_state_dict(saved)
         for speed, saved in zip(self.speed, state["speed"], strict=True):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_aesgd.core.schedule import report_interval
+from lightning_aesgd.core.schedule import report_interval, report_seconds
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.comm import Communicator, completed, copy_from_host
 from lightning_aesgd.engine.flat import to_host
@@ -115,7 +115,8 @@ class ReportExchange:
         ``key_offset`` is the plans' step key minus Lightning's global step, which reports count (they differ from
         the second epoch on where an epoch stops early, e.g. under ``limit_train_batches``).
 
-        ``lag + 1`` until the plan is settled, then about a quarter second's worth. Settled: the plan's predicted
+        ``lag + 1`` until the plan is settled, then about a quarter second's worth (more for hundreds of replicas:
+        :func:`~lightning_aesgd.core.schedule.report_seconds`). Settled: the plan's predicted
         step times agree within :data:`SETTLED_SPREAD` (the plan loop's smoothed models, so timing noise on equal
         devices does not count), and every report measured at least ``lag + 1`` steps (the first step of a fit, or
         of an epoch, leaves out the hooks and data loading around it).
@@ -123,7 +124,8 @@ class ReportExchange:
         shortest = plans.lag + 1
         reports = [report for rank, report in enumerate(plans.latest_reports) if rank not in plans.held_out]
         settled = plans.balanced_within(SETTLED_SPREAD) and all(report.steps >= shortest for report in reports)
-        self._every = report_interval(_step_seconds(reports), shortest) if settled else shortest
+        seconds = report_seconds(len(plans.latest_reports))
+        self._every = report_interval(_step_seconds(reports), shortest, seconds=seconds) if settled else shortest
         # A shorter interval counts from the latest report, not from the one after it: the report that starts a
         # probe (or a new plan) was scheduled at the settled plan's interval, and the probe held every step at the
         # probed replica's pace until a second such interval had passed (about 30 steps instead of lag + 1).

@@ -73,6 +73,16 @@ def test_reports_come_at_the_strategys_cadence_and_only_they_cost_planning_time(
     assert np.flatnonzero(planning).tolist() == list(range(0, 30, 3))
 
 
+def test_reports_of_hundreds_of_replicas_come_further_apart_once_settled():
+    ticks = iter(range(10**7))
+    clock = lambda: 1e-3 * next(ticks)  # noqa: E731
+    # 256 replicas: ⌈0.512 s / 64 ms⌉ = 8 steps apart once settled (core.schedule.report_seconds); 100: 4, as 4 do.
+    _, planning, _ = planned_step_times(np.ones(256), np.ones((40, 256)), clock)
+    assert np.flatnonzero(planning).tolist() == [0, 3, 6, 14, 22, 30, 38]
+    _, planning, _ = planned_step_times(np.ones(100), np.ones((40, 100)), clock)
+    assert np.flatnonzero(planning).tolist() == [0, 3, 6, *range(10, 40, 4)]
+
+
 def test_a_period_with_idle_steps_beside_working_ones_measures_nothing(monkeypatch: pytest.MonkeyPatch):
     received: list[tuple[int, list[float]]] = []
     receive = PlanLoop.receive

@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 
 from lightning_aesgd.core.schedule import (
     REPORT_SECONDS,
+    REPORT_SECONDS_PER_REPLICA,
+    REPORT_SHARE,
     LearningRateDrop,
     merge_due,
     report_interval,
+    report_seconds,
     validate_schedule,
 )
 
@@ -143,3 +146,13 @@ def test_reports_come_about_every_quarter_second_within_their_bounds(step_second
 def test_nothing_measured_reports_as_often_as_plans_can_change():
     assert report_interval(0.0, 3) == 3
     assert report_interval(float("nan"), 3) == 3
+
+
+@given(st.integers(min_value=1, max_value=100_000))
+def test_reports_of_many_replicas_cost_at_most_their_share_of_the_time(replicas):
+    seconds = report_seconds(replicas)
+    assert seconds >= REPORT_SECONDS
+    assert replicas * REPORT_SECONDS_PER_REPLICA <= REPORT_SHARE * seconds * (1 + 1e-12)
+    assert report_seconds(replicas + 1) >= seconds
+    if replicas * REPORT_SECONDS_PER_REPLICA <= REPORT_SHARE * REPORT_SECONDS:
+        assert seconds == REPORT_SECONDS  # a job of up to 125 replicas reports every quarter second

@@ -175,19 +175,31 @@ def planned_step_times(
         idle += np.asarray(sizes) == 0
         if not reports.due(step, loop):
             continue
-        start = clock()
         # Each replica's period: its own steps' time, the waits for peers left out; idle steps beside working ones
         # measure nothing (an idle step pays no fixed cost), as the strategy's arrival clock reports them.
-        measured = np.where((idle > 0) & (idle < period_steps), 0, period_steps).tolist()
-        rows = [
-            PeriodReport(size / total, work=done, planned=done, steps=counted, active=own).as_row()
-            for size, done, own, counted in zip(sizes, work.tolist(), active.tolist(), measured, strict=True)
-        ]
-        loop.receive(rows, step)
+        measured = np.where((idle > 0) & (idle < period_steps), 0, period_steps)
+        table = report_table(np.asarray(sizes) / total, work, measured, active)
+        start = clock()  # each replica wrote its own row; every rank reads the table the all-reduce returns
+        loop.receive(table.tolist(), step)
         reports.space_out(loop)
         planning[step] = clock() - start
         work, active, idle, period_steps = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas), 0
     return times, planning, sizes
+
+
+def report_table(merge_weights: np.ndarray, work: np.ndarray, steps: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """Every replica's :class:`PeriodReport` row (planned samples = work), as the strategy's report all-reduce returns.
+
+    Example:
+        >>> row = report_table(np.array([0.5]), np.array([64.0]), np.array([2]), np.array([0.128]))[0]
+        >>> PeriodReport.from_row(row.tolist()) == PeriodReport(0.5, work=64.0, planned=64.0, steps=2, active=0.128)
+        True
+    """
+    table = np.tile(np.asarray(PeriodReport(0.0).as_row()), (len(work), 1))
+    for name, column in (("merge_weight", merge_weights), ("work", work), ("planned", work), ("steps", steps)):
+        table[:, PeriodReport.field_index(name)] = column
+    table[:, PeriodReport.field_index("active")] = active
+    return table
 
 
 def simulate(
