@@ -410,7 +410,12 @@ class WeightedAllReduce:
             self.comm.all_reduce_sum_(summed_tail)
         if summed_tail is None:
             return means, []
-        total_weight, rows = _split_tail(to_host(summed_tail), len(row))
+        if not row and self.comm.world_size == 1 and not isinstance(weight, Tensor):
+            # A group of one sums its own host weight: nothing to read back (a lone GPU replica's end-of-fit merge
+            # would wait for its device here).
+            total_weight, rows = float(weight), []
+        else:
+            total_weight, rows = _split_tail(to_host(summed_tail), len(row))
         if flats and not total_weight > 0:
             raise NoMergeWeightError(
                 f"The merge weights of all replicas sum to {total_weight}; at least one must be positive.", rows

@@ -26,7 +26,7 @@ from lightning_aesgd.engine import averager as averager_module
 from lightning_aesgd.engine import comm as comm_module
 from lightning_aesgd.engine import finite_guard, report_exchange, sparse_sums
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
-from lightning_aesgd.engine.comm import WeightedAllReduce
+from lightning_aesgd.engine.comm import NoMergeWeightError, WeightedAllReduce
 from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
 from lightning_aesgd.engine.flat import FlatView, to_host
 from lightning_aesgd.engine.gradients import GradientSum
@@ -241,6 +241,19 @@ def test_a_weight_and_row_numbers_on_the_device_travel_as_host_ones_do(device, h
         host_means, host_rows = WeightedAllReduce(comm)(flats, 3.0, row=[5.0, 6.0, 7.0])
         torch.testing.assert_close(means[0], host_means[0])
         assert rows == host_rows == [[0.0] * 3, [10.0, 12.0, 14.0]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_lone_replica_without_a_row_reads_nothing_back(device, host_reads):
+    # The end-of-fit merge of a lone GPU replica: its total is its own host weight (on `meta` a read would raise).
+    flats = [torch.full((3,), 2.0, device=device)]
+    means, rows = WeightedAllReduce(FakeCommunicator(world_size=1, device=device))(flats, 3.0)
+    _on(device, means)
+    assert (len(host_reads.tensors), rows) == (0, [])
+    with pytest.raises(NoMergeWeightError):
+        WeightedAllReduce(FakeCommunicator(world_size=1, device=device))(flats, 0.0)
+    if device == "cpu":
+        torch.testing.assert_close(means[0], flats[0])
 
 
 def test_the_finite_guard_stays_on_the_device_without_reading_it():
