@@ -413,7 +413,7 @@ class WeightedAllReduce:
         if not row and self.comm.world_size == 1 and not isinstance(weight, Tensor):
             # A group of one sums its own host weight: nothing to read back (a lone GPU replica's end-of-fit merge
             # would wait for its device here).
-            total_weight, rows = float(weight), []
+            total_weight, rows = float(weight), list[list[float]]()
         else:
             total_weight, rows = _split_tail(to_host(summed_tail), len(row))
         if flats and not total_weight > 0:
