@@ -33,7 +33,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # What the GPU image lacks, by the names pip knows them (the image holds torch, Lightning, pytest and the rest).
 CARRIED=(hydra-core omegaconf antlr4-python3-runtime PyYAML jsonargparse docstring-parser typeshed-client
          hydra-optuna-sweeper optuna alembic SQLAlchemy Mako colorlog cmaes greenlet hydra-submitit-launcher
-         submitit)
+         submitit pytest-xdist execnet)
 FASHION_MNIST=/usr/share/datasets/fashion-mnist
 STAGES=(cuda-tests check bench probe placement seeds suite)
 
@@ -91,8 +91,12 @@ stage_command() {  # the command of one stage, extra arguments last
         suite) # The files of cuda tests first, the others after: the slowest tests there then start first (a
                # directory named beside its own files would be collected in its own order). The slowest tests'
                # durations close the log, also when the time box stops it: on a GPU machine tests ran several
-               # times slower than here, and which ones is what the next time box needs to know.
-               echo python3 -m pytest -p no:cacheprovider -v --durations=60 -n "${AESGD_GPU_SUITE_WORKERS:-12}" \
+               # times slower than here, and which ones is what the next time box needs to know. Work stealing
+               # (pytest-xdist >= 3.2, carried): xdist hands each worker a block of tests in collection order, and
+               # in the fourth session most of the 11 cuda tests that did not end had likely never started, queued
+               # behind one worker's block while others had finished theirs.
+               echo python3 -m pytest -p no:cacheprovider -v --durations=60 --dist worksteal \
+                   -n "${AESGD_GPU_SUITE_WORKERS:-12}" \
                    "$cuda_files" \
                    "$(find tests -name 'test_*.py' | sort | grep -vxF "${cuda_files// /$'\n'}" | tr '\n' ' ')" \
                    lightning_aesgd "$@" ;;
