@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-__all__ = ["learners_to_keep", "measures_more"]
+__all__ = ["learners_to_keep", "measures_more", "rates_text"]
 
 
 def learners_to_keep(rates: Sequence[float], min_gain: float) -> int:
@@ -46,3 +46,13 @@ def measures_more(rates: Sequence[float], min_gain: float, max_learners: int) ->
     if not rates[-1] > 0.0:
         return False
     return len(rates) < max_learners and learners_to_keep(rates, min_gain) == len(rates)
+
+
+def rates_text(rates: Sequence[float]) -> str:
+    """The measured rates by number of learners, for logs and the summary; a learner count that could not run says so.
+
+    Example:
+        >>> rates_text([1200.0, 2300.5, 0.0])
+        '1: 1,200, 2: 2,300, 3: did not run'
+    """
+    return ", ".join(f"{k}: {rate:,.0f}" if rate > 0 else f"{k}: did not run" for k, rate in enumerate(rates, start=1))

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
 
 from lightning_aesgd.core.tuning import learners_to_keep, measures_more
 from lightning_aesgd.engine.comm import Communicator
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, trainable_parameters
-from lightning_aesgd.engine.learners import LearnerStep, LearnerStepError
+from lightning_aesgd.engine.learners import LearnerStep, LearnerStepError, batch_rows
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,9 @@ def measure_learners(
 
     They do not fit when the device runs out of memory, or leaves no room for their optimizer state
     (:func:`fits_in_memory`). One learner runs the step as it is (no batching), as ``learners_per_device=1`` trains.
-    A step that cannot run batched is a warning, or with ``quiet`` (every replica but one) a debug message.
+    A step that cannot run batched is a warning, or with ``quiet`` (every replica but one) a debug message; so is a
+    batch that cannot be dealt to learners (:func:`~lightning_aesgd.engine.learners.batch_rows`), already at one
+    learner, which ends the search there.
     """
     device = module_device(module)
     if device.type == "cuda":
@@ -123,7 +125,7 @@ def measure_learners(
     with _module_kept(module):
         try:
             step = _stacked_step(module, learners) if learners > 1 else None
-            rows_each, stacked = _rows(batch), _repeated(batch, learners)
+            rows_each, stacked = batch_rows(batch), _repeated(batch, learners)
             for index in range(repeats + 1):
                 if index == 1:  # the first step warms caches and kernels up; the others are timed
                     _synchronize(device)
@@ -182,22 +184,9 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     """What ``self.log`` does while the learners are measured."""
 
 
-def _rows(batch: Any) -> int:
-    rows = [t.shape[0] for t in _tensors(batch) if t.dim() > 0]
-    if not rows:
-        raise ValueError("learners_per_device='auto' measures on a batch of tensors; this one has none.")
-    return rows[0]
-
-
-def _tensors(batch: Any) -> list[Tensor]:
-    found: list[Tensor] = []
-    apply_to_collection(batch, Tensor, found.append)
-    return found
-
-
 def _repeated(batch: Any, learners: int) -> Any:
     """The batch once per learner, along the first dimension."""
-    return apply_to_collection(batch, Tensor, lambda t: t.repeat(learners, *[1] * (t.dim() - 1)) if t.dim() else t)
+    return tree_map_only(Tensor, lambda t: t.repeat(learners, *[1] * (t.dim() - 1)) if t.dim() else t, batch)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -25,10 +25,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 UNSUPPORTED_STEP_HINT = (
     "HINT: with learners_per_device > 1 the training step runs once for all learners, batched by torch.func.vmap: "
@@ -81,9 +80,31 @@ def learner_rows(batch_rows: int, learners: int) -> list[tuple[int, int, int]]:
     return [(first, end, rows) for first, end, rows in groups if end > first and rows > 0]
 
 
-def _batch_rows(batch: Any) -> int:
-    """The number of samples in a batch: the first dimension of its tensors, which must all agree."""
-    rows = {leaf.shape[0] for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor) and leaf.dim() > 0}
+PLAIN_VALUES = (str, bytes, int, float, complex, type(None))
+"""Values a batch may hold beside its tensors: every learner sees them whole (ids, flags, counts)."""
+
+
+def batch_rows(batch: Any) -> int:
+    """The number of samples in a batch: the first dimension of its tensors, which must all agree.
+
+    Learners are dealt the batch as :func:`torch.func.vmap` splits it: the tensors inside lists, tuples, dicts
+    and namedtuples (torch's pytrees), along their first dimension.
+
+    Raises:
+        LearnerStepError: for a batch that cannot be dealt that way: its tensors disagree on their rows, it has
+            none, or it holds an object that vmap would pass whole to every learner (a dataclass, a sparse batch
+            class, a NumPy array).
+    """
+    leaves = tree_flatten(batch)[0]
+    opaque = sorted({type(leaf).__name__ for leaf in leaves if not isinstance(leaf, (Tensor, *PLAIN_VALUES))})
+    if opaque:
+        raise LearnerStepError(
+            f"A batch holding {', '.join(opaque)} cannot be dealt to learners: torch.func.vmap splits the tensors "
+            "inside lists, tuples, dicts and namedtuples only, and would give every learner the whole of the rest. "
+            "HINT: let the collate function return a tuple or dict of tensors with one row per sample, or use "
+            "learners_per_device=1."
+        )
+    rows = {leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0}
     if len(rows) != 1:
         raise LearnerStepError(
             f"A batch whose tensors hold {sorted(rows) or 'no'} rows cannot be split among learners. HINT: every "
@@ -101,7 +122,7 @@ def _rows_of(batch: Any, begin: int, learners: int, rows: int) -> Any:
         part = tensor[begin : begin + learners * rows]
         return part.reshape(learners, rows, *tensor.shape[1:])
 
-    return apply_to_collection(batch, Tensor, take)
+    return tree_map_only(Tensor, take, batch)
 
 
 class LearnerStep:
@@ -133,7 +154,7 @@ class LearnerStep:
         outputs, logged = [], _LogRecorder(self.module)
         begin = 0
         with logged:
-            for first, end, rows in learner_rows(_batch_rows(batch), self.learners):
+            for first, end, rows in learner_rows(batch_rows(batch), self.learners):
                 own = {
                     name: tensor if end - first == self.learners else tensor[first:end]
                     for name, tensor in self._stacked
@@ -268,4 +289,4 @@ class _LogRecorder:
         return indexed
 
 
-__all__ = ["LearnerStep", "LearnerStepError", "learner_rows"]
+__all__ = ["LearnerStep", "LearnerStepError", "batch_rows", "learner_rows"]

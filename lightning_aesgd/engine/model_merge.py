@@ -24,6 +24,7 @@ from typing_extensions import Unpack
 
 from lightning_aesgd.core.schedule import LearningRateDrop
 from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.core.tuning import rates_text
 from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.admission import MIN_PROBE_INTERVAL
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings, ReducedMerge
@@ -154,7 +155,7 @@ class ModelMerge(StepPipeline):
         """
         learners, self.learner_rates = tune_learners(measure, self._comm(), self.learner_tuning)
         if self._comm().rank == 0:
-            rates = ", ".join(f"{k}: {rate:,.0f}" for k, rate in enumerate(self.learner_rates, start=1))
+            rates = rates_text(self.learner_rates)
             log.info("learners_per_device='auto': samples/s by learners per replica {%s}; trains %d.", rates, learners)
         self._use_learners(learners)
         self._learners_chosen = True

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_aesgd.core.apportion import ideal_shares, share_error
+from lightning_aesgd.core.tuning import rates_text
 from lightning_aesgd.engine.plan_loop import ReplicaStats
 
 
@@ -88,7 +89,7 @@ def summary_table(record: dict[str, Any]) -> str:
     lines.append(f"{sync_name}: {record['syncs']}")
     learners = record.get("learners")
     if learners is not None:
-        measured = ", ".join(f"{k}: {rate:,.0f}" for k, rate in enumerate(learners["measured"], start=1))
+        measured = rates_text(learners["measured"])
         lines.append(
             f"learners per replica: {learners['per_replica']}"
             + (f" (auto; the job's samples/s by learners per replica: {measured})" if measured else "")

@@ -7,6 +7,7 @@ the batch with an optimizer of its own; the checks compare against such separate
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -207,6 +208,39 @@ def test_a_step_that_updates_a_shared_integer_buffer_with_each_learners_value_fa
 
     with pytest.raises(LearnerStepError, match=r"one for all learners.*floating buffer"):
         step(counts_positives, _batch(8, seed=2), 0)
+
+
+@dataclass(frozen=True)
+class _Features:
+    """A batch class of the user's, as XMC's sparse batches are: vmap cannot look inside it."""
+
+    x: Tensor
+    y: Tensor
+
+
+@pytest.mark.parametrize(
+    ("batch", "named"),
+    [
+        (_Features(*_batch(8, seed=2)), "_Features"),
+        ((_batch(8, seed=2)[0], _batch(8, seed=2)[1].numpy()), "ndarray"),
+        ((torch.zeros(8, 3), torch.zeros(6, 1)), r"\[6, 8\] rows"),
+    ],
+    ids=["dataclass", "numpy", "ragged"],
+)
+def test_a_batch_that_cannot_be_dealt_to_learners_fails_with_a_hint(batch, named):
+    net, _, step = _stacked(2)
+    with pytest.raises(LearnerStepError, match=rf"{named}.*HINT"):
+        step(lambda b, i: net.training_step(b, i)["loss"], batch, 0)
+
+
+def test_auto_keeps_one_learner_where_the_batch_cannot_be_dealt_to_learners(caplog):
+    net = Net()
+    features = _Features(*_batch(8, seed=0))
+    with caplog.at_level("WARNING", logger="lightning_aesgd"):
+        assert measure_learners(net, lambda b, i: net.training_step((b.x, b.y), i)["loss"], features, 1) == 0.0
+    assert "keeps 1 learner: A batch holding _Features cannot be dealt to learners" in caplog.text
+    comm = FakeCommunicator(world_size=1)
+    assert tune_learners(lambda k: 0.0, comm, LearnerTuning(max_learners=4)) == (1, [0.0])
 
 
 def test_the_users_own_errors_pass_through_unchanged():
