@@ -22,7 +22,8 @@
 #               records (results.json, each run's record.json and metrics.csv) come back in bench_results.tgz
 #   probe       scripts/gpu_sharing_probe.py: what a host synchronisation costs on a shared GPU
 #   placement   the placement benchmark on XMC EURLex-shaped data (GPU alone, GPU + CPU replicas, CPU alone)
-#   seeds       Crossbow's learners on one GPU (seeds --claims crossbow_learners_gpu)
+#   seeds       the GPU claims of the seed papers: Crossbow's learners on one GPU, Adaptive Hogbatch (CPU replicas
+#               beside it): seeds --claims crossbow_learners_gpu,adaptive_hogbatch
 #   suite       the whole test suite, each test named as it ends (AESGD_GPU_SUITE_WORKERS workers, 12 by default,
 #               one thread each)
 # Arguments after `--` go to every stage's command. Example, in one call of the device tool:
@@ -87,7 +88,7 @@ stage_command() {  # the command of one stage, extra arguments last
         bench) echo scripts/gpu_bench.sh "$@" ;;
         probe) echo python3 scripts/gpu_sharing_probe.py "$@" ;;
         placement) echo python3 -m lightning_aesgd.bench placement --workloads xmc_eurlex --repeats 3 "$@" ;;
-        seeds) echo python3 -m lightning_aesgd.bench seeds --claims crossbow_learners_gpu "$@" ;;
+        seeds) echo python3 -m lightning_aesgd.bench seeds --claims crossbow_learners_gpu,adaptive_hogbatch "$@" ;;
         suite) # The files of cuda tests first, the others after: the slowest tests there then start first (a
                # directory named beside its own files would be collected in its own order). The slowest tests'
                # durations close the log, also when the time box stops it: on a GPU machine tests ran several

@@ -17,6 +17,7 @@ from lightning_aesgd.bench.race.benchmark import BenchResult, BenchSettings
 from lightning_aesgd.bench.race.recorder import RunRecord, Validation
 from lightning_aesgd.bench.race.runner import compose_config
 from lightning_aesgd.bench.race.suites import WORKLOADS, Target
+from lightning_aesgd.bench.seeds import claims as claims_module
 from lightning_aesgd.bench.seeds import program
 from lightning_aesgd.bench.seeds.claims import CLAIMS, Claim, Entrant, algorithm_exists, get_claims, same_batch_ddp
 from lightning_aesgd.bench.seeds.program import (
@@ -352,11 +353,12 @@ def test_abs_sgd_runs_its_delay_from_the_first_validation_on():
         assert (cfg.trainer.val_check_interval, cfg.trainer.check_val_every_n_epoch) == (warmup, None), name
 
 
-@pytest.mark.parametrize("key", [claim.key for claim in CLAIMS if claim.requires and claim.missing()])
+@pytest.mark.parametrize("key", [claim.key for claim in CLAIMS if claim.requires])
 def test_a_claim_without_its_capability_is_not_implemented_and_not_raced(
     key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     claim = get_claims([key])[0]
+    monkeypatch.setattr(claims_module, "config_dir", lambda: tmp_path)  # no algorithm configs at all
 
     def no_race(settings: BenchSettings) -> BenchResult:
         raise AssertionError("a claim that is not implemented must not race")
@@ -612,3 +614,15 @@ def test_tiny_seeds_run_writes_the_table_and_verdicts(tmp_path: Path, capsys: py
     assert "| homogeneous | sma_b64 |" in table  # the claim's own race table
     assert (tmp_path / "crossbow" / "results.json").is_file()
     assert "| claim | paper says | rival | spread | we measured | verdict |" in capsys.readouterr().out
+
+
+def test_the_hogbatch_claim_races_gpus_with_cpu_replicas_against_ddp_on_the_gpus_alone():
+    claim = get_claims(["adaptive_hogbatch"])[0]
+    assert (claim.candidate, claim.rivals, claim.profile, claim.needs_gpu) == ("hogbatch", ("ddp",), "gpu_cpu", True)
+    assert claim.missing() == []
+    base = [*WORKLOADS[claim.workload].overrides(), f"devices={claim.profile}"]
+    composed = {e.name: compose_config([*base, *e.selection(), *claim.overrides]) for e in claim.entrants}
+    hogbatch, ddp = composed["hogbatch"], composed["ddp"]
+    assert (hogbatch.algorithm.sync, hogbatch.algorithm.replica_devices) == ("models", "auto")
+    assert (ddp.algorithm.replica_devices, ddp.trainer.devices, ddp.trainer.accelerator) == (None, -1, "auto")
+    assert ddp.algorithm._target_ == "lightning_aesgd.baselines.SharedDeviceDDPStrategy"
