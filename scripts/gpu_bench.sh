@@ -21,13 +21,16 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${AESGD_GPU_BENCH_OUT:-bench_results/gpu}"
 only="${AESGD_GPU_BENCH_ONLY:-.*}"
 raced=0
+failed=0
 race() {  # race NAME ARGS...: one race into $out/NAME, unless AESGD_GPU_BENCH_ONLY leaves it out
     local name=$1
     shift
     if [[ $name =~ ^($only)$ ]]; then
         echo "== $name"
         raced=$((raced + 1))
-        "$python" -m lightning_aesgd.bench --repeats "${AESGD_GPU_BENCH_REPEATS:-3}" --out "$out/$name" "$@"
+        # A race with a failed run exits non-zero; the other races still run, and the script fails at the end.
+        "$python" -m lightning_aesgd.bench --repeats "${AESGD_GPU_BENCH_REPEATS:-3}" --out "$out/$name" "$@" ||
+            failed=$((failed + 1))
     fi
 }
 once_per_epoch=(--override ++trainer.val_check_interval=1.0)
@@ -42,4 +45,8 @@ race xmc_mini_shared_strong --workload xmc_mini --profiles strong --algorithms a
 if ((raced == 0)); then
     echo "gpu_bench: AESGD_GPU_BENCH_ONLY=$only names no race" >&2
     exit 2
+fi
+if ((failed > 0)); then
+    echo "gpu_bench: $failed of $raced races had failed runs (named beneath their tables)" >&2
+    exit 1
 fi

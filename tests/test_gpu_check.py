@@ -126,6 +126,18 @@ def test_a_gpu_bench_filter_that_names_no_race_fails():
     assert b"names no race" in done.stderr
 
 
+def test_a_gpu_bench_race_with_failed_runs_leaves_the_other_races_to_run_and_fails_at_the_end(tmp_path):
+    calls = tmp_path / "calls"
+    failing_python = tmp_path / "python"  # every race "has a failed run": the bench's exit status 1
+    failing_python.write_text(f"#!/bin/sh\necho race >> {calls}\nexit 1\n")
+    failing_python.chmod(0o755)
+    env = _environment(AESGD_PYTHON=str(failing_python))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh")], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 1
+    assert calls.read_text().split() == ["race"] * 3
+    assert b"3 of 3 races had failed runs" in done.stderr
+
+
 @pytest.mark.timeout(300)
 def test_a_gpu_session_runs_its_stages_and_reports_each_one(tmp_path):
     # One quick cuda test, through the arguments after `--`: it skips without a GPU and passes in seconds on one

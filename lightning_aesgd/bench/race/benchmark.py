@@ -69,6 +69,7 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
     """Measure the solo speed, run the interleaved matrix, then write the table, the JSON and the plots."""
     base = get_workload(settings.workload).overrides(settings.tiny)
     configs = {profile: _profile_config(settings, base, profile) for profile in settings.profiles}
+    _check_entrants(settings, base)
     solo = _solo_speed(settings, base, configs) if settings.measure_solo else math.nan
     if settings.measure_solo:
         print(f"solo speed (one replica, no emulation): {solo:.1f} samples/s")
@@ -89,6 +90,21 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
     files = write_results(settings.out, _settings_dict(settings, solo, configs), runs, rows, table)
     files += _plots(settings, records, configs)
     return BenchResult(solo, runs, rows, table, files)
+
+
+def _check_entrants(settings: BenchSettings, base: list[str]) -> None:
+    """Compose every run's config before any runs, so that a misspelt name fails the race at once.
+
+    Raises:
+        ValueError: naming the run and Hydra's reason (which lists the options of a group, for a name it lacks).
+    """
+    for profile in settings.profiles:
+        for algorithm in settings.algorithms:
+            try:
+                _profile_config(settings, base, profile, algorithm)
+            except Exception as error:
+                reason = str(error).split("\nConfig search path")[0].strip()  # Hydra's reason, without where it looked
+                raise ValueError(f"The race cannot compose the run {profile} / {algorithm}: {reason}") from error
 
 
 def _profile_config(settings: BenchSettings, base: list[str], profile: str, algorithm: str = "ddp") -> DictConfig:

@@ -78,10 +78,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         measure_solo=options.solo,
     )
     with nullcontext() if options.verbose else quiet_lightning():
-        result = run_benchmark(settings)
+        try:
+            result = run_benchmark(settings)
+        except ValueError as error:
+            parser.error(str(error))
     print(f"\n{result.table}\n")
     print(f"Wrote {len(result.files)} files under {settings.out}: " + ", ".join(p.name for p in result.files))
-    return 0
+    failed = sum(1 for run in result.runs if run.error)
+    if failed:
+        print(f"{failed} of {len(result.runs)} runs failed (their errors are above, and beneath the table).")
+    return 1 if failed else 0
 
 
 @contextmanager
