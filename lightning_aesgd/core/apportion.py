@@ -129,7 +129,7 @@ def in_multiples(sizes: Sequence[int], multiple: int, max_size: High = None) -> 
     return rounded
 
 
-def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float], min_size: int = 1) -> list[int]:
+def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float], min_size: Low = 1) -> list[int]:
     """Cut one step's ordered items into consecutive slices whose costs follow ``shares``.
 
     With per-item costs ``c_k`` (e.g. non-zeros of sparse rows) and prefix sums ``C_k = Σ_{j<k} c_j``, the
@@ -137,13 +137,14 @@ def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float]
     ``C_k`` nearest to ``B_i`` (the lower one on ties). Each slice's cost is then within one item's cost of
     its share ``C_N · s_i / Σ s``, so replicas finish the step at the same time when time follows cost
     (a sparse row costs what its non-zeros cost). Cuts are then pushed, first forward
-    and then backward, so that every slice holds at least ``min(min_size, N // n)`` items: a short final step
-    lowers the minimum instead of failing. With zero total cost the counts fall back to :func:`apportion`.
+    and then backward, so that every slice ``i`` holds at least ``min_size_i`` items; where the step holds fewer
+    than ``Σ min_size_i`` items (a short final step), at least ``min(min_size_i, N // n)`` instead of failing.
+    With zero total cost the counts fall back to :func:`apportion`.
 
     Args:
         costs: Non-negative, finite cost of each item, in the order the items are consumed.
         shares: Non-negative relative weights of the replicas, not all zero.
-        min_size: Smallest number of items per slice when there are at least ``n·min_size`` items.
+        min_size: Smallest number of items per slice, or one per slice.
 
     Returns:
         Counts ``c_1..c_n`` with ``Σ c_i = len(costs)``; replica ``i`` takes the next ``c_i`` items.
@@ -155,12 +156,14 @@ def split_by_cost(costs: Sequence[float] | torch.Tensor, shares: Sequence[float]
         >>> split_by_cost([1.0, 1.0, 1.0, 1.0, 4.0], [1.0, 1.0])
         [4, 1]
     """
-    if min_size < 0:
-        raise ValueError(f"`min_size` must be >= 0, got {min_size}")
     weights = checked_weights(shares)
+    smallest = [int(low) for low in per_replica(min_size, len(weights), "min_size")]
+    if min(smallest) < 0:
+        raise ValueError(f"`min_size` must be >= 0, got {min_size}")
     prefix = _cost_prefix_sums(costs)
     num_items = prefix.numel() - 1
-    smallest = min(min_size, num_items // len(weights))
+    if sum(smallest) > num_items:
+        smallest = [min(low, num_items // len(weights)) for low in smallest]
     if prefix[-1].item() == 0.0:
         return apportion(num_items, weights, min_size=smallest)
     cuts = _spread_cuts(_nearest_cuts(prefix, weights), num_items, smallest)
@@ -335,13 +338,16 @@ def _nearest_cuts(prefix: torch.Tensor, weights: list[float]) -> list[int]:
     return cuts
 
 
-def _spread_cuts(cuts: list[int], num_items: int, min_size: int) -> list[int]:
-    """Push cuts so every slice has ``min_size`` items; needs ``num_items >= (len(cuts) + 1) * min_size``."""
+def _spread_cuts(cuts: list[int], num_items: int, min_sizes: list[int]) -> list[int]:
+    """Push cuts so that slice ``i`` has ``min_sizes[i]`` items; needs ``num_items >= sum(min_sizes)``.
+
+    Slice ``i`` runs from cut ``i − 1`` (0 for the first) to cut ``i`` (``num_items`` for the last).
+    """
     spread = list(cuts)
     for i in range(len(spread)):
-        spread[i] = max(spread[i], (spread[i - 1] if i else 0) + min_size)
+        spread[i] = max(spread[i], (spread[i - 1] if i else 0) + min_sizes[i])
     for i in reversed(range(len(spread))):
-        spread[i] = min(spread[i], (spread[i + 1] if i + 1 < len(spread) else num_items) - min_size)
+        spread[i] = min(spread[i], (spread[i + 1] if i + 1 < len(spread) else num_items) - min_sizes[i + 1])
     return spread
 
 

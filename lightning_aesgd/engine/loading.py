@@ -288,6 +288,7 @@ def build_planned_loader(
     step_batch_size: int,
     costs: Tensor | None = None,
     learners: int = 1,
+    min_batch: int | Sequence[int] = 1,
 ) -> PlannedDataLoader:
     """Return a copy of ``loader`` whose batches follow the plans in ``plan_book``.
 
@@ -300,6 +301,7 @@ def build_planned_loader(
         step_batch_size: indices per step over all replicas.
         costs: optional per-sample costs for cost-aware splitting.
         learners: models each replica trains side by side (each needs a sample of the epoch's last step).
+        min_batch: the strategy's smallest batch per replica, which the epoch's last step keeps too.
     """
     check_step_fits(facts.dataset_size, step_batch_size, loader.drop_last)
     batch_sampler = PlannedBatchSampler(
@@ -313,6 +315,7 @@ def build_planned_loader(
         drop_last=loader.drop_last,
         costs=costs,
         learners=learners,
+        min_batch=min_batch,
     )
     options: dict[str, Any] = {name: getattr(loader, name) for name in _KEPT_OPTIONS if hasattr(loader, name)}
     if loader.num_workers > 0:

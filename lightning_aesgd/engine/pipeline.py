@@ -287,6 +287,7 @@ class StepPipeline(ABC):
             step_batch_size=step_batch_size,
             costs=costs,
             learners=self.learners,
+            min_batch=self.plans.settings.min_batch,
         )
         self.sampler, self.loader_clock = loader.batch_sampler, loader.loader_clock
         if position is not None:

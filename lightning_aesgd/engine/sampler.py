@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
-from lightning_aesgd.core.apportion import apportion, split_by_cost
+from lightning_aesgd.core.apportion import apportion, per_replica, split_by_cost
 
 
 class StepIndices(list[int]):
@@ -183,6 +183,9 @@ class PlannedBatchSampler(Sampler[list[int]]):
             cumulative cost instead of by count.
         learners: models each replica trains side by side: the epoch's last, shorter step still gives each of
             them a sample (plans of full steps are multiples of it already).
+        min_batch: the strategy's smallest batch, for all replicas or one per replica: a step split otherwise
+            than planned (the epoch's last, shorter step; a cost-aware split) keeps it too
+            (:meth:`floors`).
     """
 
     def __init__(
@@ -198,6 +201,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         costs: Tensor | None = None,
         learners: int = 1,
+        min_batch: int | Sequence[int] = 1,
     ) -> None:
         if step_batch_size < num_replicas:
             raise ValueError(
@@ -218,6 +222,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.costs = None if costs is None else torch.as_tensor(costs, dtype=torch.float64)
         self.learners = learners
+        self.min_batch = [int(low) for low in per_replica(min_batch, num_replicas, "min_batch")]
         self.steps_done = 0
         self._resume: tuple[int, int] | None = None
         self._records: dict[int, StepRecord] = {}
@@ -296,11 +301,11 @@ class PlannedBatchSampler(Sampler[list[int]]):
         step = order[index * self.step_batch_size : (index + 1) * self.step_batch_size]
         key = self.step_key(self.epoch, index)
         sizes = self.plan_book.sizes_at(key)
-        takers = sum(1 for size in sizes if size > 0) * self.learners
-        if len(step) < takers:
-            # A tail shorter than the number of replicas (learners) taking part: wrap around, as DistributedSampler
-            # pads, so that none of them is left without a sample for the step all of them must take.
-            step = step + order[: takers - len(step)]
+        least = sum(self._least(sizes))
+        if len(step) < least:
+            # A tail too short for the replicas taking part (their min_batch, a sample per learner): wrap around, as
+            # DistributedSampler pads, so that none takes fewer samples than it may in the step all of them take.
+            step = step + order[: least - len(step)]
         counts = self._split(step, sizes)
         begin = sum(counts[: self.rank])
         mine = step[begin : begin + counts[self.rank]]
@@ -310,27 +315,60 @@ class PlannedBatchSampler(Sampler[list[int]]):
         self._records[key] = StepRecord(num_samples=len(mine), cost=cost, planned=planned, step_samples=len(step))
         return StepIndices(mine, key)
 
+    def floors(self, sizes: Sequence[int], total: int) -> list[int]:
+        """The fewest samples each replica takes where a step of ``total`` samples is split otherwise than planned.
+
+        Its planned size, up to ``max(min_batch, learners, 2)``: the epoch's last, shorter step and cost-aware
+        splits keep ``min_batch`` and a sample for each learner, and hand no replica planned two samples or more a
+        batch of one, which BatchNorm cannot train on (DDP's last step gives every rank an equal part). A step too
+        short for the two keeps the rest (:meth:`_least`; the tail is padded up to those).
+        """
+        lows = zip(sizes, self.min_batch, strict=True)
+        floors = [min(size, max(low, self.learners, TAIL_FLOOR)) for size, low in lows]
+        return floors if sum(floors) <= total else self._least(sizes)
+
+    def _least(self, sizes: Sequence[int]) -> list[int]:
+        """Each replica's planned size, up to ``max(min_batch, learners)``: what even a short tail gives it."""
+        return [min(size, max(low, self.learners)) for size, low in zip(sizes, self.min_batch, strict=True)]
+
     def _split(self, step: list[int], sizes: Sequence[int]) -> list[int]:
         if self.costs is not None:
             costs = self.costs[step]
-            return _among_takers(len(step), sizes, lambda _, shares: split_by_cost(costs, shares))
+
+            def by_cost(_: int, shares: list[int], floors: list[int]) -> list[int]:
+                return split_by_cost(costs, shares, floors)
+
+            return _among_takers(len(step), sizes, self.floors(sizes, len(step)), by_cost)
         if len(step) == sum(sizes):
             return list(sizes)
         return self._split_tail(len(step), sizes)
 
     def _split_tail(self, total: int, sizes: Sequence[int]) -> list[int]:
-        """The epoch's last, shorter step keeps the plan's proportions, and a sample for each learner."""
-        return _among_takers(total, sizes, lambda count, shares: apportion(count, shares, min_size=self.learners))
+        """The epoch's last, shorter step keeps the plan's proportions, and each replica's floor."""
+        return _among_takers(total, sizes, self.floors(sizes, total), _apportioned)
 
 
-def _among_takers(total: int, sizes: Sequence[int], split: Callable[[int, list[int]], list[int]]) -> list[int]:
-    """``split(total, sizes)`` among the replicas whose planned size is not 0; a left-out replica keeps 0.
+TAIL_FLOOR = 2
+"""The batch below which a step split otherwise than planned takes no replica planned more (BatchNorm needs two)."""
 
-    >>> _among_takers(10, [4, 0, 4], apportion)
+
+def _apportioned(total: int, shares: list[int], floors: list[int]) -> list[int]:
+    return apportion(total, shares, min_size=floors)
+
+
+Split = Callable[[int, list[int], list[int]], list[int]]
+"""``split(total, shares, floors)``: counts summing to ``total``, each at least its floor."""
+
+
+def _among_takers(total: int, sizes: Sequence[int], floors: Sequence[int], split: Split) -> list[int]:
+    """``split(total, sizes, floors)`` among the replicas whose planned size is not 0; a left-out one keeps 0.
+
+    >>> _among_takers(10, [4, 0, 4], [1, 0, 1], _apportioned)
     [5, 0, 5]
     """
     takers = [rank for rank, size in enumerate(sizes) if size > 0]
     counts = [0] * len(sizes)
-    for rank, count in zip(takers, split(total, [sizes[rank] for rank in takers]), strict=True):
+    chosen = split(total, [sizes[rank] for rank in takers], [floors[rank] for rank in takers])
+    for rank, count in zip(takers, chosen, strict=True):
         counts[rank] = count
     return counts

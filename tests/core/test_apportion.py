@@ -140,6 +140,17 @@ def test_split_by_cost_counts_sum_and_meet_minimum(costs: np.ndarray, shares: li
     assert min(counts) >= min(min_size, len(costs) // len(shares))
 
 
+@given(item_costs, positive_shares, st.data())
+def test_split_by_cost_meets_each_slices_own_minimum(costs: np.ndarray, shares: list[float], data) -> None:
+    mins = data.draw(st.lists(st.integers(0, 8), min_size=len(shares), max_size=len(shares)))
+    counts = split_by_cost(torch.from_numpy(costs), shares, mins)
+    assert sum(counts) == len(costs)
+    if sum(mins) <= len(costs):
+        assert all(count >= low for count, low in zip(counts, mins, strict=True)), (counts, mins)
+    else:  # a short step: each slice keeps what an equal split of it allows
+        assert all(count >= min(low, len(costs) // len(shares)) for count, low in zip(counts, mins, strict=True))
+
+
 @given(st.integers(min_value=0, max_value=2000), st.floats(0.01, 100.0), positive_shares)
 def test_split_by_cost_with_equal_costs_matches_count_apportionment(
     num_items: int, cost: float, shares: list[float]

@@ -51,9 +51,39 @@ def test_every_index_of_an_epoch_is_used_exactly_once_across_replicas(size, size
 
 def test_full_steps_follow_the_plan_and_the_tail_keeps_its_proportions():
     batches = _epoch(_samplers(56, 12, [6, 3, 2, 1]))
-    assert [len(b) for b in batches[0]] == [6, 6, 6, 6, 4]
+    assert [len(b) for b in batches[0]] == [6, 6, 6, 6, 3]
     assert [len(b[0]) for b in batches] == [6, 3, 2, 1]
-    assert [len(b[-1]) for b in batches] == [4, 2, 1, 1]  # the last 8 indices, split 6:3:2:1 as closely as can be
+    # The last 8 indices, split 6:3:2:1 as closely as can be ([4, 2, 1, 1]), but no replica planned two samples or
+    # more takes one: BatchNorm cannot train on a batch of one.
+    assert [len(b[-1]) for b in batches] == [3, 2, 2, 1]
+
+
+def test_the_tail_keeps_min_batch_and_pads_to_it_where_it_is_too_short():
+    # 400 samples in steps of 32 planned [28, 4]: the tail of 16 split 28:4 would give replica 1 two samples.
+    samplers = [PlannedBatchSampler(400, 32, 2, rank, PlanBook([28, 4]), seed=3, min_batch=4) for rank in (0, 1)]
+    batches = _epoch(samplers)
+    assert [len(b[-1]) for b in batches] == [12, 4]
+    assert sorted(i for rank in batches for batch in rank for i in batch) == list(range(400))
+    # 390 samples: a tail of 6 for two replicas of min_batch 4 takes 2 more from the epoch's start, as
+    # DistributedSampler pads.
+    samplers = [PlannedBatchSampler(390, 32, 2, rank, PlanBook([28, 4]), seed=3, min_batch=4) for rank in (0, 1)]
+    batches = _epoch(samplers)
+    assert [len(b[-1]) for b in batches] == [4, 4]
+    seen = sorted(i for rank in batches for batch in rank for i in batch)
+    assert len(seen) == 392
+    assert set(seen) == set(range(390))
+
+
+def test_a_cost_aware_split_keeps_each_replicas_min_batch():
+    costs = torch.ones(64)
+    costs[:8] = 100.0  # expensive samples first: by cost alone, replica 0 would take a few of them only
+    samplers = [
+        PlannedBatchSampler(64, 16, 2, rank, PlanBook([8, 8]), shuffle=False, costs=costs, min_batch=[6, 1])
+        for rank in (0, 1)
+    ]
+    first_step = [batches[0] for batches in _epoch(samplers)]
+    assert len(first_step[0]) == 6, "replica 0 keeps its min_batch however costly its samples"
+    assert sorted(first_step[0] + first_step[1]) == list(range(16))
 
 
 def test_a_tail_shorter_than_the_replica_count_wraps_around():
