@@ -19,6 +19,7 @@ import hydra
 import pytorch_lightning as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -57,7 +58,7 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     strategy = instantiate(cfg.algorithm)
-    model = instantiate(cfg.model, **_dimensions(datamodule), **_model_options(cfg, strategy))
+    model = _build_model(cfg, datamodule, strategy)
     callbacks: list[pl.Callback] = _instantiate_group(cfg.get("callbacks"))
     # The Trainer's switches win over the callbacks group: no checkpoints, or no bar, means none of the group's.
     if cfg.trainer.get("enable_checkpointing") is False:
@@ -106,6 +107,34 @@ def _instantiate_group(group: DictConfig | None) -> list[Any]:
     if not group:
         return []
     return [instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
+
+
+MODEL_FOR_DATA = {
+    "xmc_mini": "xmc",
+    "xmc_eurlex": "xmc",
+    "xmc_files": "xmc",
+    "digits": "digits_mlp",
+    "fashion_mnist": "fashion_cnn",
+}
+"""The model config that takes each data config's dimensions (the ``experiment`` configs set both)."""
+
+
+def _build_model(cfg: DictConfig, datamodule: Any, strategy: Any) -> pl.LightningModule:
+    """The model of ``cfg``, sized by the data; a model that cannot take the data's dimensions says which can."""
+    dimensions = _dimensions(datamodule)
+    try:
+        model: pl.LightningModule = instantiate(cfg.model, **dimensions, **_model_options(cfg, strategy))
+    except InstantiationException as error:
+        reason = error.__cause__ or error  # the constructor's own TypeError, without Hydra's wrapping
+        if "unexpected keyword argument" not in str(reason):
+            raise
+        pairs = ", ".join(f"data={data} model={model}" for data, model in MODEL_FOR_DATA.items())
+        raise TypeError(
+            f"The model {cfg.model._target_} cannot be built for the data {type(datamodule).__name__} "
+            f"(dimensions {dimensions}): {reason}. HINT: choose the model that goes with the data ({pairs}), or an "
+            "experiment that sets both (experiment=digits, experiment=fashion_mnist)."
+        ) from error
+    return model
 
 
 def _dimensions(datamodule: Any) -> dict[str, int]:

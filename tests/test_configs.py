@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 
 from lightning_aesgd import AdaptiveElasticStrategy, InverseTimeDecay
 from lightning_aesgd.core.planners import AdditivePlanner
-from lightning_aesgd.train import build, config_dir
+from lightning_aesgd.train import MODEL_FOR_DATA, build, config_dir
 
 CONFIGS = Path(config_dir())
 
@@ -99,18 +99,19 @@ def test_other_algorithms_keep_the_models_own_optimizer(tmp_path):
     assert (model.hparams["optimizer"], model.hparams["lr"]) == ("adagrad", 0.1)
 
 
-WORKLOADS = [
-    ("xmc_mini", "xmc"),
-    ("xmc_eurlex", "xmc"),
-    ("xmc_files", "xmc"),
-    ("fashion_mnist", "fashion_cnn"),
-    ("digits", "digits_mlp"),
-]
+WORKLOADS = sorted(MODEL_FOR_DATA.items())
 
 
 def test_the_workload_table_covers_every_data_and_model_option():
     assert sorted({data for data, _ in WORKLOADS}) == _options("data")
     assert sorted({model for _, model in WORKLOADS}) == _options("model")
+
+
+def test_a_model_that_does_not_fit_the_data_names_the_one_that_does(tmp_path):
+    with pytest.raises(
+        TypeError, match=r"XMCModule cannot be built for the data .*num_classes.*HINT: .*data=digits model=digits_mlp"
+    ):
+        build(_compose(tmp_path, "data=digits"))
 
 
 @pytest.mark.parametrize(("data", "model"), WORKLOADS)

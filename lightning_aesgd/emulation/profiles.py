@@ -137,7 +137,8 @@ class SlowdownProfile:
         if world_size != self.num_replicas:
             raise ValueError(
                 f"The slowdown profile has {self.num_replicas} factors but {world_size} replicas train. "
-                "HINT: give one factor per device (Trainer devices × num_nodes)."
+                "HINT: give one factor per device (Trainer devices × num_nodes); to train real devices without "
+                "emulation, use no profile (Hydra: devices=real, e.g. for algorithm=single_device)."
             )
 
 
