@@ -79,6 +79,8 @@ def test_case_figures_compare_with_ddp_and_the_ideal():
     result.repeat_ratios = [1.7, 1.8, 2.1]
     assert result.ratio_range() == (1.7, 2.1)
     assert "| 1.80 | 1.70-2.10 |" in table([result])
+    assert "| plan error at step 30 |" in table([result])
+    assert "| plan error at step 19 |" in table([result], steps=20)  # a shorter run is judged at its last step
 
 
 def test_the_plan_is_judged_against_the_split_that_equalises_the_solo_step_times():

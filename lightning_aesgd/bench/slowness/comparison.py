@@ -73,7 +73,7 @@ class CaseResult:
         return self.runs[algorithm].samples_per_second / self.ideal
 
     def plan_error(self) -> float | None:
-        """Largest relative share error of the plan at step 30 against :attr:`balanced_plan`."""
+        """Largest relative share error of the plan at the check step (step 30) against :attr:`balanced_plan`."""
         plan, target = self.runs["adaptive_elastic"].plan_at_check, self.balanced_plan
         if plan is None:
             return None

@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps, repeats = options.machinery_steps, options.machinery_repeats
     figures = measure_machinery(dataset, steps, options.out, repeats) if steps else None
     path = write_report(options.out, results, figures, options.steps, options.repeats)
-    print("\n" + table(results))
+    print("\n" + table(results, options.steps))
     if figures is not None:
         print("\n" + machinery_table(figures))
     print(f"\nWrote {path}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lightning_aesgd.bench.common import format_number, markdown_table, write_json
 from lightning_aesgd.bench.slowness.comparison import CaseResult
+from lightning_aesgd.bench.slowness.runner import PLAN_CHECK_STEP, plan_check_step
 
 RESULTS_FILE = "slowness.json"
 
@@ -22,7 +23,7 @@ _CASE_HEADER = (
     "÷ DDP per repeat",
     "efficiency DDP",
     "efficiency adaptive",
-    "plan error at step 30",
+    "plan error at step {check}",
     "vs nominal 1/f",
     "slowest/fastest step",
     "smallest batch",
@@ -51,9 +52,10 @@ def _case_record(result: CaseResult) -> dict[str, object]:
     return {**record, "balanced_plan": result.balanced_plan, "ideal": result.ideal, "runs": runs}
 
 
-def table(results: Sequence[CaseResult]) -> str:
-    """The cases as a markdown table."""
-    return markdown_table(_CASE_HEADER, [_case_cells(result) for result in results])
+def table(results: Sequence[CaseResult], steps: int = PLAN_CHECK_STEP + 1) -> str:
+    """The cases of runs of ``steps`` steps as a markdown table."""
+    header = [name.format(check=plan_check_step(steps)) for name in _CASE_HEADER]
+    return markdown_table(header, [_case_cells(result) for result in results])
 
 
 def machinery_table(figures: dict[str, float]) -> str:

@@ -32,6 +32,11 @@ WARMUP_STEPS = 10  # steps before the throughput clock starts (start-up, first p
 PLAN_CHECK_STEP = 30
 
 
+def plan_check_step(steps: int) -> int:
+    """The step whose plan is judged: :data:`PLAN_CHECK_STEP`, or the last step of a shorter run."""
+    return min(PLAN_CHECK_STEP, steps - 1)
+
+
 @dataclass
 class RunResult:
     """What one run measured (rank zero's view)."""
@@ -116,7 +121,7 @@ def run_result(algorithm: str, record: dict[str, Any], replicas: int, steps: int
     plans = record["plans"]
     if plans is not None:
         starts, sizes = plans["starts"], plans["sizes"]
-        at_check = max(i for i, start in enumerate(starts) if start <= min(PLAN_CHECK_STEP, steps - 1))
+        at_check = max(i for i, start in enumerate(starts) if start <= plan_check_step(steps))
         result.plan_at_check = sizes[at_check]
         result.smallest_batch = min(min(plan) for plan in sizes)
         result.final_plan = sizes[-1]
