@@ -11,6 +11,7 @@ step's samples (``sync="gradients"``, the default) or periodic model merges (``s
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -58,6 +59,14 @@ from lightning_aesgd.trainer_io import (
 )
 
 log = logging.getLogger(__name__)
+
+UNUSED_PARAMETERS = re.compile(r".*Expected to have finished reduction in the prior iteration.*", re.DOTALL)
+"""What DDP's reducer says when a parameter got no gradient in the previous step."""
+UNUSED_PARAMETERS_HINT = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step. HINT: if this is intentional, let the strategy detect them: "
+    "AdaptiveElasticStrategy(find_unused_parameters=True) (Hydra: +algorithm.find_unused_parameters=true)."
+)
 
 
 class AdaptiveElasticMixin(SharedDevices):
@@ -386,7 +395,15 @@ class AdaptiveElasticMixin(SharedDevices):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A stalled replica does not outlive the job: the replicas this process launched end with it."""
+        """A stalled replica does not outlive the job: the replicas this process launched end with it.
+
+        DDP's reducer error about unused parameters names this strategy's option (Lightning's DDP would name its own
+        strategies, which leave this one).
+        """
+        exception.args = tuple(
+            UNUSED_PARAMETERS_HINT if isinstance(arg, str) and UNUSED_PARAMETERS.match(arg) else arg
+            for arg in exception.args
+        )
         super().on_exception(exception)
         # torch's DistError covers a failed rendezvous too, where the children would wait for rank zero's store.
         if isinstance(exception, ReplicaStalledError | torch.distributed.DistError):

@@ -21,6 +21,7 @@ from lightning_aesgd.checks import UnsupportedSettingError
 from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.engine.averager import ElasticAverager
 from lightning_aesgd.strategy import SUMMARY_FILE
+from lightning_aesgd.unified import AdaptiveElasticStrategy as UnifiedStrategy
 
 pytestmark = pytest.mark.slow
 
@@ -126,6 +127,24 @@ def test_the_unified_lightning_trainer_trains_with_the_strategy_name():
     trainer.fit(model)
     assert trainer.global_step == 3
     assert not torch.allclose(flat_parameters(model), before)
+
+
+@pytest.mark.parametrize(
+    "strategy_class", [AdaptiveElasticStrategy, UnifiedStrategy], ids=["pytorch_lightning", "unified"]
+)
+def test_the_unused_parameters_error_names_the_strategys_own_option(strategy_class):
+    reducer_error = RuntimeError(
+        "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates "
+        "that your module has parameters that were not used in producing loss. ..."
+    )
+    strategy_class().on_exception(reducer_error)
+    (message,) = reducer_error.args
+    assert "HINT: if this is intentional, let the strategy detect them: " in message
+    assert "AdaptiveElasticStrategy(find_unused_parameters=True)" in message
+    assert "ddp_find_unused_parameters_true" not in message  # Lightning's DDP's fix leaves this strategy
+    other = RuntimeError("the user's own error")
+    strategy_class().on_exception(other)
+    assert other.args == ("the user's own error",)
 
 
 @pytest.mark.parametrize(("rule", "expected_resets"), [(SMA(alpha=0.1), 2), ("elastic_average", 0)])
