@@ -339,16 +339,31 @@ def check_switches(**switches: Any) -> None:
             raise TypeError(f"`{name}` is a switch, got {value!r}. HINT: pass {name}=True or {name}=False.")
 
 
-def check_timeout(timeout: Any) -> None:
-    """Raise unless ``timeout`` (of collectives) is a ``datetime.timedelta`` or None, before any process starts.
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+"""How Lightning's launchers start the replicas: re-running the script, or multiprocessing's start methods."""
+
+
+def check_launch(timeout: Any, start_method: Any) -> None:
+    """Raise unless the collectives' ``timeout`` and the ``start_method`` are valid, before any process starts.
 
     Raises:
-        TypeError: naming the option.
+        TypeError: for a timeout that is not a ``datetime.timedelta`` (or None).
+        ValueError: for a timeout of zero or less, or an unknown start method.
     """
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(
             f"`timeout` is the time collectives may wait, got {timeout!r}. HINT: pass a datetime.timedelta, e.g. "
             "timeout=timedelta(minutes=30), or leave it unset."
+        )
+    if timeout is not None and timeout <= timedelta(0):
+        raise ValueError(
+            f"`timeout` is the time collectives may wait, got {timeout}: every collective would fail at once. "
+            "HINT: pass a positive datetime.timedelta, e.g. timeout=timedelta(minutes=30), or leave it unset."
+        )
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"`start_method` is how the replicas are started, got {start_method!r}. HINT: use one of "
+            f"{', '.join(START_METHODS)} (popen by default; spawn where CUDA was used before the fit)."
         )
 
 

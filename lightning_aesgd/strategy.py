@@ -45,7 +45,7 @@ from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, Traine
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.idle_steps import bare_zero, collectives_in_training, idle_training_step
 from lightning_aesgd.placement import SharedDevices, mixes_device_types
-from lightning_aesgd.settings import StrategySettings, check_timeout, refuse_unknown_options
+from lightning_aesgd.settings import StrategySettings, check_launch, refuse_unknown_options
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
 from lightning_aesgd.torchrun_store import destroy_group_at_exit, end_launched_replicas, init_attempt_group
 from lightning_aesgd.trainer_io import SUMMARY_FILE as SUMMARY_FILE  # re-exported: where tests and users import it
@@ -148,7 +148,7 @@ class AdaptiveElasticMixin(SharedDevices):
         arguments = locals()  # every argument by name: the settings take theirs by their field names
         refuse_unknown_options(type(self).__name__, unexpected)
         self.settings = StrategySettings(**{name: arguments[name] for name in StrategySettings.option_names()})
-        check_timeout(timeout)
+        check_launch(timeout, start_method)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

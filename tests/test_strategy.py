@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -205,6 +206,8 @@ def test_unsupported_settings_fail_before_training(model, trainer_kwargs, match)
         ({"lr_scaling": "no"}, TypeError, "`lr_scaling` is a switch"),
         # A launch option, checked by the strategy itself.
         ({"timeout": 60}, TypeError, "`timeout` is the time collectives may wait"),
+        ({"timeout": timedelta(seconds=-1)}, ValueError, "every collective would fail at once"),
+        ({"start_method": "thread"}, ValueError, "`start_method` is how the replicas are started, got 'thread'"),
     ],
 )
 def test_invalid_arguments_fail_at_construction_with_a_hint(kwargs, error, match):
