@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 from pytorch_lightning.strategies import DDPStrategy
+from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
@@ -327,6 +328,20 @@ class AdaptiveElasticMixin(SharedDevices):
         return output
 
     @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Lightning's reduction (``self.log(..., sync_dist=True)``); inside a training step a mean is the step's.
+
+        DDP's replicas hold equal batches, so the plain mean of their means is the mean over the step's samples.
+        Here batches differ, so each replica's value counts with its share ``bᵢ/M`` of the step's samples:
+        ``Σᵢ (bᵢ/M)·xᵢ``, sent as ``n·(bᵢ/M)·xᵢ`` into the mean. Outside training steps (validation, epoch ends,
+        where Lightning weighs by the batch sizes itself) and over a group of the user's, it is Lightning's.
+        """
+        share = self.engine.step_share
+        if share is not None and group is None and _is_mean(reduce_op) and isinstance(tensor, torch.Tensor):
+            tensor = tensor * (share * self.world_size)
+        return super().reduce(tensor, group, reduce_op)
+
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """An idle batch stays as it is: there is nothing to move, and the user's transfer hooks expect data."""
         if isinstance(batch, IdleBatch):
@@ -486,3 +501,10 @@ class AdaptiveElasticMixin(SharedDevices):
 
 class AdaptiveElasticStrategy(AdaptiveElasticMixin, DDPStrategy):
     """Adaptive elastic training as a ``pytorch_lightning`` strategy. See :class:`AdaptiveElasticMixin`."""
+
+
+def _is_mean(reduce_op: object) -> bool:
+    """Whether a reduction of Lightning's is a mean (``"mean"``, ``"avg"`` or ``ReduceOp.AVG``); ``None`` sums."""
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() in ("mean", "avg")
+    return getattr(reduce_op, "name", None) == "AVG"  # ReduceOp.AVG, whose type is ReduceOp.RedOpType

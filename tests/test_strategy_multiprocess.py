@@ -274,3 +274,30 @@ def test_sma_trains_under_a_per_step_cosine_schedule():
     cpu_trainer(strategy, max_steps=200).fit(model)
     assert not torch.allclose(flat_parameters(model), before, atol=1e-3), "the central model must move"
     assert _dataset_loss(model) <= 0.5 * loss_before
+
+
+class _RankMean(RegressionModel):
+    """Logs, synced, the mean over its batch of a value each sample takes from its replica: the replica's rank."""
+
+    def training_step(self, batch, batch_idx):
+        from_replica = torch.full((len(batch[2]),), float(self.global_rank), dtype=torch.float64)
+        self.log("rank_mean", from_replica.mean(), on_step=True, on_epoch=False, sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+def test_a_synced_step_mean_is_the_mean_over_the_steps_samples_at_uneven_batches(tmp_path, sync):
+    """Batches of 12 and 4 (static shares 3:1): ``sync_dist`` weighs each replica by its batch, as DDP's equal
+    batches weigh it. Over the step's 16 samples the rank is 1 for 4 of them: a mean of 0.25 (the plain mean of
+    the two replicas' means would be 0.5)."""
+    from pytorch_lightning.loggers import CSVLogger
+
+    strategy = AdaptiveElasticStrategy(sync=sync, planner="static", shares=[3, 1], start_method="fork", timeout=TIMEOUT)
+    logger = CSVLogger(tmp_path, name="log", version=0)
+    model = _RankMean(size=64, batch_size=8)
+    cpu_trainer(strategy, max_steps=4, logger=logger, log_every_n_steps=1).fit(model)
+    lines = (tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+    logged = {int(row["step"]): float(row["rank_mean"]) for row in rows if row.get("rank_mean")}
+    assert logged == dict.fromkeys(range(4), 0.25)

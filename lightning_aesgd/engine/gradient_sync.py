@@ -230,7 +230,7 @@ class GradientSync(StepPipeline):
         self.compute_spans.begin()  # the forward and backward, up to the arrival
         self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
         try:
-            with scaled_learning_rate(optimizer, factor), timing, skip:
+            with scaled_learning_rate(optimizer, factor), timing, skip, self.sharing(record):
                 output = run_step()
         except RuntimeError as error:  # a peer failed in DDP's reducer or the reports: name who and where
             if isinstance(error, ReplicaStalledError) or not is_peer_failure(error):

@@ -200,7 +200,7 @@ class ModelMerge(StepPipeline):
         # weight decay), and its step counts for nothing in its merge weight.
         idle = record.num_samples == 0
         keep_model = update_skipped(optimizer) if idle else nullcontext()
-        with scaled_learning_rate(optimizer, factor), self._timed_step(record), keep_model:
+        with scaled_learning_rate(optimizer, factor), self._timed_step(record), keep_model, self.sharing(record):
             if idle:  # no device work at all (its loss reaches no parameter): nothing for a slower device to stretch
                 output = run_step()
             else:

@@ -139,6 +139,9 @@ class StepPipeline(ABC):
         # Told where the device computes in each step (an emulation of slower devices listens; by default nobody).
         self.compute_spans: ComputeSpans = NoComputeSpans()
         self.hooks = TrainerHooks()
+        # This replica's fraction of the running training step's samples, while its training step runs (None
+        # otherwise): what the step's logged means are weighted by (:meth:`sharing`).
+        self.step_share: float | None = None
         self._comm_in_use: Communicator | None = None
         self._step_key = 0
         self._global_step = 0
@@ -385,6 +388,19 @@ class StepPipeline(ABC):
         return summary_record(plans.stats(), sizes, self.sync_count, unit, plans.floors, self.sync_name)
 
     # --- the sync point's bookkeeping and the plans' part of checkpoints ----------------------------------------
+
+    @contextmanager
+    def sharing(self, record: StepRecord) -> Iterator[None]:
+        """Hold this replica's share of the step's samples in :attr:`step_share` while its training step runs.
+
+        A mean the step logs with ``sync_dist=True`` is then weighted by it, as DDP's mean of equal batches is the
+        mean over the step's samples (the strategy's ``reduce``).
+        """
+        self.step_share = record.num_samples / record.step_samples if record.step_samples else 1.0
+        try:
+            yield
+        finally:
+            self.step_share = None
 
     @contextmanager
     def _timed_step(self, record: StepRecord) -> Iterator[None]:
