@@ -260,6 +260,16 @@ class StrategySettings:
         """The names of the options, in order (the derived fields left out)."""
         return tuple(option.name for option in fields(cls) if option.init)
 
+    def check_replicas(self, num_replicas: int) -> None:
+        """Raise, naming the option, unless the per-replica options and emulated devices fit ``num_replicas``.
+
+        Known once the Trainer knows its devices, before any replica starts.
+        """
+        profile = as_profile(self.slowdown)
+        if profile is not None:
+            profile.check_replicas(num_replicas)
+        self.planning.check_replicas(num_replicas)
+
     def merge_options_given(self) -> list[str]:
         """The merge options (:data:`MERGE_OPTIONS`) set to anything but their defaults, sorted."""
         defaults = {option.name: option.default for option in fields(self)}

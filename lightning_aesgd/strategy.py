@@ -234,6 +234,13 @@ class AdaptiveElasticMixin(SharedDevices):
         destroy_group_at_exit()
 
     @override
+    def _configure_launcher(self) -> None:
+        # The Trainer's connector calls this once it knows every replica (devices × nodes), before any replica
+        # starts: options given per replica fail here, once, rather than in every replica after the launch.
+        self.settings.check_replicas(self.world_size)
+        super()._configure_launcher()
+
+    @override
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == "fit":
             self._idle_safety_checked = False

@@ -215,6 +215,20 @@ def test_invalid_arguments_fail_at_construction_with_a_hint(kwargs, error, match
         AdaptiveElasticStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"slowdown": [1, 2, 4]}, "The slowdown profile has 3 factors but 2 replicas train"),
+        ({"min_batch": [1, 2, 3]}, "`min_batch` holds 3 values for 2 replicas"),
+        ({"planner": "static", "shares": [1, 2, 3]}, "Got 3 static shares for 2 replicas"),
+    ],
+)
+def test_options_given_per_replica_fail_when_the_trainer_knows_its_devices(kwargs, match):
+    """Before any replica starts (they would each fail after the launch, in a multi-process traceback)."""
+    with pytest.raises(ValueError, match=rf"{match}.*HINT"):
+        _trainer(AdaptiveElasticStrategy(**kwargs), devices=2)
+
+
 def test_a_misspelt_option_is_an_error_not_a_silent_ddp_argument():
     with pytest.raises(TypeError, match=r"unexpected arguments \['perod'\]"):
         AdaptiveElasticStrategy(perod=4)

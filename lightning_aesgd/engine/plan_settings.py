@@ -101,16 +101,32 @@ class PlanSettings:
             check_plan_damping(min_share, self.plan_gain, self.plan_dead_band)
         self.build_planner(self.min_batch, self.max_batch)  # bad planner options fail here, not at the first plan
 
-    def check_step(self, step_batch_size: int, num_replicas: int) -> None:
-        """Raise, naming the options to change, unless steps of ``step_batch_size`` samples can be split so.
+    def check_replicas(self, num_replicas: int) -> None:
+        """Raise, naming the option, unless every option given per replica describes ``num_replicas`` replicas.
 
-        Known once the training DataLoader is (``step_batch_size`` is its batch size × replicas by default).
+        Known once the Trainer knows its devices, before any replica starts.
         """
         if self.shares is not None and len(self.shares) != num_replicas:
             raise ValueError(
                 f"Got {len(self.shares)} static shares for {num_replicas} replicas. HINT: pass one share per "
                 "replica (Trainer devices × num_nodes) in `shares`."
             )
+        lows = per_replica(self.min_batch, num_replicas, "min_batch")
+        highs = per_replica(self.max_batch, num_replicas, "max_batch")
+        per_replica(self.min_share, num_replicas, "min_share")
+        for rank, (low, high) in enumerate(zip(lows, highs, strict=True)):
+            if high is not None and high < low:
+                raise ValueError(
+                    f"Replica {rank}'s max_batch={high} is below its min_batch={low}. HINT: give every replica a "
+                    "max_batch >= its min_batch."
+                )
+
+    def check_step(self, step_batch_size: int, num_replicas: int) -> None:
+        """Raise, naming the options to change, unless steps of ``step_batch_size`` samples can be split so.
+
+        Known once the training DataLoader is (``step_batch_size`` is its batch size × replicas by default).
+        """
+        self.check_replicas(num_replicas)
         if step_batch_size < num_replicas:
             raise ValueError(
                 f"Steps of {step_batch_size} samples cannot give each of the {num_replicas} replicas one. HINT: "
@@ -118,7 +134,6 @@ class PlanSettings:
             )
         lows = per_replica(self.min_batch, num_replicas, "min_batch")
         highs = per_replica(self.max_batch, num_replicas, "max_batch")
-        per_replica(self.min_share, num_replicas, "min_share")
         if sum(lows) > step_batch_size:
             raise ValueError(
                 f"min_batch={self.min_batch} for {num_replicas} replicas ({sum(lows)} samples) exceeds the "
@@ -131,12 +146,6 @@ class PlanSettings:
                 "of a step. HINT: raise the strategy's max_batch (or set it to None), or lower step_batch_size (or "
                 "the DataLoader's batch_size)."
             )
-        for rank, (low, high) in enumerate(zip(lows, highs, strict=True)):
-            if high is not None and high < low:
-                raise ValueError(
-                    f"Replica {rank}'s max_batch={high} is below its min_batch={low}. HINT: give every replica a "
-                    "max_batch >= its min_batch."
-                )
         if not isinstance(self.planner, str):
             _trial_plan(self.planner, step_batch_size, num_replicas)
 
