@@ -109,6 +109,19 @@ def _instantiate_group(group: DictConfig | None) -> list[Any]:
     return [instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
 
 
+def _checkpoint(path: str | None) -> str | None:
+    """``ckpt_path``, checked before any replica starts: a file that is not there fails at once, naming it.
+
+    Lightning's own names (``"last"``, ``"best"``, ...) and remote paths are Lightning's to resolve.
+    """
+    if path is None or path in ("last", "best", "hpc", "registry") or "://" in path or Path(path).exists():
+        return path
+    raise FileNotFoundError(
+        f"ckpt_path={path} does not exist (a relative path starts from {Path.cwd()}). HINT: give the path of a "
+        "checkpoint a job wrote, e.g. ckpt_path=outputs/DATE/TIME/checkpoints/last.ckpt, or leave it unset."
+    )
+
+
 MODEL_FOR_DATA = {
     "xmc_mini": "xmc",
     "xmc_eurlex": "xmc",
@@ -210,7 +223,7 @@ def fit_and_test(cfg: DictConfig) -> tuple[dict[str, float], dict[str, float]]:
     trainer, model, datamodule = build(cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model: %s, %s trainable parameters", type(model).__name__, f"{trainable:,}")
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=_checkpoint(cfg.get("ckpt_path")))
     fitted = {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
     results: dict[str, float] = {}
     if cfg.test:

@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 
 from lightning_aesgd import AdaptiveElasticStrategy, InverseTimeDecay
 from lightning_aesgd.core.planners import AdditivePlanner
-from lightning_aesgd.train import MODEL_FOR_DATA, build, config_dir
+from lightning_aesgd.train import MODEL_FOR_DATA, build, config_dir, fit_and_test
 
 CONFIGS = Path(config_dir())
 
@@ -105,6 +105,13 @@ WORKLOADS = sorted(MODEL_FOR_DATA.items())
 def test_the_workload_table_covers_every_data_and_model_option():
     assert sorted({data for data, _ in WORKLOADS}) == _options("data")
     assert sorted({model for _, model in WORKLOADS}) == _options("model")
+
+
+def test_a_checkpoint_path_that_does_not_exist_fails_before_the_fit(tmp_path):
+    cfg = _compose(tmp_path, f"ckpt_path={tmp_path / 'no_such.ckpt'}", "trainer.max_epochs=1")
+    with pytest.raises(FileNotFoundError, match=r"no_such\.ckpt does not exist .*HINT"):
+        fit_and_test(cfg)
+    assert not list(tmp_path.rglob("*.ckpt")), "nothing trained"
 
 
 def test_a_model_that_does_not_fit_the_data_names_the_one_that_does(tmp_path):

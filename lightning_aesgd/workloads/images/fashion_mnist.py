@@ -97,6 +97,17 @@ def is_available(data_dir: str | os.PathLike[str] | None = None) -> bool:
     return all(_find(folder, stem) is not None for stems in FILES.values() for stem in stems)
 
 
+def check_files(folder: Path, splits: tuple[Split, ...] = ("train", "test")) -> None:
+    """Raise unless ``folder`` holds the files of ``splits`` (plain or gzipped), without reading them.
+
+    Raises:
+        FileNotFoundError: naming the missing files and the fix.
+    """
+    missing = [stem for split in splits for stem in FILES[split] if _find(folder, stem) is None]
+    if missing:
+        raise FileNotFoundError(f"Fashion-MNIST not found in {folder} (missing {', '.join(missing)}[.gz]). {_HINT}")
+
+
 def load_split(split: Split, data_dir: str | os.PathLike[str] | None = None) -> tuple[Tensor, Tensor]:
     """Reads one split.
 
@@ -112,10 +123,8 @@ def load_split(split: Split, data_dir: str | os.PathLike[str] | None = None) -> 
         ValueError: If a file is malformed, the shapes disagree, or a label is not in ``0..9``.
     """
     folder = resolve_data_dir(data_dir)
+    check_files(folder, (split,))
     paths = [_find(folder, stem) for stem in FILES[split]]
-    if None in paths:
-        missing = [stem for stem, path in zip(FILES[split], paths, strict=True) if path is None]
-        raise FileNotFoundError(f"Fashion-MNIST not found in {folder} (missing {', '.join(missing)}[.gz]). {_HINT}")
     images, labels = (read_idx(path) for path in paths if path is not None)
     if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.shape != (len(images),):
         raise ValueError(f"Fashion-MNIST {split} split has images {images.shape} and labels {labels.shape}.")
@@ -155,6 +164,7 @@ class FashionMNISTDataModule(ClassificationDataModule):
         super().__init__(batch_size, num_workers)
         if subset is not None and subset < 1:
             raise ValueError(f"subset must be >= 1 (or None for all samples), got {subset}.")
+        check_files(resolve_data_dir(data_dir))  # where the module is built, before any replica starts
         self.save_hyperparameters()
         self.data_dir = data_dir
         self.val_size = val_size
