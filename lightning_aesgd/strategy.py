@@ -344,7 +344,7 @@ class AdaptiveElasticMixin(SharedDevices):
         where Lightning weighs by the batch sizes itself) and over a group of the user's, it is Lightning's.
         """
         share = self.engine.step_share
-        if share is not None and group is None and _is_mean(reduce_op) and isinstance(tensor, torch.Tensor):
+        if share is not None and group is None and _is_mean(reduce_op) and _floating(tensor):
             tensor = tensor * (share * self.world_size)
         return super().reduce(tensor, group, reduce_op)
 
@@ -515,3 +515,8 @@ def _is_mean(reduce_op: object) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() in ("mean", "avg")
     return getattr(reduce_op, "name", None) == "AVG"  # ReduceOp.AVG, whose type is ReduceOp.RedOpType
+
+
+def _floating(tensor: Any) -> bool:
+    """Whether ``tensor`` is a floating-point tensor (an integer one keeps Lightning's plain reduction)."""
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()

@@ -114,7 +114,9 @@ def _checkpoint(path: str | None) -> str | None:
 
     Lightning's own names (``"last"``, ``"best"``, ...) and remote paths are Lightning's to resolve.
     """
-    if path is None or path in ("last", "best", "hpc", "registry") or "://" in path or Path(path).exists():
+    if path is None or path in ("last", "best", "hpc") or path.lower().startswith("registry") or "://" in path:
+        return path
+    if Path(path).expanduser().exists():
         return path
     raise FileNotFoundError(
         f"ckpt_path={path} does not exist (a relative path starts from {Path.cwd()}). HINT: give the path of a "
@@ -139,8 +141,8 @@ def _build_model(cfg: DictConfig, datamodule: Any, strategy: Any) -> pl.Lightnin
         model: pl.LightningModule = instantiate(cfg.model, **dimensions, **_model_options(cfg, strategy))
     except InstantiationException as error:
         reason = error.__cause__ or error  # the constructor's own TypeError, without Hydra's wrapping
-        if "unexpected keyword argument" not in str(reason):
-            raise
+        if not any(f"unexpected keyword argument '{name}'" in str(reason) for name in dimensions):
+            raise  # a misspelt model option, say: Hydra's own message names it
         pairs = ", ".join(f"data={data} model={model}" for data, model in MODEL_FOR_DATA.items())
         raise TypeError(
             f"The model {cfg.model._target_} cannot be built for the data {type(datamodule).__name__} "
@@ -223,6 +225,9 @@ def fit_and_test(cfg: DictConfig) -> tuple[dict[str, float], dict[str, float]]:
     trainer, model, datamodule = build(cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model: %s, %s trainable parameters", type(model).__name__, f"{trainable:,}")
+    check_data = getattr(datamodule, "check_data", None)  # files the replicas would each find missing
+    if check_data is not None:
+        check_data()
     trainer.fit(model, datamodule=datamodule, ckpt_path=_checkpoint(cfg.get("ckpt_path")))
     fitted = {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
     results: dict[str, float] = {}

@@ -11,11 +11,12 @@ import pytorch_lightning as pl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from lightning_aesgd import AdaptiveElasticStrategy, InverseTimeDecay
 from lightning_aesgd.core.planners import AdditivePlanner
-from lightning_aesgd.train import MODEL_FOR_DATA, build, config_dir, fit_and_test
+from lightning_aesgd.train import MODEL_FOR_DATA, _checkpoint, build, config_dir, fit_and_test
 
 CONFIGS = Path(config_dir())
 
@@ -112,6 +113,26 @@ def test_a_checkpoint_path_that_does_not_exist_fails_before_the_fit(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no_such\.ckpt does not exist .*HINT"):
         fit_and_test(cfg)
     assert not list(tmp_path.rglob("*.ckpt")), "nothing trained"
+
+
+def test_checkpoint_paths_that_lightning_resolves_pass_unchecked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "last.ckpt").touch()
+    for path in (
+        "last",
+        "best",
+        "registry:model:1",
+        "s3://bucket/last.ckpt",
+        "~/last.ckpt",
+        str(tmp_path / "last.ckpt"),
+    ):
+        assert _checkpoint(path) == path
+    assert _checkpoint(None) is None
+
+
+def test_a_misspelt_model_option_keeps_hydras_own_error(tmp_path):
+    with pytest.raises(InstantiationException, match="unexpected keyword argument 'dropuot'"):
+        build(_compose(tmp_path, "+model.dropuot=0.1"))
 
 
 def test_a_model_that_does_not_fit_the_data_names_the_one_that_does(tmp_path):

@@ -396,7 +396,7 @@ class StepPipeline(ABC):
         A mean the step logs with ``sync_dist=True`` is then weighted by it, as DDP's mean of equal batches is the
         mean over the step's samples (the strategy's ``reduce``).
         """
-        self.step_share = record.num_samples / record.step_samples if record.step_samples else 1.0
+        self.step_share = record.num_samples / record.step_samples if record.step_samples else None
         try:
             yield
         finally:

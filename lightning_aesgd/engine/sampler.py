@@ -3,7 +3,9 @@
 All replicas draw the same permutation of the dataset (seed + epoch, as Lightning's ``DistributedSampler``
 does). Step ``s`` of an epoch consumes positions ``[s·M, (s+1)·M)`` of it; the plan in force for that step says
 how many of those indices (or, cost-aware, how much of their cost) each replica takes, in rank order. Each
-replica keeps only its own slice, so across replicas every index of an epoch is used exactly once.
+replica keeps only its own slice, so across replicas every index of an epoch is used exactly once (an epoch's
+last step too short for every replica's smallest batch takes the few it lacks from the epoch's start again, as
+DistributedSampler pads: :meth:`PlannedBatchSampler.floors`).
 
 Samplers run ahead of training (Lightning's fetcher and DataLoader workers prefetch), so plans are scheduled
 for a future step (:class:`PlanBook`); as long as that step lies beyond the prefetch depth, every replica slices
@@ -301,9 +303,9 @@ class PlannedBatchSampler(Sampler[list[int]]):
         step = order[index * self.step_batch_size : (index + 1) * self.step_batch_size]
         key = self.step_key(self.epoch, index)
         sizes = self.plan_book.sizes_at(key)
-        least = sum(self._least(sizes))
+        least = sum(self.floors(sizes))
         if len(step) < least:
-            # A tail too short for the replicas taking part (their min_batch, a sample per learner): wrap around, as
+            # A tail too short for the floors of the replicas taking part: wrap around to the epoch's start, as
             # DistributedSampler pads, so that none takes fewer samples than it may in the step all of them take.
             step = step + order[: least - len(step)]
         counts = self._split(step, sizes)
@@ -315,21 +317,17 @@ class PlannedBatchSampler(Sampler[list[int]]):
         self._records[key] = StepRecord(num_samples=len(mine), cost=cost, planned=planned, step_samples=len(step))
         return StepIndices(mine, key)
 
-    def floors(self, sizes: Sequence[int], total: int) -> list[int]:
-        """The fewest samples each replica takes where a step of ``total`` samples is split otherwise than planned.
+    def floors(self, sizes: Sequence[int]) -> list[int]:
+        """The fewest samples each replica takes where a step is split otherwise than planned.
 
         Its planned size, up to ``max(min_batch, learners, 2)``: the epoch's last, shorter step and cost-aware
         splits keep ``min_batch`` and a sample for each learner, and hand no replica planned two samples or more a
-        batch of one, which BatchNorm cannot train on (DDP's last step gives every rank an equal part). A step too
-        short for the two keeps the rest (:meth:`_least`; the tail is padded up to those).
+        batch of one, which BatchNorm cannot train on. A tail shorter than the floors is padded up to them from
+        the epoch's start, as DistributedSampler pads (it repeats up to ``n − 1`` samples so that every rank's
+        share is equal; here up to ``Σ floors − 1``, in that step only).
         """
         lows = zip(sizes, self.min_batch, strict=True)
-        floors = [min(size, max(low, self.learners, TAIL_FLOOR)) for size, low in lows]
-        return floors if sum(floors) <= total else self._least(sizes)
-
-    def _least(self, sizes: Sequence[int]) -> list[int]:
-        """Each replica's planned size, up to ``max(min_batch, learners)``: what even a short tail gives it."""
-        return [min(size, max(low, self.learners)) for size, low in zip(sizes, self.min_batch, strict=True)]
+        return [min(size, max(low, self.learners, TAIL_FLOOR)) for size, low in lows]
 
     def _split(self, step: list[int], sizes: Sequence[int]) -> list[int]:
         if self.costs is not None:
@@ -338,14 +336,14 @@ class PlannedBatchSampler(Sampler[list[int]]):
             def by_cost(_: int, shares: list[int], floors: list[int]) -> list[int]:
                 return split_by_cost(costs, shares, floors)
 
-            return _among_takers(len(step), sizes, self.floors(sizes, len(step)), by_cost)
+            return _among_takers(len(step), sizes, self.floors(sizes), by_cost)
         if len(step) == sum(sizes):
             return list(sizes)
         return self._split_tail(len(step), sizes)
 
     def _split_tail(self, total: int, sizes: Sequence[int]) -> list[int]:
         """The epoch's last, shorter step keeps the plan's proportions, and each replica's floor."""
-        return _among_takers(total, sizes, self.floors(sizes, total), _apportioned)
+        return _among_takers(total, sizes, self.floors(sizes), _apportioned)
 
 
 TAIL_FLOOR = 2

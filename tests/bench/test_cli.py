@@ -49,3 +49,13 @@ def test_a_race_with_a_failed_run_exits_non_zero(tmp_path, monkeypatch: pytest.M
     argv = ["--tiny", "--no-solo", "--algorithms", "ddp", "--profiles", "strong", "--out", str(tmp_path)]
     assert main(argv) == 1
     assert "RuntimeError: a run that crashed" in (tmp_path / "results.md").read_text()
+
+
+def test_a_misspelt_profile_fails_the_race_before_any_run(tmp_path, capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tiny", "--algorithms", "ddp", "--profiles", "strongg", "--out", str(tmp_path / "race")])
+    assert exit_info.value.code == 2
+    assert (
+        "cannot compose the run strongg / ddp: In 'train': Could not find 'devices/strongg'" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "race").exists()

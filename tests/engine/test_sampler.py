@@ -39,9 +39,11 @@ def test_every_index_of_an_epoch_is_used_exactly_once_across_replicas(size, size
         return
     batches = _epoch(_samplers(size, step_batch, sizes), epoch)
     seen = sorted(index for rank_batches in batches for batch in rank_batches for index in batch)
-    # A tail shorter than the number of replicas is padded by wrapping around (as DistributedSampler pads).
+    # A tail shorter than the replicas' floors (their plan, up to two samples) is padded by wrapping around (as
+    # DistributedSampler pads).
     tail = size % step_batch
-    padding = len(sizes) - tail if 0 < tail < len(sizes) else 0
+    floors = sum(min(size, 2) for size in sizes)
+    padding = floors - tail if 0 < tail < floors else 0
     assert len(seen) == size + padding
     assert set(seen) == set(range(size))
     for rank_batches, sampler in zip(batches, _samplers(size, step_batch, sizes), strict=True):
@@ -86,9 +88,11 @@ def test_a_cost_aware_split_keeps_each_replicas_min_batch():
     assert sorted(first_step[0] + first_step[1]) == list(range(16))
 
 
-def test_a_tail_shorter_than_the_replica_count_wraps_around():
-    batches = _epoch(_samplers(50, 12, [6, 3, 2, 1]))
-    assert [len(b[-1]) for b in batches] == [1, 1, 1, 1]
+def test_a_tail_shorter_than_the_floors_wraps_around():
+    batches = _epoch(_samplers(50, 12, [6, 3, 2, 1]))  # a tail of 2: 5 more, so that no replica planned 2+ gets 1
+    assert [len(b[-1]) for b in batches] == [2, 2, 2, 1]
+    batches = _epoch(_samplers(35, 32, [16, 16]))  # a tail of 3: one more, as DistributedSampler would pad it
+    assert [len(b[-1]) for b in batches] == [2, 2]
 
 
 def test_drop_last_drops_the_incomplete_step():

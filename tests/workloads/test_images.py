@@ -115,8 +115,8 @@ def test_missing_data_error_names_the_fix(tmp_path: Path) -> None:
         load_split("test", tmp_path)
     assert "apt-get install dataset-fashion-mnist" in str(error.value)
     assert ENV_VAR in str(error.value)
-    with pytest.raises(FileNotFoundError, match="missing t10k-images-idx3-ubyte"):  # where it is built, not later
-        FashionMNISTDataModule(tmp_path)
+    with pytest.raises(FileNotFoundError, match="missing t10k-images-idx3-ubyte"):  # the Hydra job asks before a fit
+        FashionMNISTDataModule(tmp_path).check_data()
 
 
 def test_data_dir_prefers_argument_then_environment_then_debian(

@@ -68,8 +68,8 @@ class BenchResult:
 def run_benchmark(settings: BenchSettings) -> BenchResult:
     """Measure the solo speed, run the interleaved matrix, then write the table, the JSON and the plots."""
     base = get_workload(settings.workload).overrides(settings.tiny)
-    configs = {profile: _profile_config(settings, base, profile) for profile in settings.profiles}
     _check_entrants(settings, base)
+    configs = {profile: _profile_config(settings, base, profile) for profile in settings.profiles}
     solo = _solo_speed(settings, base, configs) if settings.measure_solo else math.nan
     if settings.measure_solo:
         print(f"solo speed (one replica, no emulation): {solo:.1f} samples/s")
@@ -92,11 +92,15 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
     return BenchResult(solo, runs, rows, table, files)
 
 
+class RaceConfigError(ValueError):
+    """A run of the race whose config cannot be composed (a misspelt algorithm, profile or override)."""
+
+
 def _check_entrants(settings: BenchSettings, base: list[str]) -> None:
     """Compose every run's config before any runs, so that a misspelt name fails the race at once.
 
     Raises:
-        ValueError: naming the run and Hydra's reason (which lists the options of a group, for a name it lacks).
+        RaceConfigError: naming the run and Hydra's reason (which lists the options of a group, for a name it lacks).
     """
     for profile in settings.profiles:
         for algorithm in settings.algorithms:
@@ -104,7 +108,7 @@ def _check_entrants(settings: BenchSettings, base: list[str]) -> None:
                 _profile_config(settings, base, profile, algorithm)
             except Exception as error:
                 reason = str(error).split("\nConfig search path")[0].strip()  # Hydra's reason, without where it looked
-                raise ValueError(f"The race cannot compose the run {profile} / {algorithm}: {reason}") from error
+                raise RaceConfigError(f"The race cannot compose the run {profile} / {algorithm}: {reason}") from error
 
 
 def _profile_config(settings: BenchSettings, base: list[str], profile: str, algorithm: str = "ddp") -> DictConfig:

@@ -10,7 +10,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from lightning_aesgd.bench.common import add_run_options, comma_list
-from lightning_aesgd.bench.race.benchmark import BenchSettings, run_benchmark
+from lightning_aesgd.bench.race.benchmark import BenchSettings, RaceConfigError, run_benchmark
 from lightning_aesgd.bench.race.suites import WORKLOADS, Target, get_workload
 
 DEFAULT_PROFILES = "strong,homogeneous"
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with nullcontext() if options.verbose else quiet_lightning():
         try:
             result = run_benchmark(settings)
-        except ValueError as error:
+        except RaceConfigError as error:
             parser.error(str(error))
     print(f"\n{result.table}\n")
     print(f"Wrote {len(result.files)} files under {settings.out}: " + ", ".join(p.name for p in result.files))

@@ -164,12 +164,19 @@ class FashionMNISTDataModule(ClassificationDataModule):
         super().__init__(batch_size, num_workers)
         if subset is not None and subset < 1:
             raise ValueError(f"subset must be >= 1 (or None for all samples), got {subset}.")
-        check_files(resolve_data_dir(data_dir))  # where the module is built, before any replica starts
         self.save_hyperparameters()
         self.data_dir = data_dir
         self.val_size = val_size
         self.seed = seed
         self.subset = subset
+
+    def check_data(self) -> None:
+        """Raise, naming the fix, unless the files are there (before any replica starts: the Hydra job asks).
+
+        Raises:
+            FileNotFoundError: naming the missing files.
+        """
+        check_files(resolve_data_dir(self.data_dir))
 
     def build_splits(self) -> Splits[Dataset[Sample]]:
         """Reads the files and splits the training set."""
