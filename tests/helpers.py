@@ -103,6 +103,8 @@ class FakeCommunicator:
         rank: this replica's index.
         peers_sum: returns what the other replicas add to an all-reduced tensor; by default they are identical
             to this replica, so a SUM multiplies by ``world_size``.
+        peers_max: returns the elementwise maximum of the other replicas' host tensors; by default they are
+            identical to this replica, so a MAX changes nothing.
         device: the only device whose tensors the pretended backend reduces, as NCCL takes CUDA tensors only;
             any device when ``None``. Host all-reduces take CPU tensors only, as the gloo host group does.
     """
@@ -113,10 +115,12 @@ class FakeCommunicator:
         rank: int = 0,
         peers_sum: Callable[[Tensor], Tensor] | None = None,
         device: torch.device | str | None = None,
+        peers_max: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
         self.peers_sum = peers_sum or (lambda tensor: tensor * (world_size - 1))
+        self.peers_max = peers_max or (lambda tensor: tensor)
         self.device = torch.device(device) if device is not None else None
         self.calls: list[str] = []
 
@@ -136,6 +140,11 @@ class FakeCommunicator:
         self.calls.append("host_all_reduce_sum_")
         _check_backend_device(tensor, torch.device("cpu"))
         tensor.add_(self.peers_sum(tensor.clone()))
+
+    def host_all_reduce_max_(self, tensor: Tensor) -> None:
+        self.calls.append("host_all_reduce_max_")
+        _check_backend_device(tensor, torch.device("cpu"))
+        torch.maximum(tensor, self.peers_max(tensor.clone()), out=tensor)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         self.calls.append("all_gather")

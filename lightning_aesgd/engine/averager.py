@@ -441,18 +441,18 @@ class MomentLayoutError(ValueError):
 def _check_same_moment_count(comm: Communicator, count: int) -> None:
     """Raise on every replica alike unless all hold the same number of optimizer moment elements.
 
-    One small all-reduce of ``(c, c²)``: the counts are all equal exactly when ``n·Σc² = (Σc)²`` (equality in
-    Cauchy–Schwarz), a test every replica evaluates on the same sums, so all raise or none does, before the
-    merge's collective, whose buckets would otherwise differ in size (a hang or a crash). The counts are host
-    numbers, summed on the host group: the host need not wait for the device.
+    One small all-reduce of ``(c, −c)`` with MAX gives every replica the largest and the smallest count, so all
+    raise or none does, before the merge's collective, whose buckets would otherwise differ in size (a hang or a
+    crash). Exact at any count (a sum of squares would overflow 64 bits past about 3e9 elements). The counts are
+    host numbers, reduced on the host group: the host need not wait for the device.
     """
-    sums = torch.tensor([count, count * count], dtype=torch.int64)  # exact: no rounding can fake equality
-    comm.host_all_reduce_sum_(sums)
-    total, squares = sums.tolist()
-    if comm.world_size * squares != total * total:
+    extremes = torch.tensor([count, -count], dtype=torch.int64)
+    comm.host_all_reduce_max_(extremes)
+    largest, negated_smallest = extremes.tolist()
+    if largest != -negated_smallest:
         raise MomentLayoutError(
             f"optimizer_state='average' needs optimizer state for the same parameters on every replica; this one "
-            f"holds {count} moment values, the replicas {total} together. A parameter that got no gradient on "
+            f"holds {count} moment values, the replicas between {-negated_smallest} and {largest}. A parameter that got no gradient on "
             "some replica has no state there. HINT: use optimizer_state='keep' (the default) or 'reset', or make "
             "every parameter take part in every replica's loss."
         )

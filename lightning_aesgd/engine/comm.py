@@ -74,6 +74,10 @@ class Communicator(Protocol):
         """
         ...
 
+    def host_all_reduce_max_(self, tensor: Tensor) -> None:
+        """Replace a small CPU ``tensor`` of host data in place by its elementwise maximum over all replicas."""
+        ...
+
     def all_gather_object(self, obj: T) -> list[T]:
         """Gather one picklable object from every replica, in rank order (never on the training path)."""
         ...
@@ -114,6 +118,9 @@ class LocalCommunicator:
         return None
 
     def host_all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
+        return None
+
+    def host_all_reduce_max_(self, tensor: Tensor) -> None:  # noqa: D102
         return None
 
     def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
@@ -201,6 +208,10 @@ class TorchCommunicator:
     def host_all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
         group = self._host()
         self._collective("host all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group))
+
+    def host_all_reduce_max_(self, tensor: Tensor) -> None:  # noqa: D102
+        group = self._host()
+        self._collective("host all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group))
 
     def all_gather_object(self, obj: T) -> list[T]:  # noqa: D102
         group = self._host()

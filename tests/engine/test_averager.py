@@ -10,7 +10,12 @@ from helpers import FakeCommunicator
 from torch import nn
 
 from lightning_aesgd.core.merge import SMA, ElasticAverage
-from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings, MomentLayoutError
+from lightning_aesgd.engine.averager import (
+    ElasticAverager,
+    MergeSettings,
+    MomentLayoutError,
+    _check_same_moment_count,
+)
 from lightning_aesgd.engine.comm import LocalCommunicator, WeightedAllReduce
 
 
@@ -242,8 +247,16 @@ def test_averaging_moments_that_replicas_hold_for_different_parameters_fails_ali
     model(torch.ones(1, 2)).sum().backward()
     optimizer.step()  # momentum for weight (2) and bias (1): 3 values here
     settings = MergeSettings(ElasticAverage(), optimizer_state="average")
-    # The peer holds momentum for the weight only (its bias got no gradient): it adds (2, 2²) to the sums.
-    peer = FakeCommunicator(world_size=2, peers_sum=lambda t: torch.tensor([2, 4]) if t.dtype == torch.int64 else t)
-    with pytest.raises(MomentLayoutError, match="HINT: use optimizer_state='keep'"):
+    # The peer holds momentum for the weight only (its bias got no gradient): 2 values, sent as (2, −2).
+    peer = FakeCommunicator(world_size=2, peers_max=lambda t: torch.tensor([2, -2]))
+    with pytest.raises(MomentLayoutError, match=r"between 2 and 3.*HINT: use optimizer_state='keep'"):
         ElasticAverager(model, peer, settings).merge(weight=1.0, optimizer=optimizer)
     ElasticAverager(model, FakeCommunicator(world_size=2), settings).merge(weight=1.0, optimizer=optimizer)
+
+
+def test_the_moment_count_check_is_exact_at_counts_whose_squares_overflow_64_bits():
+    eight_replicas = FakeCommunicator(world_size=8)
+    _check_same_moment_count(eight_replicas, 4_000_000_000)  # (4e9)² > 2⁶³: a sum of squares overflowed here
+    one_fewer = FakeCommunicator(world_size=8, peers_max=lambda t: torch.tensor([4_000_000_000, -3_999_999_999]))
+    with pytest.raises(MomentLayoutError, match="between 3999999999 and 4000000000"):
+        _check_same_moment_count(one_fewer, 3_999_999_999)

@@ -64,6 +64,9 @@ def _check_host_collectives(comm: TorchCommunicator, rank: int, world_size: int)
     counts = torch.tensor([rank + 1, 10], dtype=torch.int64)
     comm.host_all_reduce_sum_(counts)
     assert counts.tolist() == [sum(range(1, world_size + 1)), 10 * world_size]
+    extremes = torch.tensor([rank + 1, -(rank + 1)], dtype=torch.int64)
+    comm.host_all_reduce_max_(extremes)
+    assert extremes.tolist() == [world_size, -1]
 
 
 def test_collectives_on_two_gloo_processes(tmp_path):

@@ -154,7 +154,7 @@ def test_optimizer_state_is_merged_on_the_device_and_counted_on_the_host(device,
     if mode == "reset":
         assert not optimizer.state
         return
-    assert comm.calls == ["host_all_reduce_sum_", "all_reduce_sum_"]
+    assert comm.calls == ["host_all_reduce_max_", "all_reduce_sum_"]
     moments = [optimizer.state[parameter]["momentum_buffer"] for parameter in model.parameters()]
     _on(device, moments)
     if device == "cpu":
