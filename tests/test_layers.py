@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_aesgd"
-LIGHTNING = ("pytorch_lightning", "lightning", "lightning_fabric")
+LIGHTNING = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities")
 
 # What each layer may import from the package itself.
 ALLOWED = {

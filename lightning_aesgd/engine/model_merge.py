@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from typing_extensions import Unpack
 
 from lightning_aesgd.core.schedule import LearningRateDrop
@@ -542,4 +542,4 @@ def _loss_scale(grad_scaler: Any) -> Any:
 
 
 def _on_cpu(state: Any) -> Any:
-    return apply_to_collection(state, torch.Tensor, lambda tensor: tensor.cpu())
+    return tree_map_only(torch.Tensor, torch.Tensor.cpu, state)
