@@ -64,9 +64,15 @@ def clip_gradients(module: Any, optimizer: Any) -> None:
 
 
 def logs_this_step(trainer: Any) -> bool:
-    """Whether Lightning's loggers write at this step."""
-    every, step = max(1, int(trainer.log_every_n_steps)), int(trainer.global_step)
-    return (step + 1) % every == 0
+    """Whether Lightning's loggers write at this step, called in the optimizer step (before it is counted).
+
+    Lightning's rule (its logger connector's ``should_update_logs``): every ``log_every_n_steps``-th step, never
+    at ``log_every_n_steps=0``, and whenever the Trainer is about to stop.
+    """
+    every = int(trainer.log_every_n_steps)
+    if every == 0:
+        return False
+    return (int(trainer.global_step) + 1) % every == 0 or bool(trainer.should_stop)
 
 
 def log_metrics(trainer: Any, metrics: dict[str, float] | None) -> None:

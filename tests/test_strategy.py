@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import logging
@@ -250,6 +251,19 @@ def test_telemetry_reaches_csv_and_tensorboard_loggers(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb" / "version_0"))
     events.Reload()
     assert "aesgd/replica_0/samples_per_sec" in events.Tags()["scalars"]
+
+
+def test_telemetry_follows_lightnings_logging_steps_and_none_at_log_every_n_steps_zero(tmp_path):
+    def logged_steps(every: int, max_steps: int) -> list[int]:
+        logger = pl.loggers.CSVLogger(tmp_path, name=f"every_{every}")
+        strategy = AdaptiveElasticStrategy(sync="models", period=1)
+        _trainer(strategy, max_steps=max_steps, logger=logger, log_every_n_steps=every).fit(RegressionModel())
+        path = Path(logger.log_dir) / "metrics.csv"
+        rows = list(csv.DictReader(path.open())) if path.exists() else []  # no file: nothing was logged
+        return [int(row["step"]) for row in rows if row.get("aesgd/share_error")]
+
+    assert logged_steps(0, max_steps=4) == []  # Lightning logs nothing at 0; the telemetry logged every step
+    assert logged_steps(3, max_steps=7) == [2, 5]  # Lightning's every third step
 
 
 def test_end_of_fit_summary_reaches_the_root_logger_and_is_saved_as_json(caplog, tmp_path):
