@@ -58,7 +58,7 @@ def check_training_loader(dataloader: Any) -> None:
         )
 
 
-def check_gradient_settings(engine: Any, trainer: Any, precision_plugin: Any) -> None:
+def check_gradient_settings(engine: Any, precision_plugin: Any) -> None:
     """Raise for Trainer settings that delayed gradient sums (ABS-SGD) cannot honour.
 
     Raises:

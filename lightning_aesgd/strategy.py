@@ -245,7 +245,7 @@ class AdaptiveElasticMixin(SharedDevices):
         if trainer.state.fn == "fit":
             self._idle_safety_checked = False
             check_fit_settings(trainer, self._module)
-            check_gradient_settings(self.engine, trainer, self.precision_plugin)
+            check_gradient_settings(self.engine, self.precision_plugin)
         super().setup(trainer)
         if trainer.state.fn != "fit":
             return

@@ -452,7 +452,7 @@ def _check_same_moment_count(comm: Communicator, count: int) -> None:
     if largest != -negated_smallest:
         raise MomentLayoutError(
             f"optimizer_state='average' needs optimizer state for the same parameters on every replica; this one "
-            f"holds {count} moment values, the replicas between {-negated_smallest} and {largest}. A parameter that got no gradient on "
-            "some replica has no state there. HINT: use optimizer_state='keep' (the default) or 'reset', or make "
-            "every parameter take part in every replica's loss."
+            f"holds {count} moment values, the replicas between {-negated_smallest} and {largest}. A parameter "
+            "that got no gradient on some replica has no state there. HINT: use optimizer_state='keep' (the "
+            "default) or 'reset', or make every parameter take part in every replica's loss."
         )

@@ -22,7 +22,6 @@ from lightning_aesgd.engine.flat import to_host
 from lightning_aesgd.engine.stalls import ReplicaStalledError as ReplicaStalledError
 from lightning_aesgd.engine.stalls import default_store, entering, keep_alive
 from lightning_aesgd.engine.stalls import is_peer_failure as is_peer_failure
-from lightning_aesgd.engine.stalls import roll_call as roll_call
 from lightning_aesgd.engine.stalls import stalled_error as stalled_error
 
 T = TypeVar("T")

@@ -379,8 +379,8 @@ def test_delayed_sums_refuse_a_grad_scaler():
         scaler = object()
 
     with pytest.raises(UnsupportedSettingError, match="bf16-mixed"):
-        check_gradient_settings(Delayed(), None, WithScaler())
-    check_gradient_settings(Delayed(), None, object())  # no scaler: fine
+        check_gradient_settings(Delayed(), WithScaler())
+    check_gradient_settings(Delayed(), object())  # no scaler: fine
 
 
 class _DriftAndRecord(pl.Callback):

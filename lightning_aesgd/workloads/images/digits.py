@@ -15,8 +15,6 @@ from torch.utils.data import Dataset, TensorDataset
 from lightning_aesgd.workloads.datamodule import Splits
 from lightning_aesgd.workloads.images.data import ClassificationDataModule, Sample, split_holdout
 
-NUM_FEATURES = 64
-"""Pixels per image (8 × 8)."""
 _MAX_PIXEL = 16.0  # the digits pixels are counts of set cells in 4×4 blocks of a 32×32 bitmap: 0..16
 
 

@@ -6,7 +6,7 @@ synthetic set can be checked against the Extreme Classification Repository's Tab
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
@@ -55,10 +55,6 @@ class XMCStatistics:
     top1pct_label_share: float
     largest_label_points: int
     rank_frequency_slope: float
-
-    def as_dict(self) -> dict[str, float]:
-        """The statistics as a flat dictionary (e.g. for logging)."""
-        return {key: float(value) for key, value in asdict(self).items()}
 
 
 def statistics(features: sp.csr_matrix, labels: sp.csr_matrix) -> XMCStatistics:
