@@ -37,10 +37,8 @@ from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.engine.averager import OptimizerStateMode
 from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
-from lightning_aesgd.engine.gradient_sync import GradientSync
 from lightning_aesgd.engine.learner_tuning import measure_learners
 from lightning_aesgd.engine.loading import IdleBatch, SampleCosts
-from lightning_aesgd.engine.model_merge import ModelMerge
 from lightning_aesgd.engine.optimizer_shapes import fit_optimizer_state, one_model_state
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
@@ -258,14 +256,11 @@ class AdaptiveElasticMixin(SharedDevices):
             stop_requested=lambda: bool(getattr(trainer, "received_sigterm", False)),
             grad_scaler=getattr(self.precision_plugin, "scaler", None),
             before_own_update=partial(clip_gradients, self._module),  # for a flushed delayed sum
+            reducer_meets_every_step=self.settings.find_unused_parameters,  # DDP's own all-reduce of its map
+            collective_timeout=timeout.total_seconds() if (timeout := getattr(self, "_timeout", None)) else None,
+            mixed_device_types=mixes_device_types(self.parallel_devices or []),
         )
-        if isinstance(self.engine, GradientSync):  # DDP's reducer then all-reduces its own map in every step
-            self.engine.sit_out_allowed = not self.settings.find_unused_parameters
-            timeout = getattr(self, "_timeout", None)
-            self.engine.sitting.max_wait = timeout.total_seconds() if timeout is not None else None
         self.engine.start(self._module, default_communicator(self.root_device), self.root_device, hooks)
-        if isinstance(self.engine, GradientSync):  # CPU and CUDA kernels may round the same update differently
-            self.engine.share_parameters = mixes_device_types(self.parallel_devices or [])
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
         self._fit_finished = False
         self._undo_train_end = before_train_end(trainer, self._finish_fit)
@@ -275,11 +270,11 @@ class AdaptiveElasticMixin(SharedDevices):
         if not self.engine.running or not self._module.trainer.training:
             return dataloader
         check_training_loader(dataloader)
-        if isinstance(self.engine, ModelMerge) and self.engine.learners_undecided:
-            self._choose_learners(self.engine, dataloader)
+        if self.engine.learners_undecided:
+            self._choose_learners(dataloader)
         return self.engine.training_loader(dataloader, resumed_position(self._module.trainer))
 
-    def _choose_learners(self, engine: ModelMerge, dataloader: Any) -> None:
+    def _choose_learners(self, dataloader: Any) -> None:
         """``learners_per_device="auto"``: time the training step of 1, 2, ... learners on the loader's first batch.
 
         The step is Lightning's own (the precision's context, the module's ``training_step``), as training runs it.
@@ -287,7 +282,7 @@ class AdaptiveElasticMixin(SharedDevices):
         batch = self.batch_to_device(next(iter(dataloader)))
         run_step = super().training_step
         quiet = not self.is_global_zero  # every replica measures the same step: one warning is enough
-        engine.choose_learners(lambda learners: measure_learners(self._module, run_step, batch, learners, quiet=quiet))
+        self.engine.choose_learners(partial(measure_learners, self._module, run_step, batch, quiet=quiet))
 
     # --- training -----------------------------------------------------------------------------------------
 

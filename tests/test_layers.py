@@ -68,3 +68,15 @@ def test_the_engine_and_the_core_hold_no_emulation_code():
             text = path.read_text()
             found = [name for name in emulation_names if name in text]
             assert not found, f"{layer}/{path.name} mentions {found}: emulation belongs in lightning_aesgd/emulation"
+
+
+def test_the_architecture_page_names_every_module_of_the_layers_it_draws():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    drawn = [PACKAGE, *(PACKAGE / layer for layer in ("core", "engine", "emulation"))]
+    missing = [
+        f"{folder.name}/{path.name}"
+        for folder in drawn
+        for path in sorted(folder.glob("*.py"))
+        if path.name != "__init__.py" and path.name not in page
+    ]
+    assert not missing, f"docs/architecture.md does not name {missing}"

@@ -18,6 +18,8 @@ __all__ = ["InverseTimeDecay", "stale_update_scale"]
 class InverseTimeDecay:
     """``f(t)``: a linear ramp over the warm-up, then ``1/(1 + decay·(t − w))``; ``t`` the 0-based step.
 
+    Adaptive SGD's schedule (Ma, Rusu, Wu, Sim, arXiv:2110.07029, 2021, and the authors' code above).
+
     ::
 
         f(t) = s + (1 − s)·t/w            for t < w       (ramp from s to 1, the paper's s = 0.01)

@@ -205,8 +205,10 @@ def _check_num_replicas(num_replicas: int) -> None:
 class ElasticAverage:
     """Average, extrapolate with outer momentum, then pull each replica towards the result.
 
-    Adaptive SGD's merge, and local SGD's when ``momentum = 0`` and ``alpha = 1`` (method cards
-    ``docs/methods/adaptive_sgd.md``, ``docs/methods/local_sgd.md``). At a merge ``t``, with
+    Adaptive SGD's merge (Ma, Rusu, Wu, Sim, arXiv:2110.07029, 2021), and local SGD's when ``momentum = 0`` and
+    ``alpha = 1`` (Lin, Stich, Patel, Jaggi, *Don't Use Large Mini-Batches, Use Local SGD*, ICLR 2020,
+    arXiv:1808.07217); method cards ``docs/methods/adaptive_sgd.md``, ``docs/methods/local_sgd.md``. At a merge
+    ``t``, with
     ``mean = Σ_i p_i x_i`` over the models after the local step:
 
     ::
@@ -265,7 +267,9 @@ class ElasticAverage:
 class CentralElastic:
     """A stored central model ``z`` moved by the replicas' elastic corrections, with central momentum.
 
-    The family of :class:`SMA` and :class:`EASGD`. At a merge, with ``x̂_i`` the replica's contribution (its
+    The family of :class:`SMA` (Koliousis et al., *Crossbow*, PVLDB 12(11), 2019, arXiv:1901.02244) and
+    :class:`EASGD` (Zhang, Choromanska, LeCun, *Deep learning with Elastic Averaging SGD*, NIPS 2015,
+    arXiv:1412.6651). At a merge, with ``x̂_i`` the replica's contribution (its
     pre-step snapshot when ``needs_snapshot``) and ``mean = Σ_i p_i x̂_i``:
 
     ::
@@ -361,6 +365,9 @@ class CentralElastic:
 class SMA(CentralElastic):
     """Crossbow's synchronous model averaging (method card: ``docs/methods/sma.md``).
 
+    Koliousis, Watcharapichat, Weidlich, Mai, Costa, Pietzuch, *Crossbow: Scaling Deep Learning with Small Batch
+    Sizes on Multi-GPU Servers*, PVLDB 12(11), 2019, arXiv:1901.02244.
+
     :class:`CentralElastic` with ``α = 0.1``, central momentum ``μ_c = 0.9``, corrections from the pre-step
     model, and replicas reset to the central model whenever the learning rate drops.
 
@@ -383,6 +390,8 @@ class SMA(CentralElastic):
 
 class EASGD(CentralElastic):
     """Synchronous elastic averaging SGD (method card: ``docs/methods/easgd.md``).
+
+    Zhang, Choromanska, LeCun, *Deep learning with Elastic Averaging SGD*, NIPS 2015, arXiv:1412.6651.
 
     ::
 

@@ -265,6 +265,8 @@ class BalancedPlanner:
 class AdditivePlanner:
     """Adaptive SGD's additive batch-size rule, on the update shares replicas would have running freely.
 
+    From Ma, Rusu, Wu, Sim, arXiv:2110.07029, 2021 (method card: ``docs/methods/adaptive_sgd.md``).
+
     With ``u_i = speed_i / b_i`` (updates per second) and ``p_i = u_i / Σ u``::
 
         b_i ← clamp(b_i + step·sign(p_i − 1/n), min_batch, max_batch),   then  apportion(M, b, min_batch, max_batch)

@@ -114,6 +114,8 @@ def normalize(weights: Sequence[float]) -> list[float]:
 def nudge_extremes(shares: Sequence[float], boost: float = 0.1, renormalize: bool = True) -> list[float]:
     """Adaptive SGD's "adaptive normalization": favour the fastest replica, discount the slowest.
 
+    From Ma, Rusu, Wu, Sim, arXiv:2110.07029, 2021 (method card: ``docs/methods/adaptive_sgd.md``).
+
     ::
 
         p_max ← (1 + boost)·p_max,    p_min ← (1 − boost)·p_min
@@ -232,6 +234,9 @@ class L2Trend:
 
 class AdaptiveNormalization:
     """Adaptive SGD's adaptive normalization of merge weights (method card: ``docs/methods/adaptive_sgd.md``).
+
+    From Ma, Rusu, Wu, Sim, *Adaptive Elastic Training for Sparse Deep Learning on Heterogeneous Multi-GPU
+    Servers*, arXiv:2110.07029, 2021.
 
     After the warm-up, while the merged model's L2 norm keeps its non-decreasing trend within the current
     window (:class:`L2Trend`; a window ends at every evaluation pass), the replica with the largest weight at

@@ -176,12 +176,12 @@ class ElasticAverager:
         self.updates_since_merge += 1
         return due
 
-    def discount_skipped(self, num_samples: float) -> None:
-        """Take back a finished local step that applied no update (a GradScaler skipped it for inf/NaN gradients).
+    def take_back_idle_step(self) -> None:
+        """Take back a finished local step of no samples (a replica sitting out): it applied no update.
 
-        Its samples and its update then count for nothing in this replica's merge weight.
+        It then counts for nothing in this replica's merge weight. Steps a GradScaler skipped are taken back on
+        the device instead, at the merge (:meth:`own_weight_less`), so that the host never waits to read a flag.
         """
-        self.samples_since_merge -= num_samples
         self.updates_since_merge -= 1
         self.skipped_since_merge += 1
 
@@ -205,7 +205,7 @@ class ElasticAverager:
             skipped_updates: how many steps it skipped, likewise.
 
         Returns:
-            What :meth:`own_weight` returns once :meth:`discount_skipped` took each skipped step back.
+            What :meth:`own_weight` would return had each skipped step been taken back on the host.
         """
         if self.updates_since_merge == 0:  # no update the device could have skipped (idle steps taken back)
             return self.own_weight()

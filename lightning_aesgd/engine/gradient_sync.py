@@ -101,13 +101,12 @@ class GradientSync(StepPipeline):
         self._arrived = 0.0
         self._hooked = True  # whether DDP's reducer calls GradientSum's hook (see wraps_model)
         # Replicas apply the same summed gradient, but CPU and CUDA kernels may round an update differently: where
-        # replicas run on different device types, rank zero's parameters travel with its buffers (set by the strategy).
+        # replicas run on different device types, rank zero's parameters travel with its buffers (from the hooks).
         self.share_parameters = False
         # Left-out replicas sit out the per-step sums (engine.sitting_out). Not where DDP's reducer itself talks to
-        # every rank in each step (find_unused_parameters; the strategy says), nor where state outlives a step: a
+        # every rank in each step (find_unused_parameters; the hooks say), nor where state outlives a step: a
         # delayed sum in flight, or a grad scaler's scale.
         self.sitting = SittingOut()
-        self.sit_out_allowed = True
         self._stop_decided = False  # a stop the replicas agreed on at a segment's start (engine.sitting_out)
         self._failure: NonFiniteReplicasError | None = None  # held until a segment's start while a replica sits out
 
@@ -157,7 +156,9 @@ class GradientSync(StepPipeline):
         self.reports.start()
         self._device = device
         self.syncs = self.excluded = self.sat_out_steps = 0
-        allowed = self.sit_out_allowed and self._delay == 0 and self.reduce.guard
+        self.share_parameters = self.hooks.mixed_device_types
+        allowed = not self.hooks.reducer_meets_every_step and self._delay == 0 and self.reduce.guard
+        self.sitting.max_wait = self.hooks.collective_timeout
         self.sitting.start(comm, allowed)
         self._stop_decided, self._failure = False, None
         self.plans.segment_steps = self.sitting.segment_steps if self.sitting.enabled else 0

@@ -86,11 +86,19 @@ class TrainerHooks:
             the steps it skips carry no merge weight.
         before_own_update: what runs before an update the pipeline applies itself, outside Lightning's optimizer
             step (the Trainer's gradient clipping, for a flushed delayed sum).
+        reducer_meets_every_step: whether DDP's reducer itself talks to every replica in each step
+            (``find_unused_parameters``), so that no replica can sit out of a step's gradient sum.
+        collective_timeout: seconds a collective may wait before it times out (``None``: no limit).
+        mixed_device_types: whether replicas run on different device types (CPU and CUDA), whose kernels may
+            round the same update differently.
     """
 
     stop_requested: Callable[[], bool] = _never
     grad_scaler: Any = None
     before_own_update: Callable[[torch.optim.Optimizer], None] = _nothing
+    reducer_meets_every_step: bool = False
+    collective_timeout: float | None = None
+    mixed_device_types: bool = False
 
 
 class StepPipeline(ABC):
@@ -254,6 +262,18 @@ class StepPipeline(ABC):
         self.hooks = TrainerHooks()  # the Trainer's checks hold the Trainer: not kept past the fit
         self.sampler = self.loader_clock = None
         self.arrivals.detach()
+
+    @property
+    def learners_undecided(self) -> bool:
+        """Whether ``learners_per_device="auto"`` has yet to measure and choose (:meth:`choose_learners`)."""
+        return False
+
+    def choose_learners(self, measure: Callable[[int], float]) -> int:
+        """Measure 1, 2, ... learners per replica (``measure(k)``: samples/s) and keep what pays; a collective.
+
+        Only model merging trains several learners (Crossbow): elsewhere there is nothing to choose.
+        """
+        return self.learners
 
     def training_loader(
         self, dataloader: DataLoader[Any], position: tuple[int, int] | None = None

@@ -66,7 +66,7 @@ def taking_part(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> tuple[li
 def step_time_balance(stats: Sequence[ReplicaStats]) -> float:
     """The slowest replica's active time per step over the fastest's: 1.0 when all arrive at sync points together.
 
-    Lockstep replicas wait for the slowest at every step, so this is what routing exists to bring to 1.
+    Lockstep replicas wait for the slowest at every step, so this is what planning exists to bring to 1.
     """
     times = [s.step_seconds for s in stats]
     return max(times) / min(times) if min(times) > 0 else float("nan")
