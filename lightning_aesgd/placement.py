@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lightning_fabric.accelerators.cuda import num_cuda_devices
 from lightning_fabric.utilities.distributed import _init_dist_connection
 
+from lightning_aesgd.core.values import is_whole
 from lightning_aesgd.forked_threads import threads_that_run_after_fork
 
 if TYPE_CHECKING:
@@ -47,12 +48,12 @@ def check_replicas_per_device(value: Any) -> int:
     >>> check_replicas_per_device(2)
     2
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_whole(value) or value < 1:
         raise ValueError(
             f"replicas_per_device must be a whole number >= 1, got {value!r}. HINT: 1 (one replica per device, as "
             "DDP) or e.g. 4 to run 4 replicas on every device."
         )
-    return value
+    return int(value)
 
 
 def repeat_devices(devices: Sequence[torch.device], replicas_per_device: int) -> list[torch.device]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
@@ -22,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_aesgd.core.apportion import High, Low
 from lightning_aesgd.core.merge import MergeRule, as_merge_rule
 from lightning_aesgd.core.planners import Planner
+from lightning_aesgd.core.values import is_real, is_whole
 from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.emulation import SlowdownProfile, as_profile
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
@@ -399,7 +399,7 @@ def check_sync(sync: Any, gradient_delay: Any, delay_warmup: Any, delay_lr_scale
             f"gradient_delay={gradient_delay!r}: 0 (synchronous) or 1 (ABS-SGD) only. HINT: pass gradient_delay=0, or "
             "gradient_delay=1 with sync='gradients'."
         )
-    if not isinstance(delay_warmup, int) or isinstance(delay_warmup, bool) or delay_warmup < 0:
+    if not is_whole(delay_warmup) or delay_warmup < 0:
         raise ValueError(
             f"gradient_delay_warmup={delay_warmup!r} counts steps. HINT: pass a whole number >= 0 (0: delay from the "
             "first step)."
@@ -429,7 +429,7 @@ def check_sync(sync: Any, gradient_delay: Any, delay_warmup: Any, delay_lr_scale
 
 
 def _check_delay_lr_scale(delay_lr_scale: Any, gradient_delay: Any) -> None:
-    if isinstance(delay_lr_scale, bool) or not isinstance(delay_lr_scale, numbers.Real):
+    if not is_real(delay_lr_scale):
         raise ValueError(f"gradient_delay_lr_scale={delay_lr_scale!r} is a factor. HINT: pass a number > 0 (e.g. 0.5).")
     if not math.isfinite(delay_lr_scale):
         raise ValueError(
@@ -450,8 +450,7 @@ def _check_delay_lr_scale(delay_lr_scale: Any, gradient_delay: Any) -> None:
 
 def check_learners(learners: Any, sample_costs: Any, optimizer_state: str, merge_buffers: bool) -> None:
     """Raise, naming the fix, unless ``learners_per_device`` is a whole number >= 1 that the other options allow."""
-    whole = isinstance(learners, numbers.Integral) and not isinstance(learners, bool)
-    if learners != "auto" and not (whole and learners >= 1):
+    if learners != "auto" and not (is_whole(learners) and learners >= 1):
         raise ValueError(
             f"`learners_per_device` counts models per replica, got {learners!r}. HINT: pass a whole number >= 1, "
             "or 'auto'."

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_aesgd.core.values import is_whole
+
 __all__ = ["InverseTimeDecay", "stale_update_scale"]
 
 
@@ -49,7 +51,7 @@ class InverseTimeDecay:
     def __post_init__(self) -> None:
         if not (isinstance(self.decay, (int, float)) and math.isfinite(self.decay) and self.decay >= 0):
             raise ValueError(f"`decay` must be a finite number >= 0, got {self.decay!r}. HINT: 0 keeps the rate.")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        if not is_whole(self.warmup_steps) or self.warmup_steps < 0:
             raise ValueError(f"`warmup_steps` counts steps, got {self.warmup_steps!r}. HINT: pass a whole number >= 0.")
         if not (isinstance(self.warmup_start, (int, float)) and 0.0 < self.warmup_start <= 1.0):
             raise ValueError(
@@ -93,6 +95,6 @@ def stale_update_scale(delay: int) -> float:
         >>> [round(stale_update_scale(t), 3) for t in range(3)]
         [1.0, 0.5, 0.309]
     """
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+    if not is_whole(delay) or delay < 0:
         raise ValueError(f"delay={delay!r} counts steps: a whole number >= 0")
     return math.sin(math.pi / (4 * delay + 2))

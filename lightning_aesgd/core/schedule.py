@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from lightning_aesgd.core.values import is_whole
+
 __all__ = [
     "REPORT_SECONDS",
     "REPORT_SECONDS_PER_REPLICA",
@@ -59,7 +61,7 @@ def validate_schedule(period: int, warmup_steps: int = 0) -> None:
     Raises:
         ValueError: If ``period < 1`` or ``warmup_steps < 0``.
     """
-    if not _is_count(period) or not _is_count(warmup_steps):
+    if not is_whole(period) or not is_whole(warmup_steps):
         raise ValueError(
             f"`period` and `warmup_steps` count steps, got period={period!r}, warmup_steps={warmup_steps!r}. "
             "HINT: pass whole numbers (period=4, not 4.0 or '4')."
@@ -70,10 +72,6 @@ def validate_schedule(period: int, warmup_steps: int = 0) -> None:
         raise ValueError(
             f"`warmup_steps` must be >= 0, got {warmup_steps}. HINT: use 0 to start periodic merging at once."
         )
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def merge_due(step: int, period: int, warmup_steps: int = 0) -> bool:

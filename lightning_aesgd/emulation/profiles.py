@@ -26,10 +26,11 @@ ratios measured in one run, never absolute times.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
+
+from lightning_aesgd.core.values import is_real
 
 SlowdownMode = Literal["step", "user", "data", "hook", "quota"]
 """Where an emulated device's extra time lands (see the module docstring)."""
@@ -86,7 +87,7 @@ class SlowdownProfile:
                 "A slowdown profile needs one factor per replica. HINT: e.g. factors=[1, 2] for 2 replicas."
             )
         for value in (*factors, *(c.factor for c in changes), self.base):
-            if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 1):
+            if not (is_real(value) and value >= 1):
                 raise ValueError(
                     f"Slowdown factors must be numbers >= 1 (1 = real speed), got {value!r}. HINT: give the slowest "
                     "device the largest factor, e.g. [1, 1, 2, 4]."

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
 from lightning_aesgd.core.tuning import learners_to_keep, measures_more
+from lightning_aesgd.core.values import is_real, is_whole
 from lightning_aesgd.engine.comm import Communicator
 from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device, trainable_parameters
 from lightning_aesgd.engine.learners import LearnerStep, LearnerStepError, batch_rows
@@ -44,9 +45,9 @@ class LearnerTuning:
     repeats: int = 3
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_learners, int) or isinstance(self.max_learners, bool) or self.max_learners < 1:
+        if not is_whole(self.max_learners) or self.max_learners < 1:
             raise ValueError(f"`max_learners` is a whole number >= 1, got {self.max_learners!r}. HINT: e.g. 8.")
-        if not isinstance(self.min_gain, int | float) or isinstance(self.min_gain, bool) or not self.min_gain >= 0:
+        if not is_real(self.min_gain) or not self.min_gain >= 0:
             raise ValueError(
                 f"`learner_min_gain` is a fraction of throughput >= 0, got {self.min_gain!r}. HINT: e.g. 0.1 (a "
                 "learner more must add 10%)."

@@ -25,6 +25,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from lightning_aesgd.core.values import is_whole
 from lightning_aesgd.engine.sampler import PlanBook, PlannedBatchSampler, StepIndices
 
 SampleCosts = Union[None, Literal["dataset", "auto"], Callable[[Any], "Sequence[float] | Tensor"]]  # noqa: UP007
@@ -257,7 +258,7 @@ def check_step_options(step_batch_size: Any, plan_lag: Any) -> None:
         ValueError: unless each is a whole number >= 1 or None, naming the option and the fix.
     """
     for name, value in (("step_batch_size", step_batch_size), ("plan_lag", plan_lag)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and (not is_whole(value) or value < 1):
             raise ValueError(
                 f"`{name}` must be a whole number >= 1 or None (the default), got {value!r}. HINT: leave {name} "
                 "unset for the default, or pass e.g. 4."

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +11,7 @@ from lightning_aesgd.core.apportion import High, Low, apportion, per_replica
 from lightning_aesgd.core.planners import Planner, StaticPlanner, get_planner
 from lightning_aesgd.core.sensing import batch_floor, check_plan_damping
 from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.core.values import is_real, is_whole
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class PlanSettings:
         # that is neither a name nor a Planner) only at the first plan.
         for name in ("min_batch", "max_batch"):
             for value in _values(getattr(self, name)):
-                if not (_is_whole(value) or (name == "max_batch" and value is None)):
+                if not (is_whole(value) or (name == "max_batch" and value is None)):
                     raise TypeError(
                         f"`{name}` is a batch size, or a list of one per replica; got {getattr(self, name)!r}. HINT: "
                         "pass a whole number such as 4, or a list such as [256, 32]."
@@ -67,12 +67,12 @@ class PlanSettings:
             raise TypeError(
                 f"`leave_out_stragglers` is a switch, got {self.leave_out_stragglers!r}. HINT: pass True or False."
             )
-        if not _is_whole(self.hold_steps) or self.hold_steps < 0:
+        if not is_whole(self.hold_steps) or self.hold_steps < 0:
             raise ValueError(f"`hold_steps` counts steps, got {self.hold_steps!r}. HINT: pass a whole number >= 0.")
         for name in ("speed_smoothing", "plan_gain", "plan_dead_band"):
-            if not _is_real(getattr(self, name)):
+            if not is_real(getattr(self, name)):
                 raise TypeError(f"`{name}` must be a number, got {getattr(self, name)!r}. HINT: pass a float.")
-        if not all(_is_real(share) for share in _values(self.min_share)):
+        if not all(is_real(share) for share in _values(self.min_share)):
             raise TypeError(
                 f"`min_share` must be a number or a list of one per replica, got {self.min_share!r}. HINT: pass a "
                 "float such as 0.1."
@@ -90,7 +90,7 @@ class PlanSettings:
         if self.shares is not None:
             if isinstance(self.shares, (str, bytes)) or not isinstance(self.shares, Sequence):
                 raise TypeError(f"`shares` must be a list of numbers, got {self.shares!r}. HINT: e.g. [2, 1, 1].")
-            if not all(_is_real(share) for share in self.shares):
+            if not all(is_real(share) for share in self.shares):
                 raise TypeError(f"`shares` must all be numbers, got {list(self.shares)}. HINT: e.g. [2, 1, 1].")
             if not self.shares or not all(0.0 < share < math.inf for share in self.shares):
                 raise ValueError(
@@ -193,7 +193,7 @@ def _trial_plan(planner: Planner, step_batch_size: int, num_replicas: int) -> No
         sizes = list(planner.plan(equal, [StepTime(0.0, 1.0)] * num_replicas, step_batch_size))
     except Exception as error:  # any failure of user code: named with the fix, the original chained
         raise ValueError(f"The planner {planner!r} failed a trial plan of {equal}: {error}. {hint}") from error
-    if len(sizes) != num_replicas or sum(sizes) != step_batch_size or not all(_is_whole(s) and s >= 1 for s in sizes):
+    if len(sizes) != num_replicas or sum(sizes) != step_batch_size or not all(is_whole(s) and s >= 1 for s in sizes):
         raise ValueError(f"The planner {planner!r} returned {sizes} for a trial plan of {equal}. {hint}")
 
 
@@ -202,11 +202,3 @@ def _values(bound: Any) -> list[Any]:
     if isinstance(bound, Sequence) and not isinstance(bound, (str, bytes)):
         return list(bound)
     return [bound]
-
-
-def _is_whole(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
