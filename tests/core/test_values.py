@@ -13,7 +13,8 @@ from lightning_aesgd.placement import check_replicas_per_device
 
 @pytest.mark.parametrize("value", [0, 7, np.int64(7), np.int32(-2)])
 def test_integers_of_any_kind_are_whole(value):
-    assert is_whole(value) and is_real(value)
+    assert is_whole(value)
+    assert is_real(value)
 
 
 @pytest.mark.parametrize("value", [True, False, np.bool_(True), 2.0, "2", None])
@@ -30,6 +31,7 @@ def test_option_checks_take_numpy_counts_as_a_sweep_might_give_them():
     validate_schedule(np.int64(4), np.int64(10))
     assert InverseTimeDecay(decay=0.1, warmup_steps=np.int64(5))(np.int64(5)) == 1.0
     assert stale_update_scale(np.int64(1)) == pytest.approx(0.5)
-    assert check_replicas_per_device(np.int64(2)) == 2 and type(check_replicas_per_device(np.int64(2))) is int
+    assert check_replicas_per_device(np.int64(2)) == 2
+    assert type(check_replicas_per_device(np.int64(2))) is int
     with pytest.raises(ValueError, match="period"):
         validate_schedule(True, 0)
