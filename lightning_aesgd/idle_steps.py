@@ -9,8 +9,10 @@ merges nothing needs a gradient: the loss is then a bare zero (its backward cost
 which the replica still runs in step with the others' loops, stays far shorter than theirs.
 
 A ``training_step`` that itself communicates cannot be skipped on one replica: the others would wait in its
-collective. :func:`collectives_in_training` finds the usual ones (``self.log(..., sync_dist=True)``, SyncBatchNorm)
-after the first step, and the strategy then keeps every replica in the steps.
+collective. :func:`collectives_in_training` finds the usual ones (``self.log(..., sync_dist=True)``, SyncBatchNorm,
+a torchmetrics metric logged for the epoch) after the first step, and
+:class:`~lightning_aesgd.user_collectives.StepCollectives` the strategy's collectives that step called; the
+strategy then keeps every replica in the steps.
 """
 
 from __future__ import annotations
@@ -77,14 +79,28 @@ def idle_training_step(module: Any, every_parameter: bool = True) -> Iterator[No
 def collectives_in_training(trainer: Any, module: nn.Module) -> str | None:
     """Why the user's training step communicates (so an idle replica may not skip it), or ``None``.
 
-    Read after a training step, on every rank alike: SyncBatchNorm layers all-gather in every forward, and a value
-    logged with ``sync_dist=True`` is all-reduced where it is logged (and at the epoch's end).
+    Read after a training step, on every rank alike: SyncBatchNorm layers all-gather in every forward, a value
+    logged with ``sync_dist=True`` is all-reduced where it is logged (and at the epoch's end), and a torchmetrics
+    metric logged for the epoch gathers its states at the epoch's end, where a replica that made no update all
+    epoch (left out throughout) would not join.
     """
     if any(isinstance(layer, nn.SyncBatchNorm) for layer in module.modules()):
         return "the model has SyncBatchNorm layers, which communicate in every forward"
     results = getattr(trainer, "_results", None) or {}
     for key, result in results.items():
-        sync = getattr(getattr(result, "meta", None), "sync", None)
+        meta = getattr(result, "meta", None)
+        sync = getattr(meta, "sync", None)
         if sync is not None and sync.should and not sync.rank_zero_only:
             return f"the training step logs {key!r} with sync_dist=True, which is all-reduced where it is logged"
+        if getattr(result, "is_tensor", True):
+            continue
+        metric = getattr(result, "value", None)
+        if getattr(metric, "dist_sync_on_step", False):
+            return f"the training step logs the torchmetrics metric {key!r}, made with dist_sync_on_step=True"
+        if getattr(meta, "on_epoch", False) and getattr(metric, "sync_on_compute", True):
+            return (
+                f"the training step logs the torchmetrics metric {key!r} for the epoch, whose compute gathers from "
+                "every replica (a metric made with sync_on_compute=False logs each replica's own value and lets a "
+                "slow replica be left out)"
+            )
     return None

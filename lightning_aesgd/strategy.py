@@ -56,6 +56,7 @@ from lightning_aesgd.trainer_io import (
     resumed_position,
     save_summary,
 )
+from lightning_aesgd.user_collectives import StepCollectives, check_same_shapes, padded_rows, rows_in_rank_order
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class AdaptiveElasticMixin(SharedDevices):
         self.engine: StepPipeline = self.settings.build_engine()
         self._checkpoint_extras: dict[str, Any] | None = None
         self._idle_safety_checked = False  # whether the training step was checked for collectives (once per fit)
+        self._step_collectives = StepCollectives()  # the strategy's collectives that the user's training step calls
         self._stop_check: StopCheck | None = None
         self._undo_train_end: Callable[[], None] | None = None
         self._fit_finished = False
@@ -317,14 +319,18 @@ class AdaptiveElasticMixin(SharedDevices):
             with idle_training_step(self.lightning_module, every_parameter):
                 return super().training_step(*args, **kwargs)
         learner_step = self.engine.learner_step if self.engine.ready else None
-        if learner_step is not None:  # the replica's learners, batched: one call of the step for all of them
-            output = learner_step(partial(super().training_step, **kwargs), *args)
-        else:
-            output = super().training_step(*args, **kwargs)
+        self._step_collectives.watching = True
+        try:
+            if learner_step is not None:  # the replica's learners, batched: one call of the step for all of them
+                output = learner_step(partial(super().training_step, **kwargs), *args)
+            else:
+                output = super().training_step(*args, **kwargs)
+        finally:
+            self._step_collectives.watching = False
         if self.engine.ready and not self._idle_safety_checked:
             # After the first step, before its reports are taken in: every rank decides alike, before any plan.
             self._idle_safety_checked = True
-            reason = collectives_in_training(self._module.trainer, self._module)
+            reason = collectives_in_training(self._module.trainer, self._module) or self._step_collectives.reason()
             if reason is not None:
                 self.engine.plans.forbid_leaving_out(reason)
         return output
@@ -338,10 +344,50 @@ class AdaptiveElasticMixin(SharedDevices):
         ``Σᵢ (bᵢ/M)·xᵢ``, sent as ``n·(bᵢ/M)·xᵢ`` into the mean. Outside training steps (validation, epoch ends,
         where Lightning weighs by the batch sizes itself) and over a group of the user's, it is Lightning's.
         """
+        self._step_collectives.note("reduce")
         share = self.engine.step_share
         if share is not None and group is None and _is_mean(reduce_op) and _floating(tensor):
             tensor = tensor * (share * self.world_size)
         return super().reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        """Lightning's gather; inside a training step, tensors of different shapes fail with the fix, not a hang.
+
+        At uneven batches a per-sample tensor differs in length from replica to replica, which a plain all-gather
+        cannot take (gloo aborts the process): the shapes are gathered first, one small collective.
+        """
+        self._step_collectives.note("all_gather")
+        if self._step_collectives.watching and tensor.dim() > 0:
+            shape = torch.tensor(tensor.shape, dtype=torch.long, device=tensor.device)
+            check_same_shapes(super().all_gather(shape, group=group).reshape(-1, tensor.dim()).tolist())
+        return super().all_gather(tensor, group, sync_grads)
+
+    def all_gather_rows(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        """Every replica's rows of ``tensor``, concatenated in rank order, whatever each replica's number of rows.
+
+        The gather for per-sample tensors (a contrastive loss's embeddings) at speed-proportional batches: under
+        DDP, ``self.all_gather(tensor).flatten(0, 1)``. Rows are padded to the longest, gathered, and cut back.
+
+        Args:
+            tensor: this replica's rows, shape ``(bᵢ, ...)``; the trailing shape the same on every replica.
+            sync_grads: whether gradients flow back through the gather to each replica's own rows.
+        """
+        self._step_collectives.note("all_gather_rows")
+        size = torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device)
+        sizes = [int(n) for n in super().all_gather(size).reshape(-1).tolist()]
+        gathered = super().all_gather(padded_rows(tensor, max(sizes)), sync_grads=sync_grads)
+        return rows_in_rank_order(gathered.reshape(len(sizes), max(sizes), *tensor.shape[1:]), sizes)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._step_collectives.note("barrier")
+        super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._step_collectives.note("broadcast")
+        return super().broadcast(obj, src)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+import torchmetrics
 from helpers import RegressionModel, cpu_trainer, flat_parameters, no_report_on_its_own
 
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
@@ -66,16 +67,49 @@ class _SyncLoggingModel(_EpochModel):
         return loss
 
 
+class _GatheringModel(_EpochModel):
+    """Gathers its loss from every replica inside each training step, as a user's own collective."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.all_gather(loss.detach())
+        return loss
+
+
+class _BarrierModel(_EpochModel):
+    """Waits at the strategy's barrier inside each training step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trainer.strategy.barrier("step")
+        return super().training_step(batch, batch_idx)
+
+
+class _MetricModel(_EpochModel):
+    """Logs a torchmetrics metric for the epoch: its compute gathers every replica's states at the epoch's end."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.train_error = torchmetrics.MeanSquaredError()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.train_error(self(batch[0]).detach(), batch[1])
+        self.log("train/error", self.train_error, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
 def _fit_three(tmp_path, model, **options):
     slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": SECONDS_PER_SAMPLE})
+    epochs = options.pop("max_epochs", 1)
     strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=60), **options)
-    cpu_trainer(strategy, devices=3, max_epochs=1, callbacks=[slow, _Record(tmp_path)]).fit(model)
+    cpu_trainer(strategy, devices=3, max_epochs=epochs, callbacks=[slow, _Record(tmp_path)]).fit(model)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
 
 
-def test_a_training_step_that_communicates_keeps_every_replica_in_the_steps(tmp_path):
+@pytest.mark.parametrize("model", [_SyncLoggingModel, _GatheringModel, _BarrierModel, _MetricModel])
+def test_a_training_step_that_communicates_keeps_every_replica_in_the_steps(tmp_path, model):
     pl.seed_everything(7)
-    records = _fit_three(tmp_path, _SyncLoggingModel(size=240, batch_size=BATCH))
+    # Two epochs: a metric's gather at an epoch's end would wait for a replica left out all epoch.
+    records = _fit_three(tmp_path, model(size=240, batch_size=BATCH), max_epochs=2)
     assert all(min(sizes) > 0 for sizes in records[0]["plans"]["sizes"])  # no one left out, and no hang
     assert records[0]["plans"]["sizes"][-1][2] < BATCH  # the slow replica still gets a smaller batch
 

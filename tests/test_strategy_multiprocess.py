@@ -15,6 +15,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
+from lightning_aesgd.user_collectives import UnevenGatherError
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -301,3 +302,43 @@ def test_a_synced_step_mean_is_the_mean_over_the_steps_samples_at_uneven_batches
     rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
     logged = {int(row["step"]): float(row["rank_mean"]) for row in rows if row.get("rank_mean")}
     assert logged == dict.fromkeys(range(4), 0.25)
+
+
+class _GatherRows(RegressionModel):
+    """Gathers its step's sample indices: a plain all_gather (refused at uneven batches), then by rows."""
+
+    def __init__(self, directory, **kwargs):
+        super().__init__(**kwargs)
+        self.directory = directory
+        self.steps = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        try:
+            self.all_gather(index)
+            refusal = None
+        except UnevenGatherError as error:
+            refusal = str(error)
+        rows = self.trainer.strategy.all_gather_rows(index)
+        outputs = self.trainer.strategy.all_gather_rows(self(x), sync_grads=True)  # autograd through the padding
+        self.steps.append({"refusal": refusal, "own": index.tolist(), "rows": rows.tolist()})
+        return torch.nn.functional.mse_loss(self(x), y) + 0.0 * outputs.sum()
+
+    def on_train_end(self):
+        (self.directory / f"rank{self.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+def test_a_gather_of_uneven_rows_is_refused_with_the_fix_and_all_gather_rows_takes_them(tmp_path, sync):
+    """Batches of 12 and 4: a plain all_gather of per-sample tensors was a collective mismatch (gloo aborted)."""
+    strategy = AdaptiveElasticStrategy(sync=sync, planner="static", shares=[3, 1], start_method="fork", timeout=TIMEOUT)
+    cpu_trainer(strategy, max_steps=3).fit(_GatherRows(tmp_path, size=64, batch_size=8))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for zero, one in zip(*ranks, strict=True):
+        for step in (zero, one):
+            assert "0: [12], 1: [4]" in step["refusal"]
+            assert (
+                "HINT: gather per-sample rows with `self.trainer.strategy.all_gather_rows(tensor)`" in step["refusal"]
+            )
+            assert step["rows"] == zero["own"] + one["own"]  # every replica's rows, in rank order
+        assert (len(zero["own"]), len(one["own"])) == (12, 4)
