@@ -114,6 +114,13 @@ def test_a_training_step_that_communicates_keeps_every_replica_in_the_steps(tmp_
     assert records[0]["plans"]["sizes"][-1][2] < BATCH  # the slow replica still gets a smaller batch
 
 
+def test_find_unused_parameters_keeps_every_replica_in_the_steps(tmp_path):
+    # An idle replica's zero gradients would make a parameter that no one used this step take an AdamW step.
+    pl.seed_everything(7)
+    records = _fit_three(tmp_path, _EpochModel(size=240, batch_size=BATCH), find_unused_parameters=True)
+    assert all(min(sizes) > 0 for sizes in records[0]["plans"]["sizes"])
+
+
 def test_lr_scaling_under_merges_lets_an_idle_replica_step(tmp_path):
     pl.seed_everything(7)
     records = _fit_three(tmp_path, _EpochModel(size=240, batch_size=BATCH), sync="models", lr_scaling=True)

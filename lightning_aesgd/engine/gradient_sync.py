@@ -157,6 +157,14 @@ class GradientSync(StepPipeline):
         self._device = device
         self.syncs = self.excluded = self.sat_out_steps = 0
         self.share_parameters = self.hooks.mixed_device_types
+        if self.hooks.reducer_meets_every_step:
+            # An idle replica's zero loss reaches every parameter, so one that no working replica used would get a
+            # zero gradient where DDP gives none: weight decay and momentum would step it. A loss reaching none
+            # leaves DDP's reducer waiting.
+            self.plans.forbid_leaving_out(
+                "with find_unused_parameters=True an idle replica would give every parameter a gradient, where DDP "
+                "gives none to those no replica used"
+            )
         allowed = not self.hooks.reducer_meets_every_step and self._delay == 0 and self.reduce.guard
         self.sitting.max_wait = self.hooks.collective_timeout
         self.sitting.start(comm, allowed)
