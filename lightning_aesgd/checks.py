@@ -12,6 +12,8 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lightning_aesgd.core.planners import StaticPlanner
+
 
 class UnsupportedSettingError(ValueError):
     """A Trainer or LightningModule setting that ``adaptive_elastic`` cannot honour."""
@@ -40,6 +42,18 @@ def check_fit_settings(trainer: Any, module: Any) -> None:
             "update of every replica. HINT: set accumulate_grad_batches=1 and raise the DataLoader's batch_size "
             "instead."
         )
+
+
+def warn_unrepeatable_plans(planner: Any) -> None:
+    """Warn where the Trainer asks for deterministic algorithms while the batch sizes follow measured speeds."""
+    if not torch.are_deterministic_algorithms_enabled() or planner == "static" or isinstance(planner, StaticPlanner):
+        return
+    rank_zero_warn(
+        "Trainer(deterministic=True) with batch sizes that follow the speeds measured in each run: two runs split "
+        "their steps differently, so their weights differ in rounding under sync='gradients' (about 1e-7) and "
+        "more under sync='models', where each replica's local steps depend on its batches. HINT: "
+        "planner='static' (equal batches, or shares=[...]) for runs that repeat bit for bit."
+    )
 
 
 def check_training_loader(dataloader: Any) -> None:

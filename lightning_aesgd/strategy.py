@@ -29,6 +29,7 @@ from lightning_aesgd.checks import (
     check_gradient_settings,
     check_learner_settings,
     check_training_loader,
+    warn_unrepeatable_plans,
 )
 from lightning_aesgd.core.apportion import High, Low
 from lightning_aesgd.core.merge import MergeRule
@@ -245,6 +246,7 @@ class AdaptiveElasticMixin(SharedDevices):
         if trainer.state.fn == "fit":
             self._idle_safety_checked = False
             check_fit_settings(trainer, self._module)
+            warn_unrepeatable_plans(self.settings.planner)
             check_gradient_settings(self.engine, self.precision_plugin)
         super().setup(trainer)
         if trainer.state.fn != "fit":

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import logging
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -339,3 +340,17 @@ def test_a_planner_object_that_cannot_plan_for_the_replicas_fails_before_trainin
     with pytest.raises(ValueError, match=r"failed a trial plan.*HINT"):
         _trainer(strategy, max_steps=2).fit(model)
     assert model.seen == []
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    yield
+    torch.use_deterministic_algorithms(False)  # Lightning's Trainer(deterministic=True) sets it for the process
+
+
+def test_deterministic_trainer_is_told_that_measured_plans_do_not_repeat(deterministic_algorithms):
+    with pytest.warns(UserWarning, match=r"deterministic=True.*HINT: planner='static'"):
+        _trainer(max_steps=2, deterministic=True).fit(RegressionModel())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*deterministic=True")
+        _trainer(AdaptiveElasticStrategy(planner="static"), max_steps=2, deterministic=True).fit(RegressionModel())
