@@ -144,6 +144,8 @@ class ElasticAverager:
         # Learners keep buffers of their own (BatchNorm statistics): a block per buffer (FlatView says why).
         buffers = floating_buffers(module) if settings.merge_buffers else []
         self.buffers = FlatView(buffers, device=self.device, learners=learners)
+        self._module = module
+        self._told_of_trainable = False  # whether a change of the trainable parameters was warned of
         self._mean = WeightedAllReduce(comm, self.device)
         self.rule_state = self.rule.init_state(_learner_mean(self.params.read()))
         self.local_steps = 0
@@ -176,12 +178,14 @@ class ElasticAverager:
         self.updates_since_merge += 1
         return due
 
-    def take_back_idle_step(self) -> None:
-        """Take back a finished local step of no samples (a replica sitting out): it applied no update.
+    def take_back_step(self, num_samples: float) -> None:
+        """Take back a finished local step that applied no update: it then counts for nothing in the merge weight.
 
-        It then counts for nothing in this replica's merge weight. Steps a GradScaler skipped are taken back on
-        the device instead, at the merge (:meth:`own_weight_less`), so that the host never waits to read a flag.
+        The strategy takes back an idle step here (no samples). Steps a GradScaler skipped are taken back on the
+        device instead, at the merge (:meth:`own_weight_less`, which equals taking each back here), so that the
+        host never waits to read a flag.
         """
+        self.samples_since_merge -= num_samples
         self.updates_since_merge -= 1
         self.skipped_since_merge += 1
 
@@ -205,7 +209,7 @@ class ElasticAverager:
             skipped_updates: how many steps it skipped, likewise.
 
         Returns:
-            What :meth:`own_weight` would return had each skipped step been taken back on the host.
+            What :meth:`own_weight` returns once :meth:`take_back_step` took each skipped step back.
         """
         if self.updates_since_merge == 0:  # no update the device could have skipped (idle steps taken back)
             return self.own_weight()
@@ -245,6 +249,7 @@ class ElasticAverager:
         Raises:
             NoMergeWeightError: if the weights of all replicas sum to zero (with every replica's row).
         """
+        self._follow_module()
         local = self.params.current()
         contributed = local if self._snapshot is None else self._snapshot
         # A replica's learners trained on equal batches: its contribution is their plain mean.
@@ -257,6 +262,33 @@ class ElasticAverager:
             flats.append(moment_view.read())
         means, rows = self._mean(flats, weight, report)
         return ReducedMerge(means, rows, local, contributed, moment_view)
+
+    def _follow_module(self) -> None:
+        """Merge what the model holds now: buffers it assigned anew, and a warning where trainability changed.
+
+        Raises:
+            MergeLayoutError: if the floating buffers changed in number, shape or dtype.
+        """
+        if self.buffers and not self.buffers.follow(floating_buffers(self._module)):
+            raise MergeLayoutError(
+                f"{type(self._module).__name__}'s floating buffers changed in number, shape or dtype during the fit: "
+                "sync='models' averages the buffers the model held when the fit began. HINT: register every buffer "
+                "before the fit with its final shape and dtype (assigning a new tensor of the same shape is fine), "
+                "or pass merge_buffers=False to keep buffers local to each replica."
+            )
+        if self._told_of_trainable:
+            return
+        if [id(p) for p in trainable_parameters(self._module)] != [id(t) for t in self.params.tensors]:
+            self._told_of_trainable = True
+            if self.comm.rank == 0:
+                warnings.warn(
+                    "Parameters became trainable (or frozen) after the fit began, e.g. by BackboneFinetuning: "
+                    "sync='models' merges those trainable at its start, so the replicas' copies of the others drift "
+                    "apart, and validation and checkpoints see rank zero's (as DDP's buckets, and sync='gradients', "
+                    "sum only those trainable at their start). HINT: make them trainable from the start, with a "
+                    "learning rate of 0 in a parameter group of their own until they should move.",
+                    stacklevel=2,
+                )
 
     @torch.no_grad()
     def apply(self, reduced: ReducedMerge, weight: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
@@ -427,6 +459,10 @@ class ElasticAverager:
         self.samples_since_merge = state["samples_since_merge"]
         self.updates_since_merge = state["updates_since_merge"]
         self.last_weight = state["last_weight"]
+
+
+class MergeLayoutError(RuntimeError):
+    """The model's floating buffers changed in number, shape or dtype during the fit: merges cannot follow."""
 
 
 def _learner_mean(flat: Tensor) -> Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -65,6 +65,26 @@ class FlatView:
 
     def __bool__(self) -> bool:
         return bool(self.tensors)
+
+    def follow(self, tensors: Sequence[Tensor]) -> bool:
+        """View ``tensors`` from now on where they replaced the viewed ones one for one (same shapes and dtypes).
+
+        A module that assigns a buffer anew (``self.ema = 0.9 * self.ema + ...``) leaves the view on the old
+        tensor. Only an unbound view of one learner can follow: a bound one owns its tensors' storage.
+
+        Returns:
+            Whether the view now views ``tensors`` (``False``: they differ in number, shape or dtype, or the view
+            cannot follow).
+        """
+        if all(new is old for new, old in zip(tensors, self.tensors, strict=False)) and len(tensors) == len(
+            self.tensors
+        ):
+            return True
+        same_layout = [(t.shape, t.dtype) for t in tensors] == list(zip(self.shapes, self._dtypes, strict=True))
+        if not same_layout or self.live is not None or self.learners > 1:
+            return False
+        self.tensors = list(tensors)
+        return True
 
     def _bindable(self) -> bool:
         devices = {t.device for t in self.tensors}

@@ -209,7 +209,7 @@ class ModelMerge(StepPipeline):
                 self.compute_spans.end(averager.comm.rank, self._global_step)
         self.synced_last_step = averager.after_local_step(record.num_samples)
         if idle:
-            averager.take_back_idle_step()
+            averager.take_back_step(0.0)
         if scale_before is not None:
             self._maybe_skipped.append((_loss_scale(grad_scaler) < scale_before, float(record.num_samples)))
         self.alone.observe(self.plans.lone_taker(self._step_key))

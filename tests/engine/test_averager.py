@@ -12,6 +12,7 @@ from torch import nn
 from lightning_aesgd.core.merge import SMA, ElasticAverage
 from lightning_aesgd.engine.averager import (
     ElasticAverager,
+    MergeLayoutError,
     MergeSettings,
     MomentLayoutError,
     _check_same_moment_count,
@@ -84,6 +85,34 @@ def test_local_buffers_are_left_alone_when_not_merged():
     torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))
 
 
+def test_a_buffer_assigned_anew_is_merged_in_its_new_tensor():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(alpha=1.0), merge_buffers=True))
+    model[1].running_mean = torch.full((2,), 5.0)  # `self.ema = ...`: a new tensor; the old one keeps 1.0
+    averager.merge(weight=1.0)
+    torch.testing.assert_close(model[1].running_mean, torch.full((2,), 4.0))  # (5 + 3) / 2, not the old tensor's
+
+
+def test_buffers_that_change_shape_fail_with_the_fix():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(), merge_buffers=True))
+    model[1].running_mean = torch.zeros(3)
+    with pytest.raises(MergeLayoutError, match="HINT: register every buffer before the fit"):
+        averager.merge(weight=1.0)
+
+
+def test_parameters_unfrozen_after_the_start_are_named_in_a_warning_once():
+    model = _model(1.0)
+    model[0].bias.requires_grad_(False)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage()))
+    model[0].bias.requires_grad_(True)  # BackboneFinetuning's unfreezing
+    with pytest.warns(UserWarning, match=r"became trainable.*HINT: make them trainable from the start"):
+        averager.merge(weight=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        averager.merge(weight=1.0)
+
+
 def test_elastic_pull_moves_a_fraction_alpha_towards_the_mean():
     model = _model(1.0)
     ElasticAverager(model, _peer(5.0, 1.0), MergeSettings(ElasticAverage(alpha=0.25))).merge(weight=1.0)
@@ -126,7 +155,7 @@ def test_the_weight_less_the_devices_skipped_steps_is_the_weight_after_taking_th
     weight = on_device.own_weight_less((flags * torch.tensor(samples, dtype=torch.float64)).sum(), flags.sum())
     on_host = averager()
     for step in skipped:
-        on_host.discount_skipped(samples[step])
+        on_host.take_back_step(samples[step])
     assert float(weight) == on_host.own_weight()
 
 
