@@ -89,7 +89,8 @@ class StrategySettings:
         l2_nudge: Adaptive SGD's "adaptive normalization": after warm-up, while the merged model's L2 norm keeps
             growing, the largest merge weight is raised by 10% and the smallest lowered by 10% (weights then
             renormalised; the authors' code does not renormalise).
-        merge_buffers: average floating buffers (BatchNorm statistics) too; otherwise they stay local.
+        merge_buffers: average floating buffers (BatchNorm statistics) too; otherwise they stay local, and each
+            replica validates the merged parameters with its own statistics while checkpoints hold rank zero's.
         optimizer_state: at a merge, ``"keep"``, ``"reset"`` or ``"average"`` the local optimizer's state.
         planner: how per-replica batch sizes follow measurements: ``"proportional"`` (share ∝ speed),
             ``"balanced"`` (equal predicted step times, fixed per-step costs included), ``"additive"`` (the paper's
