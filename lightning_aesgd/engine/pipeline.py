@@ -447,8 +447,7 @@ class StepPipeline(ABC):
 
     def _load_plan_state(self, shared: dict[str, Any]) -> None:
         """Put back :meth:`_plan_state`'s part of a checkpoint (of either sync mode)."""
-        # Checkpoints written before the plan loop had its name keep its state under "router".
-        self.plans.load_state_dict(shared["plans"] if "plans" in shared else shared["router"])
+        self.plans.load_state_dict(shared["plans"])
         self._saved_step_batch_size = shared.get("step_batch_size")
 
 
