@@ -145,6 +145,9 @@ class ElasticAverager:
         buffers = floating_buffers(module) if settings.merge_buffers else []
         self.buffers = FlatView(buffers, device=self.device, learners=learners)
         self._module = module
+        # Where each merged buffer sits, to see one assigned anew; and the frozen parameters, to see one unfrozen.
+        self._buffer_slots = _floating_buffer_slots(module) if settings.merge_buffers else []
+        self._frozen = [p for p in module.parameters() if not p.requires_grad]
         self._told_of_trainable = False  # whether a change of the trainable parameters was warned of
         self._mean = WeightedAllReduce(comm, self.device)
         self.rule_state = self.rule.init_state(_learner_mean(self.params.read()))
@@ -269,7 +272,8 @@ class ElasticAverager:
         Raises:
             MergeLayoutError: if the floating buffers changed in number, shape or dtype.
         """
-        if self.buffers and not self.buffers.follow(floating_buffers(self._module)):
+        now = [owner._buffers[name] for owner, name in self._buffer_slots]  # a dict lookup each: merges stay cheap
+        if self.buffers and not self.buffers.follow([b for b in now if b is not None]):
             raise MergeLayoutError(
                 f"{type(self._module).__name__}'s floating buffers changed in number, shape or dtype during the fit: "
                 "sync='models' averages the buffers the model held when the fit began. HINT: register every buffer "
@@ -278,7 +282,7 @@ class ElasticAverager:
             )
         if self._told_of_trainable:
             return
-        if [id(p) for p in trainable_parameters(self._module)] != [id(t) for t in self.params.tensors]:
+        if any(p.requires_grad for p in self._frozen) or not all(t.requires_grad for t in self.params.tensors):
             self._told_of_trainable = True
             if self.comm.rank == 0:
                 warnings.warn(
@@ -459,6 +463,16 @@ class ElasticAverager:
         self.samples_since_merge = state["samples_since_merge"]
         self.updates_since_merge = state["updates_since_merge"]
         self.last_weight = state["last_weight"]
+
+
+def _floating_buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(owner, name)`` of each floating buffer of ``module``, in :func:`floating_buffers`'s order."""
+    slots = []
+    for path, buffer in module.named_buffers():
+        if buffer.is_floating_point():
+            owner, _, name = path.rpartition(".")
+            slots.append((module.get_submodule(owner), name))
+    return slots
 
 
 class MergeLayoutError(RuntimeError):
