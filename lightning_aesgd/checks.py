@@ -42,6 +42,41 @@ def check_fit_settings(trainer: Any, module: Any) -> None:
             "update of every replica. HINT: set accumulate_grad_batches=1 and raise the DataLoader's batch_size "
             "instead."
         )
+    if not getattr(getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", True):
+        rank_zero_warn(
+            "Trainer(use_distributed_sampler=False) has no effect here: the strategy's planned sampler still splits "
+            "every step's samples among the replicas (that is how batches follow their speeds), where DDP would give "
+            "each replica the whole dataset in its own sampler's order."
+        )
+
+
+WEIGHT_AVERAGING_CALLBACKS = ("StochasticWeightAveraging", "WeightAveraging")
+"""Lightning's callbacks that average the module's weights over steps or epochs (SWA, EMA)."""
+
+
+def check_callbacks(trainer: Any, sync: str) -> None:
+    """Raise before training for callbacks that change what a step is, or read a replica's own model as the model.
+
+    Raises:
+        UnsupportedSettingError: naming the callback and the fix.
+    """
+    for callback in trainer.callbacks:
+        name = type(callback).__name__
+        schedule = getattr(callback, "scheduling", None)
+        if name == "GradientAccumulationScheduler" and isinstance(schedule, dict) and set(schedule.values()) != {1}:
+            raise UnsupportedSettingError(
+                f"adaptive_elastic does not support gradient accumulation ({name} with {schedule}): every Lightning "
+                "step is one local update of every replica, each weighted by its share of that step. HINT: remove "
+                "the callback and raise the DataLoader's batch_size instead."
+            )
+        averaging = {kind.__name__ for kind in type(callback).__mro__} & set(WEIGHT_AVERAGING_CALLBACKS)
+        if sync == "models" and averaging:
+            raise UnsupportedSettingError(
+                f"{name} with sync='models': it averages the module's weights between merges, where each replica "
+                "holds its own model, so the replicas would end the fit with different averages. HINT: use "
+                "sync='gradients' (every replica holds the same model after every step), or average checkpoints "
+                "after training."
+            )
 
 
 def warn_unrepeatable_plans(planner: Any) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_aesgd.checks import (
+    check_callbacks,
     check_delayed_optimizers,
     check_fit_settings,
     check_gradient_settings,
@@ -246,6 +247,7 @@ class AdaptiveElasticMixin(SharedDevices):
         if trainer.state.fn == "fit":
             self._idle_safety_checked = False
             check_fit_settings(trainer, self._module)
+            check_callbacks(trainer, self.sync)
             warn_unrepeatable_plans(self.settings.planner)
             check_gradient_settings(self.engine, self.precision_plugin)
         super().setup(trainer)

@@ -354,3 +354,29 @@ def test_deterministic_trainer_is_told_that_measured_plans_do_not_repeat(determi
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*deterministic=True")
         _trainer(AdaptiveElasticStrategy(planner="static"), max_steps=2, deterministic=True).fit(RegressionModel())
+
+
+def test_a_gradient_accumulation_schedule_is_refused_before_training_as_accumulate_grad_batches_is():
+    from pytorch_lightning.callbacks import GradientAccumulationScheduler
+
+    trainer = _trainer(max_steps=2, callbacks=[GradientAccumulationScheduler({0: 2})])
+    with pytest.raises(UnsupportedSettingError, match=r"GradientAccumulationScheduler.*HINT: remove the callback"):
+        trainer.fit(RegressionModel())
+    _trainer(max_steps=2, callbacks=[GradientAccumulationScheduler({0: 1})]).fit(RegressionModel())  # no accumulation
+
+
+@pytest.mark.parametrize("averaging", ["StochasticWeightAveraging", "EMAWeightAveraging"])
+def test_weight_averaging_callbacks_are_refused_under_model_merges_only(averaging):
+    from pytorch_lightning import callbacks
+
+    callback = getattr(callbacks, averaging)
+    options = {"swa_lrs": 0.01, "swa_epoch_start": 1} if averaging == "StochasticWeightAveraging" else {}
+    merging = _trainer(AdaptiveElasticStrategy(sync="models"), max_steps=2, callbacks=[callback(**options)])
+    with pytest.raises(UnsupportedSettingError, match=rf"{averaging} with sync='models'.*HINT: use sync='gradients'"):
+        merging.fit(RegressionModel())
+    _trainer(max_steps=2, callbacks=[callback(**options)]).fit(RegressionModel())
+
+
+def test_use_distributed_sampler_false_is_said_to_have_no_effect():
+    with pytest.warns(UserWarning, match=r"use_distributed_sampler=False\) has no effect"):
+        _trainer(max_steps=2, use_distributed_sampler=False).fit(RegressionModel())

@@ -121,6 +121,8 @@ class PlanLoop:
             self.arrival_model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
         self.stop_requested = False
         self.leaving_out_forbidden = None
+        if self.plan_book is not None:
+            self.plan_book.forget_served()
         self._restart_from, self._latest_report = {}, -1
         self._note_left_out()
 

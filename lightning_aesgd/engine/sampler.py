@@ -88,6 +88,14 @@ class PlanBook:
         self.last_served_step = max(self.last_served_step, step)
         return self._sizes[bisect.bisect_right(self._starts, step) - 1]
 
+    def forget_served(self) -> None:
+        """A new fit begins: its loader has produced no step yet, whatever an earlier fit's did.
+
+        Lightning's tuner (``lr_find``) fits for some steps and then rewinds the loop to step 0: the fit that
+        follows must not find its first plans refused as late.
+        """
+        self.last_served_step = -1
+
     def left_out_throughout(self, rank: int, start: int, end: int) -> bool:
         """Whether every plan in force from step ``start`` up to ``end`` (exclusive) gives ``rank`` no samples.
 

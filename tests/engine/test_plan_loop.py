@@ -524,3 +524,16 @@ def test_a_resumed_fit_takes_a_probe_verdict_for_no_first_leaving():
     assert any(plan[2] > 0 for plan in plans)  # probed, and left out again
     assert plans[-1][2] == 0
     assert set(restarted) == {2}  # the probe's own restart only
+
+
+def test_a_new_fit_after_a_rewound_one_takes_plans_for_its_early_steps():
+    # Lightning's lr_find fits 30 steps, then rewinds the loop to step 0 for the fit that follows.
+    plans = PlanLoop(PlanSettings())
+    plans.attach(2)
+    book = plans.plan_book_for(16, 2, lag=2)
+    for step in range(30):
+        book.sizes_at(step)
+    plans.attach(2)  # the next fit, on the same Trainer
+    assert plans.plan_book_for(16, 2, lag=2) is book
+    book.schedule(2, [12, 4])  # refused as late (step 29 served) before the new fit forgot the old one's steps
+    assert book.sizes_at(2) == (12, 4)
