@@ -382,7 +382,11 @@ class ModelMerge(StepPipeline):
         """Swap the global model in for validation (a collective); waiting for peers is not training time."""
         self.arrivals.pause()
         self.normalization.new_window()  # the authors re-judge the L2 trend before every evaluation pass
-        self._running_averager().swap_in_global_model()
+        try:
+            self._running_averager().swap_in_global_model()
+        except ReplicaStalledError as error:
+            where = f"the global model's mean for an evaluation after global step {self._global_step}"
+            raise error.during(where) from error
 
     def end_evaluation(self) -> None:
         """Put the replica's own model back and resume training."""
@@ -391,7 +395,10 @@ class ModelMerge(StepPipeline):
 
     def finish(self) -> None:
         """Make the global model the replica's own (a collective): what the module holds after fit."""
-        self._running_averager().adopt_global_model()
+        try:
+            self._running_averager().adopt_global_model()
+        except ReplicaStalledError as error:
+            raise error.during(f"the global model's mean at the end of fit, global step {self._global_step}") from error
 
     # --- checkpoints --------------------------------------------------------------------------------------
 

@@ -17,10 +17,11 @@ from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.emulation.profiles import as_profile
 from lightning_aesgd.engine.averager import MergeSettings
-from lightning_aesgd.engine.comm import LocalCommunicator
+from lightning_aesgd.engine.comm import LocalCommunicator, ReplicaStalledError
 from lightning_aesgd.engine.model_merge import ModelMerge, NonFiniteReplicasError
 from lightning_aesgd.engine.pipeline import TrainerHooks
 from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.stalls import RollCall
 
 
 def _engine(merging: MergeSettings | None = None, **options) -> ModelMerge:
@@ -294,3 +295,27 @@ def test_a_merge_period_of_steps_weighs_as_one_report_in_the_speed_models():
     engine.training_loader(DataLoader(RegressionData(32), batch_size=4))
     assert engine.plans.arrival_model is not None
     assert engine.plans.arrival_model.reference_steps == 8
+
+
+class _LostPeer(LocalCommunicator):
+    """A peer that stops answering once training is under way: every later all-reduce stalls."""
+
+    lost = False
+
+    def all_reduce_sum_(self, tensor):
+        if self.lost:
+            roll = RollCall(waited={0: 20.0}, arrived={0: 100.0}, absent=(1,))
+            raise ReplicaStalledError(
+                collective="all-reduce #7", rank=0, world_size=2, waited=20.0, roll=roll, cause="Connection reset"
+            )
+
+
+@pytest.mark.parametrize("collective", ["begin_evaluation", "finish"])
+def test_a_stall_in_the_global_models_mean_names_what_the_replica_was_doing(collective):
+    module = torch.nn.Linear(2, 1)
+    comm = _LostPeer()
+    engine = _engine()
+    engine.start(module, comm, torch.device("cpu"))
+    comm.lost = True
+    with pytest.raises(ReplicaStalledError, match="global model's mean"):
+        getattr(engine, collective)()
