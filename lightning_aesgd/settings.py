@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_aesgd.core.apportion import High, Low
 from lightning_aesgd.core.merge import MergeRule, as_merge_rule
 from lightning_aesgd.core.planners import Planner
-from lightning_aesgd.core.values import is_real, is_whole
+from lightning_aesgd.core.values import is_real, is_whole, plain
 from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.emulation import SlowdownProfile, as_profile
 from lightning_aesgd.engine.averager import MergeSettings, OptimizerStateMode
@@ -207,6 +207,9 @@ class StrategySettings:
     other modes are :class:`~lightning_aesgd.callbacks.SlowdownCallback`'s)."""
 
     def __post_init__(self) -> None:
+        for option in fields(self):  # NumPy numbers (a sweep's) become Python's: checkpoints load without NumPy
+            if option.init:
+                object.__setattr__(self, option.name, plain(getattr(self, option.name)))
         check_switches(**{name: getattr(self, name) for name in _SWITCHES})
         # Checked in either mode, so that a wrong value is named as such before sync='gradients' refuses the option.
         self._derive(

@@ -58,7 +58,15 @@ from lightning_aesgd.trainer_io import (
     resumed_position,
     save_summary,
 )
-from lightning_aesgd.user_collectives import StepCollectives, check_same_shapes, padded_rows, rows_in_rank_order
+from lightning_aesgd.user_collectives import (
+    StepCollectives,
+    check_rows,
+    check_same_shapes,
+    padded_rows,
+    rows_in_rank_order,
+    shape_descriptor,
+    shapes_from,
+)
 
 log = logging.getLogger(__name__)
 
@@ -362,10 +370,14 @@ class AdaptiveElasticMixin(SharedDevices):
         cannot take (gloo aborts the process): the shapes are gathered first, one small collective.
         """
         self._step_collectives.note("all_gather")
-        if self._step_collectives.watching and tensor.dim() > 0:
-            shape = torch.tensor(tensor.shape, dtype=torch.long, device=tensor.device)
-            check_same_shapes(super().all_gather(shape, group=group).reshape(-1, tensor.dim()).tolist())
+        if self._step_collectives.watching:  # a 0-dim tensor too: a batch of one squeezed may be 0-dim on one replica
+            check_same_shapes(shapes_from(self._gathered_descriptors(tensor, group)))
         return super().all_gather(tensor, group, sync_grads)
+
+    def _gathered_descriptors(self, tensor: torch.Tensor, group: Any | None = None) -> list[list[int]]:
+        """Every replica's :func:`~lightning_aesgd.user_collectives.shape_descriptor` of its ``tensor``."""
+        own = torch.tensor(shape_descriptor(tensor), dtype=torch.long, device=tensor.device)
+        return [[int(n) for n in row] for row in super().all_gather(own, group=group).reshape(-1, own.numel()).tolist()]
 
     def all_gather_rows(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
         """Every replica's rows of ``tensor``, concatenated in rank order, whatever each replica's number of rows.
@@ -378,8 +390,7 @@ class AdaptiveElasticMixin(SharedDevices):
             sync_grads: whether gradients flow back through the gather to each replica's own rows.
         """
         self._step_collectives.note("all_gather_rows")
-        size = torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device)
-        sizes = [int(n) for n in super().all_gather(size).reshape(-1).tolist()]
+        sizes = check_rows(shapes_from(self._gathered_descriptors(tensor)))
         gathered = super().all_gather(padded_rows(tensor, max(sizes)), sync_grads=sync_grads)
         return rows_in_rank_order(gathered.reshape(len(sizes), max(sizes), *tensor.shape[1:]), sizes)
 

@@ -19,7 +19,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["StepCollectives", "UnevenGatherError", "check_same_shapes", "padded_rows", "rows_in_rank_order"]
+__all__ = [
+    "StepCollectives",
+    "UnevenGatherError",
+    "check_rows",
+    "check_same_shapes",
+    "padded_rows",
+    "rows_in_rank_order",
+    "shape_descriptor",
+    "shapes_from",
+]
+
+MAX_DIMS = 8
+"""Dimensions a gathered shape descriptor holds (a tensor of more is compared by its first ``MAX_DIMS``)."""
 
 
 class UnevenGatherError(RuntimeError):
@@ -45,6 +57,22 @@ class StepCollectives:
         return f"the training step calls the strategy's {', '.join(self.called)}, which every replica must join"
 
 
+def shape_descriptor(tensor: Tensor) -> list[int]:
+    """``tensor``'s shape as a row of fixed length, ``[ndim, *shape, -1, ...]``: every replica gathers the same size.
+
+    Example:
+        >>> shape_descriptor(torch.zeros(3, 2))
+        [2, 3, 2, -1, -1, -1, -1, -1, -1]
+    """
+    shape = list(tensor.shape)[:MAX_DIMS]
+    return [tensor.dim(), *shape, *[-1] * (MAX_DIMS - len(shape))]
+
+
+def shapes_from(descriptors: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Every replica's shape from the gathered :func:`shape_descriptor` rows."""
+    return [list(row[1 : 1 + min(int(row[0]), MAX_DIMS)]) for row in descriptors]
+
+
 def check_same_shapes(shapes: Sequence[Sequence[int]]) -> None:
     """Raise :class:`UnevenGatherError`, naming the fix, unless every replica's tensor has the same shape.
 
@@ -60,6 +88,21 @@ def check_same_shapes(shapes: Sequence[Sequence[int]]) -> None:
         "equal. HINT: gather per-sample rows with `self.trainer.strategy.all_gather_rows(tensor)` (every replica's "
         "rows in rank order: what `self.all_gather(tensor).flatten(0, 1)` gives under DDP; `sync_grads=True` "
         "works too), or reduce each replica's tensor to a fixed shape before gathering."
+    )
+
+
+def check_rows(shapes: Sequence[Sequence[int]]) -> list[int]:
+    """Every replica's number of rows; raise :class:`UnevenGatherError` unless all have rows of one shape.
+
+    Args:
+        shapes: every replica's shape, in rank order (each replica checks the same list, so all raise alike).
+    """
+    if all(len(shape) >= 1 and list(shape[1:]) == list(shapes[0][1:]) for shape in shapes):
+        return [int(shape[0]) for shape in shapes]
+    listed = ", ".join(f"{rank}: {list(shape)}" for rank, shape in enumerate(shapes))
+    raise UnevenGatherError(
+        f"all_gather_rows needs rows of one shape on every replica, got {listed}. HINT: gather tensors of shape "
+        "(rows, ...) with the same trailing shape everywhere (a batch of one still has its row: avoid squeeze())."
     )
 
 

@@ -307,3 +307,12 @@ print(sorted(name for name in sys.modules if name.split(".")[0] in {LIGHTNING!r}
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_numpy_numbers_in_options_are_kept_as_pythons_so_checkpoints_load_with_weights_only():
+    settings = StrategySettings(
+        sync="models", step_batch_size=np.int64(8), plan_lag=np.int64(2), period=np.int64(2), min_share=np.float32(0.2)
+    )
+    for name in ("step_batch_size", "plan_lag", "period", "min_share"):
+        assert type(getattr(settings, name)) in (int, float), name
+    assert type(settings.merging.period) is int

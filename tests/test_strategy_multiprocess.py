@@ -319,6 +319,7 @@ class _GatherRows(RegressionModel):
             refusal = None
         except UnevenGatherError as error:
             refusal = str(error)
+        assert self.all_gather(index.sum()).shape == (2,)  # 0-dim tensors: the shape check gathers them too
         rows = self.trainer.strategy.all_gather_rows(index)
         outputs = self.trainer.strategy.all_gather_rows(self(x), sync_grads=True)  # autograd through the padding
         self.steps.append({"refusal": refusal, "own": index.tolist(), "rows": rows.tolist()})

@@ -8,9 +8,12 @@ import torch
 from lightning_aesgd.user_collectives import (
     StepCollectives,
     UnevenGatherError,
+    check_rows,
     check_same_shapes,
     padded_rows,
     rows_in_rank_order,
+    shape_descriptor,
+    shapes_from,
 )
 
 
@@ -46,3 +49,19 @@ def test_only_collectives_inside_a_training_step_count_and_each_once():
     assert collectives.reason() == (
         "the training step calls the strategy's all_gather, reduce, which every replica must join"
     )
+
+
+def test_shape_descriptors_have_one_length_whatever_the_dimensions_and_give_the_shapes_back():
+    tensors = [torch.zeros(()), torch.zeros(4), torch.zeros(4, 3)]
+    descriptors = [shape_descriptor(tensor) for tensor in tensors]
+    assert len({len(row) for row in descriptors}) == 1  # a 0-dim tensor's too: the gather of them always matches
+    assert shapes_from(descriptors) == [[], [4], [4, 3]]
+    with pytest.raises(UnevenGatherError, match=r"0: \[\], 1: \[4\]"):
+        check_same_shapes(shapes_from(descriptors[:2]))  # a batch of one squeezed to 0-dim on one replica
+
+
+def test_rows_need_one_trailing_shape_and_at_least_one_dimension():
+    assert check_rows([[12, 3], [4, 3]]) == [12, 4]
+    for shapes in ([[12, 3], [4, 2]], [[12], []]):
+        with pytest.raises(UnevenGatherError, match="HINT: gather tensors of shape"):
+            check_rows(shapes)

@@ -149,6 +149,7 @@ class ElasticAverager:
         self._buffer_slots = _floating_buffer_slots(module) if settings.merge_buffers else []
         self._frozen = [p for p in module.parameters() if not p.requires_grad]
         self._told_of_trainable = False  # whether a change of the trainable parameters was warned of
+        self._told_of_buffers = False  # whether buffers that changed shape were warned of
         self._mean = WeightedAllReduce(comm, self.device)
         self.rule_state = self.rule.init_state(_learner_mean(self.params.read()))
         self.local_steps = 0
@@ -267,18 +268,21 @@ class ElasticAverager:
         return ReducedMerge(means, rows, local, contributed, moment_view)
 
     def _follow_module(self) -> None:
-        """Merge what the model holds now: buffers it assigned anew, and a warning where trainability changed.
+        """Merge what the model holds now: buffers it assigned anew; a warning where it cannot, or trainability changed.
 
-        Raises:
-            MergeLayoutError: if the floating buffers changed in number, shape or dtype.
+        It decides on this replica alone, so it never raises: a replica raising before a collective would leave
+        the others waiting in it. Buffers that changed in number, shape or dtype are merged no more (the view keeps
+        their old tensors, the same size on every replica) and named in a warning.
         """
         now = [owner._buffers[name] for owner, name in self._buffer_slots]  # a dict lookup each: merges stay cheap
-        if self.buffers and not self.buffers.follow([b for b in now if b is not None]):
-            raise MergeLayoutError(
+        if self.buffers and not self.buffers.follow([b for b in now if b is not None]) and not self._told_of_buffers:
+            self._told_of_buffers = True
+            warnings.warn(
                 f"{type(self._module).__name__}'s floating buffers changed in number, shape or dtype during the fit: "
-                "sync='models' averages the buffers the model held when the fit began. HINT: register every buffer "
-                "before the fit with its final shape and dtype (assigning a new tensor of the same shape is fine), "
-                "or pass merge_buffers=False to keep buffers local to each replica."
+                "sync='models' no longer averages them, and they drift apart between replicas. HINT: register every "
+                "buffer before the fit with its final shape and dtype (assigning a new tensor of the same shape is "
+                "fine), or pass merge_buffers=False to keep buffers local to each replica.",
+                stacklevel=2,
             )
         if self._told_of_trainable:
             return
@@ -324,6 +328,7 @@ class ElasticAverager:
 
         Nothing changes: training continues from the replicas as they were.
         """
+        self._follow_module()
         flats = [self.params.learner_mean(), _learner_mean(self.buffers.read())]
         means, _ = self._mean(flats, self.own_weight())
         return self.rule.center(means[0], self.rule_state), means[1].clone()
@@ -369,10 +374,12 @@ class ElasticAverager:
         """The replica's own flat parameters and buffers, even while the global model is swapped in."""
         if self._stash is not None:
             return self._stash
+        self._follow_module()
         return self.params.read(), self.buffers.read()
 
     def load_local_model(self, params: Tensor, buffers: Tensor) -> None:
         """Overwrite the replica's own model (used when resuming)."""
+        self._follow_module()
         self.params.write_(params)
         self.buffers.write_(buffers)
 
@@ -383,6 +390,7 @@ class ElasticAverager:
         on the device and sends it in its collective. It is not finite when an element is not, but also when finite
         elements overflow it; :meth:`is_finite` tells the two apart.
         """
+        self._follow_module()
         return self.params.current().sum() + self.buffers.read().sum()
 
     def is_finite(self) -> bool:
@@ -473,10 +481,6 @@ def _floating_buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
             owner, _, name = path.rpartition(".")
             slots.append((module.get_submodule(owner), name))
     return slots
-
-
-class MergeLayoutError(RuntimeError):
-    """The model's floating buffers changed in number, shape or dtype during the fit: merges cannot follow."""
 
 
 def _learner_mean(flat: Tensor) -> Tensor:

@@ -121,8 +121,6 @@ class PlanLoop:
             self.arrival_model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
         self.stop_requested = False
         self.leaving_out_forbidden = None
-        if self.plan_book is not None:
-            self.plan_book.forget_served()
         self._restart_from, self._latest_report = {}, -1
         self._note_left_out()
 
@@ -173,6 +171,9 @@ class PlanLoop:
             self.segment_steps = self.segment_steps  # its probes follow the segments
         self._load_saved_state()
         self._note_left_out()
+        # A new loader has drawn nothing yet: a fit after lr_find, or the LearningRateFinder callback's restore of
+        # the loop to step 0 within one fit, must not find its first plans refused as late.
+        book.forget_served()
         return book
 
     def _note_left_out(self) -> None:

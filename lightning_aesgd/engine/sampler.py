@@ -89,10 +89,10 @@ class PlanBook:
         return self._sizes[bisect.bisect_right(self._starts, step) - 1]
 
     def forget_served(self) -> None:
-        """A new fit begins: its loader has produced no step yet, whatever an earlier fit's did.
+        """A new loader begins: it has produced no step yet, whatever an earlier one did.
 
-        Lightning's tuner (``lr_find``) fits for some steps and then rewinds the loop to step 0: the fit that
-        follows must not find its first plans refused as late.
+        Lightning's tuner (``lr_find``, or its ``LearningRateFinder`` callback) trains for some steps and then
+        rewinds the loop to step 0: the training that follows must not find its first plans refused as late.
         """
         self.last_served_step = -1
 

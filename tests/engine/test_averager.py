@@ -12,7 +12,6 @@ from torch import nn
 from lightning_aesgd.core.merge import SMA, ElasticAverage
 from lightning_aesgd.engine.averager import (
     ElasticAverager,
-    MergeLayoutError,
     MergeSettings,
     MomentLayoutError,
     _check_same_moment_count,
@@ -93,12 +92,25 @@ def test_a_buffer_assigned_anew_is_merged_in_its_new_tensor():
     torch.testing.assert_close(model[1].running_mean, torch.full((2,), 4.0))  # (5 + 3) / 2, not the old tensor's
 
 
-def test_buffers_that_change_shape_fail_with_the_fix():
+def test_buffers_that_change_shape_are_named_in_a_warning_and_merges_go_on_without_them():
     model = _model(1.0)
     averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(), merge_buffers=True))
-    model[1].running_mean = torch.zeros(3)
-    with pytest.raises(MergeLayoutError, match="HINT: register every buffer before the fit"):
+    model[1].running_mean = torch.zeros(3)  # a replica raising here would leave its peers waiting in the merge
+    with pytest.warns(UserWarning, match="HINT: register every buffer before the fit"):
         averager.merge(weight=1.0)
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))  # the parameters still merge
+
+
+def test_evaluation_and_the_end_of_fit_see_a_buffer_assigned_anew_after_the_last_merge():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(alpha=1.0), merge_buffers=True))
+    model[1].running_mean = torch.full((2,), 5.0)
+    averager.swap_in_global_model()
+    torch.testing.assert_close(model[1].running_mean, torch.full((2,), 4.0))
+    averager.swap_out()
+    torch.testing.assert_close(model[1].running_mean, torch.full((2,), 5.0))
+    averager.adopt_global_model()
+    torch.testing.assert_close(model[1].running_mean, torch.full((2,), 4.0))
 
 
 def test_parameters_unfrozen_after_the_start_are_named_in_a_warning_once():
