@@ -38,7 +38,8 @@ from lightning_aesgd.core.planners import Planner
 from lightning_aesgd.core.weights import MergeWeights
 from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.engine.averager import OptimizerStateMode
-from lightning_aesgd.engine.comm import ReplicaStalledError, default_communicator
+from lightning_aesgd.engine.collective_watch import device_group_timeout
+from lightning_aesgd.engine.comm import HOST_WAITING_BACKENDS, ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.learner_tuning import measure_learners
 from lightning_aesgd.engine.loading import IdleBatch, SampleCosts
 from lightning_aesgd.engine.optimizer_shapes import fit_optimizer_state, one_model_state
@@ -237,10 +238,19 @@ class AdaptiveElasticMixin(SharedDevices):
         """Lightning's process group, on a store of this attempt's own under torchrun, destroyed first at exit.
 
         See :mod:`lightning_aesgd.torchrun_store`: a restarted group could read a dead attempt's keys, and a group
-        left to the interpreter's exit may abort a process that finished its fit.
+        left to the interpreter's exit may abort a process that finished its fit. A group whose collectives the host
+        does not wait in (NCCL) waits :data:`~lightning_aesgd.engine.collective_watch.GRACE_SECONDS` longer than
+        ``timeout``, so that the communicator's collective watch names a stall at ``timeout``, before the group's
+        watchdog ends the process.
         """
         init_attempt_group(self)
-        super().setup_distributed()
+        timeout = self._timeout
+        if timeout is not None and self._get_process_group_backend() not in HOST_WAITING_BACKENDS:
+            self._timeout = device_group_timeout(timeout)
+        try:
+            super().setup_distributed()
+        finally:
+            self._timeout = timeout
         destroy_group_at_exit()
 
     @override

@@ -380,3 +380,31 @@ def test_weight_averaging_callbacks_are_refused_under_model_merges_only(averagin
 def test_use_distributed_sampler_false_is_said_to_have_no_effect():
     with pytest.warns(UserWarning, match=r"use_distributed_sampler=False\) has no effect"):
         _trainer(max_steps=2, use_distributed_sampler=False).fit(RegressionModel())
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "extended"), [(torch.device("cuda", 0), "nccl", True), (torch.device("cpu"), "gloo", False)]
+)
+def test_a_group_the_host_does_not_wait_in_outlasts_the_timeout_so_the_collective_watch_reports_first(
+    monkeypatch, device, backend, extended
+):
+    # NCCL's watchdog ends the process at the group's timeout; the watch names the stall at the strategy's, and its
+    # roll call needs up to GRACE_SECONDS more. No group is formed here: Lightning's connection is recorded.
+    from lightning_fabric.plugins.environments import LightningEnvironment
+
+    from lightning_aesgd.engine.collective_watch import GRACE_SECONDS
+
+    formed = []
+    monkeypatch.setattr(
+        "pytorch_lightning.strategies.ddp._init_dist_connection",
+        lambda environment, chosen, **options: formed.append((chosen, options["timeout"])),
+    )
+    monkeypatch.setattr("lightning_aesgd.placement._init_dist_connection", lambda environment, chosen, **options: None)
+    monkeypatch.setattr("lightning_aesgd.strategy.destroy_group_at_exit", lambda: None)
+    strategy = AdaptiveElasticStrategy(
+        timeout=timedelta(seconds=100), parallel_devices=[device], cluster_environment=LightningEnvironment()
+    )
+    strategy.setup_distributed()
+    group_timeout = timedelta(seconds=100 + (GRACE_SECONDS if extended else 0))
+    assert formed == [(backend, group_timeout)]
+    assert strategy._timeout == timedelta(seconds=100), "the steps' own waits keep the strategy's timeout"

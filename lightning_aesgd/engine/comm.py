@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_aesgd.engine.collective_watch import CollectiveWatch, watch_timeout
 from lightning_aesgd.engine.flat import to_host
 
 # `name as name`: the stall machinery's names stay importable from here, where the engine imports them.
 from lightning_aesgd.engine.stalls import ReplicaStalledError as ReplicaStalledError
-from lightning_aesgd.engine.stalls import default_store, entering, keep_alive
+from lightning_aesgd.engine.stalls import default_store, entered_last, entering, keep_alive
 from lightning_aesgd.engine.stalls import is_peer_failure as is_peer_failure
 from lightning_aesgd.engine.stalls import stalled_error as stalled_error
 
@@ -140,18 +141,27 @@ class TorchCommunicator:
     copy every object through the device. Where the group is gloo already, it is its own host group; otherwise
     the host group is created at the first host-side collective, which every replica reaches in the same order.
 
+    Where the host does not wait in the group's collectives (NCCL), a :class:`~lightning_aesgd.engine.
+    collective_watch.CollectiveWatch` waits on them in the background and names a stall as gloo's timeout would;
+    the next collective raises its report. The host group then times out with the watch, not the device group.
+
     Args:
         device: where small tensors for collectives live; must be a CUDA device for NCCL.
         group: the process group; the default (world) group when ``None``.
         host_group: a gloo group over the same ranks as ``group``; needed only for a ``group`` of another
             backend (a new group must be created by every process of the world, which a subgroup's members
             alone cannot do).
+        watch_after: seconds a device collective may wait before the watch reports it; by default
+            :func:`~lightning_aesgd.engine.collective_watch.watch_timeout` of the group's timeout where the host
+            does not wait in the group's collectives, and no watch where it does (gloo).
 
     Raises:
         ValueError: for a ``group`` that is not gloo without a ``host_group``.
     """
 
-    def __init__(self, device: torch.device, group: Any = None, host_group: Any = None) -> None:
+    def __init__(
+        self, device: torch.device, group: Any = None, host_group: Any = None, watch_after: float | None = None
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised torch.distributed process group.")
         self.device = device
@@ -171,6 +181,18 @@ class TorchCommunicator:
             )
         # Roll calls after a failed collective tell a late replica from a gone one by its heartbeat (once a process).
         keep_alive(default_store(), dist.get_rank())
+        self._watch = self._new_watch(watch_after)
+        timeout = _group_timeout(group, device)
+        self._host_timeout = timedelta(seconds=self._watch.timeout) if self._watch is not None else timeout
+
+    def _new_watch(self, watch_after: float | None) -> CollectiveWatch | None:
+        """The watch over device collectives where the host does not wait in them, or where a test asks for one."""
+        if watch_after is None:
+            timeout = _group_timeout(self.group, self.device)
+            if _backend_on(self.device, self.group) in HOST_WAITING_BACKENDS or timeout is None:
+                return None
+            watch_after = watch_timeout(timeout.total_seconds())
+        return CollectiveWatch(watch_after, self._rank, self._world_size, self._members())
 
     @property
     def world_size(self) -> int:  # noqa: D102
@@ -181,20 +203,24 @@ class TorchCommunicator:
         return self._rank
 
     def all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
-        self._collective("all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group))
+        self._device_collective(
+            "all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        )
 
     def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future[Any]:  # noqa: D102
+        self._raise_watched_stall()
         # Launching cannot fail for a late peer (waiting on the future can; the caller names where it waited).
-        future: torch.futures.Future[Any] = dist.all_reduce(
-            tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-        ).get_future()
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if self._watch is not None:  # launched at a step's arrival, after entering that step's roll call
+            key, where = entered_last() or (f"aesgd/roll_call/{self._roll_prefix}start", None)
+            self._watch.watch(work, "all-reduce", key, time.monotonic(), where)
+        future: torch.futures.Future[Any] = work.get_future()
         return future
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:  # noqa: D102
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        # Waiting on the work makes the current stream wait for it on NCCL; the host goes on.
-        self._collective(
-            "all-gather", lambda: dist.all_gather(gathered, tensor, group=self.group, async_op=True).wait()
+        self._device_collective(
+            "all-gather", lambda: dist.all_gather(gathered, tensor, group=self.group, async_op=True)
         )
         return gathered
 
@@ -202,7 +228,7 @@ class TorchCommunicator:
         return _backend_on(device, self.group) in SPARSE_BACKENDS
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:  # noqa: D102
-        self._collective("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group))
+        self._device_collective("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     def host_all_reduce_sum_(self, tensor: Tensor) -> None:  # noqa: D102
         group = self._host()
@@ -242,7 +268,7 @@ class TorchCommunicator:
         ranks = sorted(members)
         timeout = _group_timeout(self.group, self.device)
         group = dist.new_group(ranks, timeout=timeout)
-        host = None if _is_gloo(None) else gloo_group_beside_bound_world(ranks, timeout)
+        host = None if _is_gloo(None) else gloo_group_beside_bound_world(ranks, self._host_timeout)
         if dist.get_rank() not in ranks:
             return None
         return TorchCommunicator(self.device, group=group, host_group=host)
@@ -251,6 +277,8 @@ class TorchCommunicator:
         """Destroy a subgroup's process groups (the world's stays): its fit is over."""
         if self.group is None:
             return
+        if self._watch is not None:
+            self._watch.stop()
         for group in {id(self.group): self.group, id(self._host_group): self._host_group}.values():
             if group is not None:
                 dist.destroy_process_group(group)
@@ -259,30 +287,54 @@ class TorchCommunicator:
     def _host(self) -> Any:
         """The host group, created over the world's ranks at its first use where the group is not gloo."""
         if not self._has_host_group:
-            self._host_group = dist.new_group(backend="gloo", timeout=_group_timeout(self.group, self.device))
+            self._host_group = dist.new_group(backend="gloo", timeout=self._host_timeout)
             self._has_host_group = True
         return self._host_group
 
-    def _collective(self, name: str, run: Callable[[], object]) -> None:
+    def _device_collective(self, name: str, launch: Callable[[], Any]) -> None:
+        """Launch a collective of device tensors and wait on its work: the host on gloo, the current stream on NCCL.
+
+        Where the host does not wait, the watch waits on the work in the background (:meth:`_collective`).
+        """
+        self._collective(name, launch, on_device=True)
+
+    def _collective(self, name: str, run: Callable[[], Any], on_device: bool = False) -> None:
         """Run one collective; a timeout or a lost peer becomes a :class:`ReplicaStalledError` naming the absent.
 
         Collectives are numbered in call order, the same on every replica, so that the replicas that fail in the
         same one can find each other in the store's roll call (:mod:`~lightning_aesgd.engine.stalls`). Until
         something fails this costs a note in the heartbeat, which shows a late replica arriving to the roll call.
+        With ``on_device``, ``run`` launches the collective and returns its work, which this waits on (and the
+        watch, if any, after it).
         """
+        self._raise_watched_stall()
         index, self._calls = self._calls, self._calls + 1
         key = f"aesgd/roll_call/{self._roll_prefix}{index}"
         entering(key)
         started = time.monotonic()
         try:
-            run()
+            work = run()
+            if on_device:
+                if self._watch is not None:  # first: on gloo (tests) the host waits below
+                    self._watch.watch(work, f"{name} #{index}", key, started)
+                work.wait()
         except RuntimeError as error:  # torch's DistBackendError and gloo's plain RuntimeError alike
+            self._raise_watched_stall(error)
             if not is_peer_failure(error):
                 raise
             stalled = stalled_error(
                 error, f"{name} #{index}", key, self.rank, self.world_size, started, members=self._members()
             )
             raise stalled from error
+
+    def _raise_watched_stall(self, error: BaseException | None = None) -> None:
+        """Raise the watch's report of a stalled device collective, once the training thread gets this far.
+
+        ``error``: what the training thread met meanwhile (the group aborted by its watchdog), kept as the cause.
+        """
+        stalled = None if self._watch is None else self._watch.stalled
+        if stalled is not None:
+            raise stalled.during("a device collective issued earlier (NCCL returns before it completes)") from error
 
     def _members(self) -> list[int] | None:
         """The world rank of each of the group's ranks (whose heartbeats a roll call reads); ``None`` for the world."""
@@ -299,6 +351,8 @@ class NoMergeWeightError(ValueError):
 
 SPARSE_BACKENDS = frozenset({"gloo"})
 """The backends whose all-reduce takes sparse tensors."""
+HOST_WAITING_BACKENDS = frozenset({"gloo", "mpi"})
+"""The backends whose collectives the host waits in, where a timeout raises in the training thread."""
 
 
 def _backend_on(device: torch.device, group: Any) -> str:

@@ -284,7 +284,8 @@ class GradientSync(StepPipeline):
         """
         self.compute_spans.end(self._comm().rank, self._global_step)
         self._arrived = time.monotonic()
-        stalls.entering(_roll_call_key(self._global_step))  # a peer's roll call then sees this replica arrive
+        # A peer's roll call then sees this replica arrive; a collective watch names the step.
+        stalls.entering(_roll_call_key(self._global_step), where=f"the gradient sum of global step {self._global_step}")
         if self.reports.due(self._global_step, self.plans):
             # The period's report travels beside the sums; the replica works on from its arrival (the time it then
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).

@@ -29,7 +29,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -303,7 +303,13 @@ class ReplicaStalledError(RuntimeError):
         return {} if self.roll is None else self.roll.late
 
     def during(self, where: str) -> ReplicaStalledError:
-        """The same error, saying what the replica was doing (the engine knows the step, the communicator not)."""
+        """The same error, saying what the replica was doing (the engine knows the step, the communicator not).
+
+        A ``where`` already said stays: it was nearer the collective (a collective watch names the gradient sum it
+        found stalled; the merge that later raises the watch's report is another collective).
+        """
+        if self.where is not None:
+            return self
         return ReplicaStalledError(
             collective=self.collective,
             rank=self.rank,
@@ -389,13 +395,14 @@ def stalled_error(
     started: float,
     *,
     members: Sequence[int] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> ReplicaStalledError:
     """The :class:`ReplicaStalledError` for a peer failure (:func:`is_peer_failure`) of a collective.
 
-    ``started``: when this replica began waiting (``time.monotonic()``); ``key``: the roll call's, the same on every
+    ``started``: when this replica began waiting (on ``clock``); ``key``: the roll call's, the same on every
     replica; ``members``: the world rank of each of the group's ranks, where the group is not the world.
     """
-    waited = time.monotonic() - started
+    waited = clock() - started
     roll = roll_call(default_store(), key, rank, world_size, waited, members=members)
     return ReplicaStalledError(
         collective=collective, rank=rank, world_size=world_size, waited=waited, roll=roll, cause=str(error)
@@ -505,14 +512,29 @@ def keep_alive(store: Any, rank: int) -> Heartbeat | None:
         return None
 
 
-def entering(key: str) -> None:
+_entered_last: tuple[str, str | None] | None = None
+
+
+def entering(key: str, where: str | None = None) -> None:
     """Note in this process's heartbeat that the replica enters the collective with roll-call key ``key``.
 
-    Cheap enough for every collective: the next beat carries it.
+    Cheap enough for every collective: the next beat carries it. ``where``: what the replica is doing, for a
+    collective watch to name (:func:`position`).
     """
+    global _entered_last
+    _entered_last = (key, where)
     heartbeat = _heartbeat
     if heartbeat is not None:
         heartbeat.enter(key)
+
+
+def entered_last() -> tuple[str, str | None] | None:
+    """The roll-call key of the collective this replica entered last, and what it was doing; ``None`` before any.
+
+    A collective issued without a number of its own (an asynchronous sum, launched at a step's arrival) is waited
+    for under this key: every replica launches it after entering the same one.
+    """
+    return _entered_last
 
 
 def stop_heartbeat(gone: bool = False) -> None:

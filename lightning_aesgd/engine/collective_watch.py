@@ -1,0 +1,174 @@
+"""A watch over device collectives that the host does not wait for: NCCL's stalls named as gloo's are.
+
+On gloo the host waits in each collective, and one that times out raises in the training thread, where the
+communicator turns it into a :class:`~lightning_aesgd.engine.stalls.ReplicaStalledError` naming the late and the
+absent. On NCCL a collective returns once it is queued on the device. A replica that never arrives leaves the
+others' device waiting while their host runs on until some read of a device tensor blocks it; at the group's
+timeout NCCL's watchdog thread ends the process, with no word of which replica was missing.
+
+So the communicator hands every device collective's work to a :class:`CollectiveWatch`. Its daemon thread looks at
+the oldest unfinished one every :data:`POLL_SECONDS`; once that one has waited the watch's timeout, it holds the same
+roll call as gloo's failures (:func:`~lightning_aesgd.engine.stalls.stalled_error`), logs the error, and keeps it.
+The communicator raises it in the training thread at the next collective, where the host gets there. The strategy
+creates NCCL groups with its ``timeout`` plus :data:`GRACE_SECONDS`, so the watch fires at the strategy's timeout
+and its roll call ends before the watchdog's own (:func:`watch_timeout`).
+
+Only unfinished work is kept, so the cost per collective is an append, and a poll per second is one
+``is_completed()`` query of each finished one (an event query on CUDA, which never waits for the device).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from lightning_aesgd.engine.stalls import PATIENCE_MAX_SECONDS, ReplicaStalledError, stalled_error
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 1.0
+"""How often the watch looks at the oldest unfinished collective."""
+GRACE_SECONDS = PATIENCE_MAX_SECONDS + 30.0
+"""How much longer than the watch a device group waits before its own watchdog ends the process: the longest roll
+call, and time to log its outcome."""
+
+
+def device_group_timeout(timeout: timedelta) -> timedelta:
+    """The timeout to create a watched (NCCL) group with, so that the watch fires at ``timeout``, before the group.
+
+    >>> device_group_timeout(timedelta(minutes=30)).total_seconds()
+    1890.0
+    """
+    return timeout + timedelta(seconds=GRACE_SECONDS)
+
+
+def watch_timeout(group_timeout: float) -> float:
+    """Seconds a device collective may wait before the watch reports it, in a group that times out after these.
+
+    :data:`GRACE_SECONDS` before the group's own timeout, which :func:`device_group_timeout` added; half of it for
+    a group too short for that (created by the user with a short timeout), so that the roll call still comes first.
+
+    >>> watch_timeout(1890.0), watch_timeout(600.0), watch_timeout(60.0)
+    (1800.0, 510.0, 30.0)
+    """
+    return max(group_timeout - GRACE_SECONDS, group_timeout / 2)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A device collective the watch waits on: its work, its name and roll-call key, and when the host issued it."""
+
+    work: Any
+    name: str
+    key: str
+    issued: float
+    where: str | None
+
+
+class CollectiveWatch:
+    """Reports the first device collective that waits longer than ``timeout`` seconds, with its roll call.
+
+    Args:
+        timeout: seconds a collective may wait, from the moment the host issued it.
+        rank: this replica's rank in the collectives' group.
+        world_size: the group's size.
+        members: the world rank of each group rank (whose heartbeats the roll call reads); ``None`` for the world.
+        poll: seconds between two looks at the oldest unfinished collective.
+        clock: the monotonic clock the issue times come from (tests pass their own, with :meth:`check`).
+    """
+
+    def __init__(
+        self,
+        timeout: float,
+        rank: int,
+        world_size: int,
+        members: Sequence[int] | None = None,
+        *,
+        poll: float = POLL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.timeout, self.rank, self.world_size = timeout, rank, world_size
+        self.members = None if members is None else list(members)
+        self.poll, self.clock = poll, clock
+        self.stalled: ReplicaStalledError | None = None
+        self._in_flight: deque[_InFlight] = deque()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, work: Any, name: str, key: str, issued: float, where: str | None = None) -> None:
+        """Wait on ``work`` (a ``torch.distributed`` work, or anything with ``is_completed()``) in the background.
+
+        Args:
+            work: the collective's work, as an ``async_op=True`` call returns it.
+            name: the collective, numbered in call order (``"all-reduce #12"``).
+            key: its roll-call key, the same on every replica.
+            issued: when the host issued it, on :attr:`clock`.
+            where: what the replica was doing, where the caller knows (``"the gradient sum of global step 12"``).
+        """
+        if self.stalled is not None:
+            return  # one report: the collectives after a stall wait behind it
+        with self._lock:
+            self._in_flight.append(_InFlight(work, name, key, issued, where))
+            if self._thread is None and not self._stopping.is_set():
+                name = f"aesgd-collective-watch-{self.rank}"
+                self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+                self._thread.start()
+
+    def check(self) -> ReplicaStalledError | None:
+        """Drop the finished collectives at the front; report the oldest unfinished one if it waited too long.
+
+        The report holds the roll call, which waits up to about as long as the collective did for the others'
+        answers (:func:`~lightning_aesgd.engine.stalls.patience_for`). Returns the report, kept in
+        :attr:`stalled`, or ``None`` while every collective is within its time.
+        """
+        with self._lock:
+            while self._in_flight and self._in_flight[0].work.is_completed():
+                self._in_flight.popleft()
+            oldest = self._in_flight[0] if self._in_flight else None
+        if oldest is None or self.stalled is not None or self.clock() - oldest.issued < self.timeout:
+            return None
+        cause = (
+            f"Timed out: the device collective had not completed after {self.timeout:.0f} s (seen by the host's "
+            f"watch; the group's own watchdog ends the process {GRACE_SECONDS:.0f} s later)"
+        )
+        error = stalled_error(
+            RuntimeError(cause),
+            oldest.name,
+            oldest.key,
+            self.rank,
+            self.world_size,
+            oldest.issued,
+            members=self.members,
+            clock=self.clock,
+        )
+        self.stalled = error if oldest.where is None else error.during(oldest.where)
+        with self._lock:
+            self._in_flight.clear()
+        log.error("%s", self.stalled)
+        return self.stalled
+
+    def stop(self) -> None:
+        """Stop watching (the communicator is closed, the fit is over); unfinished work is let go."""
+        self._stopping.set()
+        with self._lock:
+            self._in_flight.clear()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.poll):
+            try:
+                if self.check() is not None:
+                    return
+            except Exception as error:  # the watch never raises into training; without it NCCL's watchdog remains
+                log.debug("The collective watch of replica %d stopped: %s", self.rank, error)
+                return
+            with self._lock:
+                if not self._in_flight:  # nothing to wait on: the next collective starts a thread again
+                    self._thread = None
+                    return
