@@ -426,8 +426,7 @@ class GradientSync(StepPipeline):
         if self._module is None:
             return
         shared = [*self._module.buffers(), *(self._module.parameters() if self.share_parameters else ())]
-        for tensor in shared:
-            self._comm().broadcast_(tensor.data, src=0)
+        broadcast_tensors(self._comm(), shared, src=0)
 
     def begin_evaluation(self) -> None:
         """Apply what is in flight, then evaluate the model every replica shares."""

@@ -29,8 +29,9 @@ from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
 from lightning_aesgd.engine.admission import MIN_PROBE_INTERVAL
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings, ReducedMerge
 from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, Number, ReplicaStalledError
-from lightning_aesgd.engine.flat import FlatView, floating_buffers, module_device
+from lightning_aesgd.engine.flat import floating_buffers
 from lightning_aesgd.engine.gradients import update_skipped
+from lightning_aesgd.engine.handoff import broadcast_tensors
 from lightning_aesgd.engine.learner_tuning import LearnerTuning, tune_learners
 from lightning_aesgd.engine.learners import LearnerStep
 from lightning_aesgd.engine.pipeline import NonFiniteReplicasError, StepOptions, StepPipeline, scaled_learning_rate
@@ -529,13 +530,8 @@ class TrainingAlone:
 def _broadcast_module(module: nn.Module, comm: Communicator, with_buffers: bool) -> None:
     # Every parameter, frozen ones too (as DDP does): an unseeded frozen layer would otherwise differ per replica,
     # and merges, which skip frozen parameters, would never make them agree.
-    device = module_device(module)
     buffers = floating_buffers(module) if with_buffers else []
-    for view in (FlatView(module.parameters(), device=device), FlatView(buffers, device=device)):
-        if view:
-            flat = view.read()
-            comm.broadcast_(flat, src=0)
-            view.write_(flat)
+    broadcast_tensors(comm, [*module.parameters(), *buffers], src=0)
 
 
 def _loss_scale(grad_scaler: Any) -> Any:
