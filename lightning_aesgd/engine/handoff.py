@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_aesgd.engine.comm import Communicator
 
@@ -78,48 +79,23 @@ def split_tensors(state: Any, device: torch.device) -> tuple[Any, list[torch.Ten
     """
     tensors: list[torch.Tensor] = []
 
-    def skeleton_of(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.device != device or value.dim() == 0:
-                return value.detach().cpu()
-            tensors.append(value.detach())
-            return TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype)
-        if isinstance(value, dict):
-            return {key: skeleton_of(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(skeleton_of(item) for item in value)
-        return value
+    def slot_of(tensor: torch.Tensor) -> Any:
+        if tensor.device != device or tensor.dim() == 0:
+            return tensor.detach().cpu()
+        tensors.append(tensor.detach())
+        return TensorSlot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype)
 
-    return skeleton_of(state), tensors
+    return tree_map_only(torch.Tensor, slot_of, state), tensors
 
 
 def slots_of(skeleton: Any) -> list[TensorSlot]:
     """The slots of ``skeleton``, in the order of its tensors."""
-    found: list[TensorSlot] = []
-
-    def visit(value: Any) -> None:
-        if isinstance(value, TensorSlot):
-            found.append(value)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    visit(skeleton)
-    return sorted(found, key=lambda slot: slot.index)
+    return sorted((leaf for leaf in tree_leaves(skeleton) if isinstance(leaf, TensorSlot)), key=lambda s: s.index)
 
 
 def filled(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """``skeleton`` with each :class:`TensorSlot` replaced by its tensor: the inverse of :func:`split_tensors`."""
-    if isinstance(skeleton, TensorSlot):
-        return tensors[skeleton.index]
-    if isinstance(skeleton, dict):
-        return {key: filled(item, tensors) for key, item in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(filled(item, tensors) for item in skeleton)
-    return skeleton
+    return tree_map_only(TensorSlot, lambda slot: tensors[slot.index], skeleton)
 
 
 def broadcast_optimizer_state(
