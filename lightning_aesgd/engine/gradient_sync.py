@@ -40,6 +40,7 @@ from lightning_aesgd.engine.handoff import broadcast_optimizer_state, broadcast_
 from lightning_aesgd.engine.pipeline import NonFiniteReplicasError, StepOptions, StepPipeline, scaled_learning_rate
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.report_exchange import ReportExchange
+from lightning_aesgd.engine.sampler import PlannedBatchSampler, StepRecord
 from lightning_aesgd.engine.sitting_out import SittingOut
 
 log = logging.getLogger(__name__)
@@ -209,14 +210,7 @@ class GradientSync(StepPipeline):
 
         A step a grad scaler skips is skipped on every replica alike (they all see the same summed gradient).
         """
-        sampler = self.sampler
-        if sampler is None:
-            raise TypeError(
-                "sync='gradients' needs the training loader to be a torch DataLoader, which it rebuilds so that each "
-                "replica's share of every step is known (its gradient's weight). HINT: return a "
-                "torch.utils.data.DataLoader from train_dataloader(), or use sync='models'."
-            )
-        record = sampler.pop_record(self._step_key)
+        record = self._sampler_in_use().pop_record(self._step_key)
         self._optimizer = optimizer
         self.sitting.stepped()
         if self.sitting.sits_out:  # no sum, no report, no update: the segment's handoff brings the model
@@ -225,16 +219,7 @@ class GradientSync(StepPipeline):
             self.synced_last_step = True  # Lightning's per-step stop broadcast stays off (engine.sitting_out)
             with update_skipped(optimizer):
                 return run_step()
-        self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
-        self.reduce.share = self._share  # carried with each bucket, for a renormalised sum (finite_guard)
-        self.reduce.delay = self._delay if self._global_step >= self.delay_warmup else 0
-        self.reduce.begin_step()
-        self.reduce.read_momentum(optimizer)
-        applies = self.reduce.applies_update
-        skip = nullcontext() if applies else update_skipped(optimizer)
-        factor = self._lr_factor(stale=bool(self.reduce.delay) and self._pending_is_stale)
-        # This step's sum, applied at the next step or flushed, is stale if this step moves the weights.
-        self._pending_is_stale = bool(self.reduce.delay) and applies
+        skip, factor = self._begin_sums(optimizer, record)
         timing = self._timed_step(record)
         self.compute_spans.begin()  # the forward and backward, up to the arrival
         self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
@@ -250,6 +235,32 @@ class GradientSync(StepPipeline):
         self.syncs += 1
         self.synced_last_step = True
         return output
+
+    def _sampler_in_use(self) -> PlannedBatchSampler:
+        """The planned sampler, whose records give each step's shares; a clear error where the loader has none."""
+        if self.sampler is None:
+            raise TypeError(
+                "sync='gradients' needs the training loader to be a torch DataLoader, which it rebuilds so that each "
+                "replica's share of every step is known (its gradient's weight). HINT: return a "
+                "torch.utils.data.DataLoader from train_dataloader(), or use sync='models'."
+            )
+        return self.sampler
+
+    def _begin_sums(
+        self, optimizer: torch.optim.Optimizer, record: StepRecord
+    ) -> tuple[AbstractContextManager[Any], float]:
+        """Set up this step's sums (its share, its delay); returns the update's skip, if any, and its lr factor."""
+        self._share = record.num_samples / record.step_samples if record.step_samples else 1.0
+        self.reduce.share = self._share  # carried with each bucket, for a renormalised sum (finite_guard)
+        self.reduce.delay = self._delay if self._global_step >= self.delay_warmup else 0
+        self.reduce.begin_step()
+        self.reduce.read_momentum(optimizer)
+        applies = self.reduce.applies_update
+        skip = nullcontext() if applies else update_skipped(optimizer)
+        factor = self._lr_factor(stale=bool(self.reduce.delay) and self._pending_is_stale)
+        # This step's sum, applied at the next step or flushed, is stale if this step moves the weights.
+        self._pending_is_stale = bool(self.reduce.delay) and applies
+        return skip, factor
 
     def _lr_factor(self, stale: bool) -> float:
         """The factor on the learning rate of this step's update: the schedule's, and ``delay_lr_scale`` if stale."""
