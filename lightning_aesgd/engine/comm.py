@@ -21,7 +21,7 @@ from lightning_aesgd.engine.flat import to_host
 
 # `name as name`: the stall machinery's names stay importable from here, where the engine imports them.
 from lightning_aesgd.engine.stalls import ReplicaStalledError as ReplicaStalledError
-from lightning_aesgd.engine.stalls import default_store, entered_last, entering, keep_alive
+from lightning_aesgd.engine.stalls import default_store, entering, keep_alive, step_in_progress
 from lightning_aesgd.engine.stalls import is_peer_failure as is_peer_failure
 from lightning_aesgd.engine.stalls import stalled_error as stalled_error
 
@@ -211,8 +211,8 @@ class TorchCommunicator:
         self._raise_watched_stall()
         # Launching cannot fail for a late peer (waiting on the future can; the caller names where it waited).
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        if self._watch is not None:  # launched at a step's arrival, after entering that step's roll call
-            key, where = entered_last() or (f"aesgd/roll_call/{self._roll_prefix}start", None)
+        if self._watch is not None:  # a gradient bucket's sum, launched as it fills: named by the step computed
+            key, where = step_in_progress() or (f"aesgd/roll_call/{self._roll_prefix}start", None)
             self._watch.watch(work, "all-reduce", key, time.monotonic(), where)
         future: torch.futures.Future[Any] = work.get_future()
         return future

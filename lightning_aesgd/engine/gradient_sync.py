@@ -220,6 +220,8 @@ class GradientSync(StepPipeline):
             with update_skipped(optimizer):
                 return run_step()
         skip, factor = self._begin_sums(optimizer, record)
+        # A collective watch names the sums launched from here (NCCL's, which the host does not wait in) by this step.
+        stalls.working_on(_roll_call_key(self._global_step), f"the gradient sum of global step {self._global_step}")
         timing = self._timed_step(record)
         self.compute_spans.begin()  # the forward and backward, up to the arrival
         self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
@@ -295,8 +297,7 @@ class GradientSync(StepPipeline):
         """
         self.compute_spans.end(self._comm().rank, self._global_step)
         self._arrived = time.monotonic()
-        # A peer's roll call then sees this replica arrive; a collective watch names the step.
-        stalls.entering(_roll_call_key(self._global_step), where=f"the gradient sum of global step {self._global_step}")
+        stalls.entering(_roll_call_key(self._global_step))  # a peer's roll call then sees this replica arrive
         if self.reports.due(self._global_step, self.plans):
             # The period's report travels beside the sums; the replica works on from its arrival (the time it then
             # blocks on peers is counted as waiting, below and in the first bucket's wait for delayed sums).

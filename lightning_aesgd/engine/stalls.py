@@ -512,29 +512,34 @@ def keep_alive(store: Any, rank: int) -> Heartbeat | None:
         return None
 
 
-_entered_last: tuple[str, str | None] | None = None
-
-
-def entering(key: str, where: str | None = None) -> None:
+def entering(key: str) -> None:
     """Note in this process's heartbeat that the replica enters the collective with roll-call key ``key``.
 
-    Cheap enough for every collective: the next beat carries it. ``where``: what the replica is doing, for a
-    collective watch to name (:func:`position`).
+    Cheap enough for every collective: the next beat carries it.
     """
-    global _entered_last
-    _entered_last = (key, where)
     heartbeat = _heartbeat
     if heartbeat is not None:
         heartbeat.enter(key)
 
 
-def entered_last() -> tuple[str, str | None] | None:
-    """The roll-call key of the collective this replica entered last, and what it was doing; ``None`` before any.
+_step_in_progress: tuple[str, str] | None = None
 
-    A collective issued without a number of its own (an asynchronous sum, launched at a step's arrival) is waited
-    for under this key: every replica launches it after entering the same one.
+
+def working_on(key: str, where: str) -> None:
+    """Note the roll-call key and the description of the step this replica now computes (not a heartbeat's news).
+
+    A collective launched without a number of its own (a gradient bucket's sum, launched during the backward as it
+    fills) is waited for under this key by a collective watch (:func:`step_in_progress`): every replica launches
+    it within the same step. The heartbeat shows the key only at the step's arrival (:func:`entering`), so that a
+    roll call under it tells the replicas that arrived from one still computing.
     """
-    return _entered_last
+    global _step_in_progress
+    _step_in_progress = (key, where)
+
+
+def step_in_progress() -> tuple[str, str] | None:
+    """The roll-call key and description of the step this replica computes (:func:`working_on`); ``None`` before."""
+    return _step_in_progress
 
 
 def stop_heartbeat(gone: bool = False) -> None:

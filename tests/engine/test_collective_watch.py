@@ -137,12 +137,14 @@ def _replica(rank: int, port: int, out: str, kind: str) -> None:
         comm = TorchCommunicator(torch.device("cpu"), watch_after=WATCH_AFTER)
         unwatched = TorchCommunicator(torch.device("cpu"))._watch is None  # gloo's host waits: it needs no watch
         comm.all_reduce_sum_(torch.ones(1))  # both connected and in step
+        if kind == "async":  # as gradient sums: each step's first bucket launched before its arrival
+            _step(comm, 6)
+            time.sleep(1.5)  # the heartbeats show step 6 entered
         if rank == 1:
             time.sleep(LATE_SECONDS)
         total = torch.ones(1)
-        if kind == "async":  # as a gradient sum: launched after entering the step's roll call
-            stalls.entering("aesgd/roll_call/step_7", where="the gradient sum of global step 7")
-            comm.all_reduce_sum_async(total).wait()
+        if kind == "async":
+            total = _step(comm, 7)
         else:
             comm.all_reduce_sum_(total)
         record: dict = {"total": total.item(), "unwatched": unwatched}
@@ -162,6 +164,18 @@ def _replica(rank: int, port: int, out: str, kind: str) -> None:
             time.sleep(0.1)  # replica 0 hosts the store: it stays until both have written
     finally:
         dist.destroy_process_group()
+
+
+def _step(comm: TorchCommunicator, step: int) -> torch.Tensor:
+    """A gradient sum's collectives in step ``step``: a bucket filled during the backward, then the last at arrival."""
+    key = f"aesgd/roll_call/step_{step}"
+    stalls.working_on(key, f"the gradient sum of global step {step}")
+    first = torch.ones(1)
+    launched = comm.all_reduce_sum_async(first)
+    stalls.entering(key)
+    comm.all_reduce_sum_async(torch.ones(1)).wait()
+    launched.wait()
+    return first
 
 
 @pytest.mark.distributed
