@@ -243,15 +243,21 @@ class AdaptiveElasticMixin(SharedDevices):
         ``timeout``, so that the communicator's collective watch names a stall at ``timeout``, before the group's
         watchdog ends the process.
         """
-        init_attempt_group(self)
         timeout = self._timeout
-        if timeout is not None and self._get_process_group_backend() not in HOST_WAITING_BACKENDS:
+        if timeout is not None and self._watch_after() is not None:
             self._timeout = device_group_timeout(timeout)
         try:
+            init_attempt_group(self)
             super().setup_distributed()
         finally:
             self._timeout = timeout
         destroy_group_at_exit()
+
+    def _watch_after(self) -> float | None:
+        """Seconds after which the communicator names a stalled device collective; ``None`` where the host waits."""
+        if self._timeout is None or self._get_process_group_backend() in HOST_WAITING_BACKENDS:
+            return None
+        return self._timeout.total_seconds()
 
     @override
     def _configure_launcher(self) -> None:
@@ -284,7 +290,8 @@ class AdaptiveElasticMixin(SharedDevices):
             collective_timeout=timeout.total_seconds() if (timeout := getattr(self, "_timeout", None)) else None,
             mixed_device_types=mixes_device_types(self.parallel_devices or []),
         )
-        self.engine.start(self._module, default_communicator(self.root_device), self.root_device, hooks)
+        comm = default_communicator(self.root_device, self._watch_after())
+        self.engine.start(self._module, comm, self.root_device, hooks)
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
         self._fit_finished = False
         self._undo_train_end = before_train_end(trainer, self._finish_fit)

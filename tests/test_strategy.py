@@ -401,10 +401,15 @@ def test_a_group_the_host_does_not_wait_in_outlasts_the_timeout_so_the_collectiv
     )
     monkeypatch.setattr("lightning_aesgd.placement._init_dist_connection", lambda environment, chosen, **options: None)
     monkeypatch.setattr("lightning_aesgd.strategy.destroy_group_at_exit", lambda: None)
+    attempt = []  # a single-node torchrun forms its group here, before Lightning's set-up
+    monkeypatch.setattr("lightning_aesgd.strategy.init_attempt_group", lambda s: attempt.append(s._timeout))
     strategy = AdaptiveElasticStrategy(
-        timeout=timedelta(seconds=100), parallel_devices=[device], cluster_environment=LightningEnvironment()
+        timeout=timedelta(seconds=10), parallel_devices=[device], cluster_environment=LightningEnvironment()
     )
     strategy.setup_distributed()
-    group_timeout = timedelta(seconds=100 + (GRACE_SECONDS if extended else 0))
+    group_timeout = timedelta(seconds=10 + (GRACE_SECONDS if extended else 0))
     assert formed == [(backend, group_timeout)]
-    assert strategy._timeout == timedelta(seconds=100), "the steps' own waits keep the strategy's timeout"
+    assert attempt == [group_timeout]
+    assert strategy._timeout == timedelta(seconds=10), "the steps' own waits keep the strategy's timeout"
+    # The watch fires at the strategy's timeout, however short, not at a rule of the group's.
+    assert strategy._watch_after() == (10.0 if extended else None)

@@ -10,11 +10,12 @@ So the communicator hands every device collective's work to a :class:`Collective
 the oldest unfinished one every :data:`POLL_SECONDS`; once that one has waited the watch's timeout, it holds the same
 roll call as gloo's failures (:func:`~lightning_aesgd.engine.stalls.stalled_error`), logs the error, and keeps it.
 The communicator raises it in the training thread at the next collective, where the host gets there. The strategy
-creates NCCL groups with its ``timeout`` plus :data:`GRACE_SECONDS`, so the watch fires at the strategy's timeout
-and its roll call ends before the watchdog's own (:func:`watch_timeout`).
+watches at its ``timeout`` and creates NCCL groups with ``timeout`` plus :data:`GRACE_SECONDS`, so that the roll
+call ends before the watchdog's own.
 
-Only unfinished work is kept, so the cost per collective is an append, and a poll per second is one
-``is_completed()`` query of each finished one (an event query on CUDA, which never waits for the device).
+Finished work is dropped at the next collective and at each poll: a work holds its tensors, which would otherwise
+outlive their step. The cost is an ``is_completed()`` query (an event query on CUDA, which never waits for the
+device) per finished collective.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ def device_group_timeout(timeout: timedelta) -> timedelta:
 
 
 def watch_timeout(group_timeout: float) -> float:
-    """Seconds a device collective may wait before the watch reports it, in a group that times out after these.
+    """Seconds a device collective may wait before the watch reports it, in a group the strategy did not create.
 
-    :data:`GRACE_SECONDS` before the group's own timeout, which :func:`device_group_timeout` added; half of it for
-    a group too short for that (created by the user with a short timeout), so that the roll call still comes first.
+    :data:`GRACE_SECONDS` before the group's own timeout; half of it for a group too short for that, so that the
+    roll call still comes first. (The strategy's own groups are watched at its ``timeout``.)
 
     >>> watch_timeout(1890.0), watch_timeout(600.0), watch_timeout(60.0)
     (1800.0, 510.0, 30.0)
@@ -99,7 +100,7 @@ class CollectiveWatch:
         self.stalled: ReplicaStalledError | None = None
         self._in_flight: deque[_InFlight] = deque()
         self._lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._over = threading.Event()  # stopped, or reported: nothing more to watch
         self._thread: threading.Thread | None = None
 
     def watch(self, work: Any, name: str, key: str, issued: float, where: str | None = None) -> None:
@@ -112,13 +113,14 @@ class CollectiveWatch:
             issued: when the host issued it, on :attr:`clock`.
             where: what the replica was doing, where the caller knows (``"the gradient sum of global step 12"``).
         """
-        if self.stalled is not None:
+        if self._over.is_set():
             return  # one report: the collectives after a stall wait behind it
         with self._lock:
+            self._drop_finished()
             self._in_flight.append(_InFlight(work, name, key, issued, where))
-            if self._thread is None and not self._stopping.is_set():
-                name = f"aesgd-collective-watch-{self.rank}"
-                self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            if self._thread is None:
+                thread_name = f"aesgd-collective-watch-{self.rank}"
+                self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
                 self._thread.start()
 
     def check(self) -> ReplicaStalledError | None:
@@ -129,10 +131,9 @@ class CollectiveWatch:
         :attr:`stalled`, or ``None`` while every collective is within its time.
         """
         with self._lock:
-            while self._in_flight and self._in_flight[0].work.is_completed():
-                self._in_flight.popleft()
+            self._drop_finished()
             oldest = self._in_flight[0] if self._in_flight else None
-        if oldest is None or self.stalled is not None or self.clock() - oldest.issued < self.timeout:
+        if oldest is None or self._over.is_set() or self.clock() - oldest.issued < self.timeout:
             return None
         cause = (
             f"Timed out: the device collective had not completed after {self.timeout:.0f} s (seen by the host's "
@@ -149,26 +150,40 @@ class CollectiveWatch:
             clock=self.clock,
         )
         self.stalled = error if oldest.where is None else error.during(oldest.where)
-        with self._lock:
-            self._in_flight.clear()
+        self.stop()
         log.error("%s", self.stalled)
         return self.stalled
 
     def stop(self) -> None:
-        """Stop watching (the communicator is closed, the fit is over); unfinished work is let go."""
-        self._stopping.set()
+        """Stop watching (the communicator is closed, the fit is over, a stall was reported); work is let go."""
+        self._over.set()
         with self._lock:
             self._in_flight.clear()
 
+    def _drop_finished(self) -> None:
+        """Let go of the finished collectives at the front (under the lock): their works hold their tensors.
+
+        A work that cannot say (its group aborted) is let go too: the watch cannot judge it, and must not raise.
+        """
+        while self._in_flight and _finished(self._in_flight[0].work):
+            self._in_flight.popleft()
+
     def _run(self) -> None:
-        while not self._stopping.wait(self.poll):
-            try:
+        try:
+            while not self._over.wait(self.poll):
                 if self.check() is not None:
                     return
-            except Exception as error:  # the watch never raises into training; without it NCCL's watchdog remains
-                log.debug("The collective watch of replica %d stopped: %s", self.rank, error)
-                return
-            with self._lock:
-                if not self._in_flight:  # nothing to wait on: the next collective starts a thread again
-                    self._thread = None
-                    return
+                with self._lock:
+                    if not self._in_flight:  # nothing to wait on: the next collective starts a thread again
+                        self._thread = None
+                        return
+        except Exception as error:  # the watch never raises into training; without it NCCL's watchdog remains
+            log.warning("The collective watch of replica %d stopped: %s", self.rank, error)
+            self.stop()
+
+
+def _finished(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return True

@@ -21,7 +21,7 @@ from lightning_aesgd.engine.flat import to_host
 
 # `name as name`: the stall machinery's names stay importable from here, where the engine imports them.
 from lightning_aesgd.engine.stalls import ReplicaStalledError as ReplicaStalledError
-from lightning_aesgd.engine.stalls import default_store, entering, keep_alive, step_in_progress
+from lightning_aesgd.engine.stalls import default_store, entering, keep_alive, now_doing
 from lightning_aesgd.engine.stalls import is_peer_failure as is_peer_failure
 from lightning_aesgd.engine.stalls import stalled_error as stalled_error
 
@@ -143,7 +143,8 @@ class TorchCommunicator:
 
     Where the host does not wait in the group's collectives (NCCL), a :class:`~lightning_aesgd.engine.
     collective_watch.CollectiveWatch` waits on them in the background and names a stall as gloo's timeout would;
-    the next collective raises its report. The host group then times out with the watch, not the device group.
+    the next collective of this communicator or of its subgroups raises its report. The host group then times out
+    with the watch, not the device group.
 
     Args:
         device: where small tensors for collectives live; must be a CUDA device for NCCL.
@@ -151,16 +152,22 @@ class TorchCommunicator:
         host_group: a gloo group over the same ranks as ``group``; needed only for a ``group`` of another
             backend (a new group must be created by every process of the world, which a subgroup's members
             alone cannot do).
-        watch_after: seconds a device collective may wait before the watch reports it; by default
-            :func:`~lightning_aesgd.engine.collective_watch.watch_timeout` of the group's timeout where the host
-            does not wait in the group's collectives, and no watch where it does (gloo).
+        watch: whether to watch device collectives; by default where the host does not wait in the group's
+            collectives (NCCL), not where it does (gloo).
+        watch_after: seconds a device collective may wait before the watch reports it (the strategy's
+            ``timeout``); by default :func:`~lightning_aesgd.engine.collective_watch.watch_timeout` of the group's.
 
     Raises:
         ValueError: for a ``group`` that is not gloo without a ``host_group``.
     """
 
     def __init__(
-        self, device: torch.device, group: Any = None, host_group: Any = None, watch_after: float | None = None
+        self,
+        device: torch.device,
+        group: Any = None,
+        host_group: Any = None,
+        watch: bool | None = None,
+        watch_after: float | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs an initialised torch.distributed process group.")
@@ -181,18 +188,17 @@ class TorchCommunicator:
             )
         # Roll calls after a failed collective tell a late replica from a gone one by its heartbeat (once a process).
         keep_alive(default_store(), dist.get_rank())
-        self._watch = self._new_watch(watch_after)
         timeout = _group_timeout(group, device)
-        self._host_timeout = timedelta(seconds=self._watch.timeout) if self._watch is not None else timeout
-
-    def _new_watch(self, watch_after: float | None) -> CollectiveWatch | None:
-        """The watch over device collectives where the host does not wait in them, or where a test asks for one."""
-        if watch_after is None:
-            timeout = _group_timeout(self.group, self.device)
-            if _backend_on(self.device, self.group) in HOST_WAITING_BACKENDS or timeout is None:
-                return None
+        if watch is None:
+            watch = _backend_on(device, group) not in HOST_WAITING_BACKENDS
+        if watch and watch_after is None and timeout is not None:
             watch_after = watch_timeout(timeout.total_seconds())
-        return CollectiveWatch(watch_after, self._rank, self._world_size, self._members())
+        self._watch = None
+        if watch and watch_after is not None:
+            self._watch = CollectiveWatch(watch_after, self._rank, self._world_size, self._members())
+        self._host_timeout = timeout if self._watch is None else timedelta(seconds=self._watch.timeout)
+        # The watches of this communicator and of its subgroups: a stall one reports is raised by any of them.
+        self._watches = [] if self._watch is None else [self._watch]
 
     @property
     def world_size(self) -> int:  # noqa: D102
@@ -212,8 +218,9 @@ class TorchCommunicator:
         # Launching cannot fail for a late peer (waiting on the future can; the caller names where it waited).
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         if self._watch is not None:  # a gradient bucket's sum, launched as it fills: named by the step computed
-            key, where = step_in_progress() or (f"aesgd/roll_call/{self._roll_prefix}start", None)
-            self._watch.watch(work, "all-reduce", key, time.monotonic(), where)
+            task = now_doing()
+            key = task.step_key if task is not None and task.step_key else f"aesgd/roll_call/{self._roll_prefix}sum"
+            self._watch.watch(work, "all-reduce", key, time.monotonic(), None if task is None else task.where)
         future: torch.futures.Future[Any] = work.get_future()
         return future
 
@@ -271,7 +278,12 @@ class TorchCommunicator:
         host = None if _is_gloo(None) else gloo_group_beside_bound_world(ranks, self._host_timeout)
         if dist.get_rank() not in ranks:
             return None
-        return TorchCommunicator(self.device, group=group, host_group=host)
+        watch_after = None if self._watch is None else self._watch.timeout
+        sub = TorchCommunicator(self.device, group, host, watch=self._watch is not None, watch_after=watch_after)
+        if sub._watch is not None:  # its stall is raised at the world's next collective too, and the other way
+            self._watches.append(sub._watch)
+            sub._watches = self._watches
+        return sub
 
     def close(self) -> None:
         """Destroy a subgroup's process groups (the world's stays): its fit is over."""
@@ -279,6 +291,8 @@ class TorchCommunicator:
             return
         if self._watch is not None:
             self._watch.stop()
+            if self._watch.stalled is None:
+                self._watches.remove(self._watch)
         for group in {id(self.group): self.group, id(self._host_group): self._host_group}.values():
             if group is not None:
                 dist.destroy_process_group(group)
@@ -316,7 +330,8 @@ class TorchCommunicator:
             work = run()
             if on_device:
                 if self._watch is not None:  # first: on gloo (tests) the host waits below
-                    self._watch.watch(work, f"{name} #{index}", key, started)
+                    task = now_doing()
+                    self._watch.watch(work, f"{name} #{index}", key, started, None if task is None else task.where)
                 work.wait()
         except RuntimeError as error:  # torch's DistBackendError and gloo's plain RuntimeError alike
             self._raise_watched_stall(error)
@@ -325,16 +340,17 @@ class TorchCommunicator:
             stalled = stalled_error(
                 error, f"{name} #{index}", key, self.rank, self.world_size, started, members=self._members()
             )
-            raise stalled from error
+            task = now_doing()
+            raise (stalled if task is None else stalled.during(task.where)) from error
 
     def _raise_watched_stall(self, error: BaseException | None = None) -> None:
-        """Raise the watch's report of a stalled device collective, once the training thread gets this far.
+        """Raise a watch's report of a stalled device collective (this group's or a subgroup's), once here.
 
         ``error``: what the training thread met meanwhile (the group aborted by its watchdog), kept as the cause.
         """
-        stalled = None if self._watch is None else self._watch.stalled
-        if stalled is not None:
-            raise stalled.during("a device collective issued earlier (NCCL returns before it completes)") from error
+        for watch in self._watches:
+            if watch.stalled is not None:
+                raise watch.stalled from error
 
     def _members(self) -> list[int] | None:
         """The world rank of each of the group's ranks (whose heartbeats a roll call reads); ``None`` for the world."""
@@ -403,10 +419,14 @@ def _group_timeout(group: Any, device: torch.device) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
-def default_communicator(device: torch.device) -> Communicator:
-    """The process group's collectives where torch.distributed runs, a single replica's otherwise."""
+def default_communicator(device: torch.device, watch_after: float | None = None) -> Communicator:
+    """The process group's collectives where torch.distributed runs, a single replica's otherwise.
+
+    ``watch_after``: seconds a device collective may wait where the host does not wait in them (NCCL), before its
+    stall is named (:class:`TorchCommunicator`).
+    """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return TorchCommunicator(device)
+        return TorchCommunicator(device, watch_after=watch_after)
     return LocalCommunicator()
 
 

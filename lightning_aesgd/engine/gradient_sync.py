@@ -220,13 +220,13 @@ class GradientSync(StepPipeline):
             with update_skipped(optimizer):
                 return run_step()
         skip, factor = self._begin_sums(optimizer, record)
-        # A collective watch names the sums launched from here (NCCL's, which the host does not wait in) by this step.
-        stalls.working_on(_roll_call_key(self._global_step), f"the gradient sum of global step {self._global_step}")
         timing = self._timed_step(record)
+        # A collective watch (NCCL) names the sums launched in the backward, as they fill, by this step.
+        step, key = f"the gradient sum of global step {self._global_step}", _roll_call_key(self._global_step)
         self.compute_spans.begin()  # the forward and backward, up to the arrival
         self._arrived = time.monotonic()  # until the arrival: a peer failing before it waited from here
         try:
-            with scaled_learning_rate(optimizer, factor), timing, skip, self.sharing(record):
+            with scaled_learning_rate(optimizer, factor), timing, skip, self.sharing(record), stalls.doing(step, key):
                 output = run_step()
         except RuntimeError as error:  # a peer failed in DDP's reducer or the reports: name who and where
             if isinstance(error, ReplicaStalledError) or not is_peer_failure(error):

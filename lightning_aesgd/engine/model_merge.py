@@ -26,9 +26,10 @@ from lightning_aesgd.core.schedule import LearningRateDrop
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.tuning import rates_text
 from lightning_aesgd.core.weights import AdaptiveNormalization, linear_lr_scale
+from lightning_aesgd.engine import stalls
 from lightning_aesgd.engine.admission import MIN_PROBE_INTERVAL
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings, ReducedMerge
-from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, Number, ReplicaStalledError
+from lightning_aesgd.engine.comm import Communicator, NoMergeWeightError, Number
 from lightning_aesgd.engine.flat import floating_buffers
 from lightning_aesgd.engine.gradients import update_skipped
 from lightning_aesgd.engine.handoff import broadcast_tensors
@@ -225,7 +226,8 @@ class ModelMerge(StepPipeline):
         # knows it alike, and the lone replica then runs no collective at all.
         self.waited_last_step = not self.synced_last_step and self.alone.owes_merge
         if self.synced_last_step:
-            self._merge(averager, optimizer, self.hooks.stop_requested())
+            with stalls.doing(f"the merge after global step {self._global_step}"):
+                self._merge(averager, optimizer, self.hooks.stop_requested())
             self.alone.merged()
         return output
 
@@ -282,8 +284,6 @@ class ModelMerge(StepPipeline):
             rows = reduced.rows
         except NoMergeWeightError as error:
             reduced, rows = None, error.rows
-        except ReplicaStalledError as error:
-            raise error.during(f"the merge after global step {self._global_step}") from error
         own = PeriodReport.from_row(rows[rank])
         own_finite = bool(own.finite)
         if not all(PeriodReport.from_row(other).finite for other in rows):
@@ -355,8 +355,6 @@ class ModelMerge(StepPipeline):
                     "for NaN; resume from the last checkpoint."
                 ) from error
             raise
-        except ReplicaStalledError as error:
-            raise error.during(f"the merge after global step {self._global_step}") from error
 
     def _note_exclusions(self, rows: list[list[float]]) -> None:
         lost = [rank for rank, row in enumerate(rows) if not PeriodReport.from_row(row).finite]
@@ -383,11 +381,8 @@ class ModelMerge(StepPipeline):
         """Swap the global model in for validation (a collective); waiting for peers is not training time."""
         self.arrivals.pause()
         self.normalization.new_window()  # the authors re-judge the L2 trend before every evaluation pass
-        try:
+        with stalls.doing(f"the global model's mean for an evaluation after global step {self._global_step}"):
             self._running_averager().swap_in_global_model()
-        except ReplicaStalledError as error:
-            where = f"the global model's mean for an evaluation after global step {self._global_step}"
-            raise error.during(where) from error
 
     def end_evaluation(self) -> None:
         """Put the replica's own model back and resume training."""
@@ -396,10 +391,8 @@ class ModelMerge(StepPipeline):
 
     def finish(self) -> None:
         """Make the global model the replica's own (a collective): what the module holds after fit."""
-        try:
+        with stalls.doing(f"the global model's mean at the end of fit, global step {self._global_step}"):
             self._running_averager().adopt_global_model()
-        except ReplicaStalledError as error:
-            raise error.during(f"the global model's mean at the end of fit, global step {self._global_step}") from error
 
     # --- checkpoints --------------------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -522,24 +523,41 @@ def entering(key: str) -> None:
         heartbeat.enter(key)
 
 
-_step_in_progress: tuple[str, str] | None = None
+@dataclass(frozen=True)
+class Doing:
+    """What this replica is doing, for a stalled collective's error (:func:`doing`).
 
-
-def working_on(key: str, where: str) -> None:
-    """Note the roll-call key and the description of the step this replica now computes (not a heartbeat's news).
-
-    A collective launched without a number of its own (a gradient bucket's sum, launched during the backward as it
-    fills) is waited for under this key by a collective watch (:func:`step_in_progress`): every replica launches
-    it within the same step. The heartbeat shows the key only at the step's arrival (:func:`entering`), so that a
-    roll call under it tells the replicas that arrived from one still computing.
+    Attributes:
+        where: in words (``"the merge after global step 12"``).
+        step_key: the roll-call key under which a collective without a number of its own is waited for (a
+            gradient bucket's sum, launched as it fills during the backward): the step's, the same on every replica.
     """
-    global _step_in_progress
-    _step_in_progress = (key, where)
+
+    where: str
+    step_key: str | None = None
 
 
-def step_in_progress() -> tuple[str, str] | None:
-    """The roll-call key and description of the step this replica computes (:func:`working_on`); ``None`` before."""
-    return _step_in_progress
+_doing: Doing | None = None
+
+
+@contextmanager
+def doing(where: str, step_key: str | None = None) -> Iterator[None]:
+    """Within: a collective that stalls names ``where`` (:func:`now_doing`); not news for the heartbeat.
+
+    The heartbeat shows a step's key only at its arrival (:func:`entering`), so that a roll call under it tells the
+    replicas that arrived from one still computing.
+    """
+    global _doing
+    before, _doing = _doing, Doing(where, step_key)
+    try:
+        yield
+    finally:
+        _doing = before
+
+
+def now_doing() -> Doing | None:
+    """What this replica is doing (:func:`doing`); ``None`` outside the engine's merges and steps."""
+    return _doing
 
 
 def stop_heartbeat(gone: bool = False) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 
 from lightning_aesgd import ReplicaStalledError
 from lightning_aesgd.engine import stalls
-from lightning_aesgd.engine.collective_watch import GRACE_SECONDS, CollectiveWatch, device_group_timeout
+from lightning_aesgd.engine.collective_watch import CollectiveWatch
 from lightning_aesgd.engine.comm import TorchCommunicator
 
 
@@ -108,9 +109,18 @@ def test_the_watch_thread_reports_a_stall_and_idles_while_nothing_is_in_flight(c
     assert "all-reduce #1 timed out" in caplog.text
 
 
-def test_a_watched_group_outlasts_the_watch_by_the_longest_roll_call():
-    assert device_group_timeout(timedelta(seconds=60)) == timedelta(seconds=60 + GRACE_SECONDS)
-    assert GRACE_SECONDS > stalls.PATIENCE_MAX_SECONDS
+def test_finished_work_is_let_go_at_the_next_collective_and_nothing_is_kept_once_stopped():
+    # A work holds its tensors (a step's gradient buckets): kept until a poll a second later, they outlived their step.
+    watch, clock = _watch()
+    for index in range(3):
+        done = _Work()
+        done.done = True
+        watch.watch(done, f"all-reduce #{index}", f"k{index}", clock.now)
+    watch.watch(_Work(), "all-reduce #3", "k3", clock.now)
+    assert [flight.name for flight in watch._in_flight] == ["all-reduce #3"]
+    watch.stop()
+    watch.watch(_Work(), "all-reduce #4", "k4", clock.now)
+    assert len(watch._in_flight) == 0
 
 
 # --- two real gloo processes: a replica 4 s late to a watched collective ----------------------------------------
@@ -134,9 +144,9 @@ def _replica(rank: int, port: int, out: str, kind: str) -> None:
     )
     results = Path(out)
     try:
-        comm = TorchCommunicator(torch.device("cpu"), watch_after=WATCH_AFTER)
         unwatched = TorchCommunicator(torch.device("cpu"))._watch is None  # gloo's host waits: it needs no watch
-        comm.all_reduce_sum_(torch.ones(1))  # both connected and in step
+        comm = TorchCommunicator(torch.device("cpu"), watch=True, watch_after=WATCH_AFTER)
+        dist.all_reduce(torch.ones(1))  # both connected and in step, unwatched
         if kind == "async":  # as gradient sums: each step's first bucket launched before its arrival
             _step(comm, 6)
             time.sleep(1.5)  # the heartbeats show step 6 entered
@@ -169,12 +179,12 @@ def _replica(rank: int, port: int, out: str, kind: str) -> None:
 def _step(comm: TorchCommunicator, step: int) -> torch.Tensor:
     """A gradient sum's collectives in step ``step``: a bucket filled during the backward, then the last at arrival."""
     key = f"aesgd/roll_call/step_{step}"
-    stalls.working_on(key, f"the gradient sum of global step {step}")
-    first = torch.ones(1)
-    launched = comm.all_reduce_sum_async(first)
-    stalls.entering(key)
-    comm.all_reduce_sum_async(torch.ones(1)).wait()
-    launched.wait()
+    with stalls.doing(f"the gradient sum of global step {step}", step_key=key):
+        first = torch.ones(1)
+        launched = comm.all_reduce_sum_async(first)
+        stalls.entering(key)
+        comm.all_reduce_sum_async(torch.ones(1)).wait()
+        launched.wait()
     return first
 
 
@@ -198,18 +208,36 @@ def test_a_watched_collective_names_the_replica_that_came_late_and_the_next_coll
     if kind == "async":
         assert "all-reduce during the gradient sum of global step 7 timed out" in error
     else:
-        assert "all-reduce #1 during a device collective issued earlier" in error
+        assert "Replica 0's all-reduce #0 timed out" in error
 
 
-def test_the_watch_thread_never_raises_into_training():
-    class _Broken:
-        def is_completed(self) -> bool:
-            raise RuntimeError("the device is gone")
+def test_the_watch_thread_never_raises_into_training_and_stops_watching_when_it_fails(monkeypatch, caplog):
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
 
-    watch = CollectiveWatch(0.1, rank=0, world_size=2, poll=0.01)
-    watch.watch(_Broken(), "all-reduce #0", "k0", time.monotonic())
-    thread = watch._thread
-    assert thread is not None
-    thread.join(5.0)
+    def broken_clock() -> float:
+        raise RuntimeError("the clock is gone")
+
+    watch = CollectiveWatch(0.1, rank=0, world_size=2, poll=0.01, clock=broken_clock)
+    with caplog.at_level("WARNING", logger="lightning_aesgd.engine.collective_watch"):
+        watch.watch(_Work(), "all-reduce #0", "k0", 0.0)
+        thread = watch._thread
+        assert thread is not None
+        thread.join(5.0)
     assert not thread.is_alive()
+    assert raised == []
+    assert "The collective watch of replica 0 stopped: the clock is gone" in caplog.text
+    watch.watch(_Work(), "all-reduce #1", "k1", 0.0)  # a failed watch keeps nothing
+    assert len(watch._in_flight) == 0
     assert watch.stalled is None
+
+
+def test_a_work_that_cannot_say_whether_it_finished_is_let_go():
+    class _Aborted:
+        def is_completed(self) -> bool:
+            raise RuntimeError("NCCL communicator was aborted")
+
+    watch, clock = _watch(timeout=1.0)
+    watch.watch(_Aborted(), "all-reduce #0", "k0", clock.now)
+    clock.now += 5.0
+    assert watch.check() is None

@@ -16,6 +16,7 @@ from lightning_aesgd.core.merge import SMA, ElasticAverage
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.emulation import StepStretcher
 from lightning_aesgd.emulation.profiles import as_profile
+from lightning_aesgd.engine import stalls
 from lightning_aesgd.engine.averager import MergeSettings
 from lightning_aesgd.engine.comm import LocalCommunicator, ReplicaStalledError
 from lightning_aesgd.engine.model_merge import ModelMerge, NonFiniteReplicasError
@@ -298,12 +299,19 @@ def test_a_merge_period_of_steps_weighs_as_one_report_in_the_speed_models():
 
 
 class _LostPeer(LocalCommunicator):
-    """A peer that stops answering once training is under way: every later all-reduce stalls."""
+    """A peer that stops answering once training is under way: every later all-reduce stalls.
 
-    lost = False
+    It notes what the replica said it was doing (``stalls.doing``), which a real communicator puts in its error.
+    """
+
+    def __init__(self) -> None:
+        self.lost = False
+        self.doing: list[str] = []
 
     def all_reduce_sum_(self, tensor):
         if self.lost:
+            task = stalls.now_doing()
+            self.doing.append("nothing" if task is None else task.where)
             roll = RollCall(waited={0: 20.0}, arrived={0: 100.0}, absent=(1,))
             raise ReplicaStalledError(
                 collective="all-reduce #7", rank=0, world_size=2, waited=20.0, roll=roll, cause="Connection reset"
@@ -317,5 +325,8 @@ def test_a_stall_in_the_global_models_mean_names_what_the_replica_was_doing(coll
     engine = _engine()
     engine.start(module, comm, torch.device("cpu"))
     comm.lost = True
-    with pytest.raises(ReplicaStalledError, match="global model's mean"):
+    with pytest.raises(ReplicaStalledError):
         getattr(engine, collective)()
+    assert len(comm.doing) == 1
+    assert "the global model's mean" in comm.doing[0]
+    assert ("evaluation" if collective == "begin_evaluation" else "end of fit") in comm.doing[0]
