@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Literal, Union
@@ -90,6 +91,14 @@ _KEPT_OPTIONS = (
     "pin_memory_device",
     "in_order",
 )
+
+
+IN_ORDER_WARNING = (
+    "DataLoader(in_order=False) is set to in_order=True on the strategy's loader: each step's batch must reach the "
+    "step it was planned for, which gives its loss weight (out of order, a replica trained the next step's batch "
+    "with this step's weight). HINT: drop in_order=False; for slow samples, raise num_workers or prefetch_factor."
+)
+"""The warning for a training loader made with ``in_order=False``, which the strategy's loader cannot honour."""
 
 
 class LoaderClock:
@@ -321,6 +330,10 @@ def build_planned_loader(
     options: dict[str, Any] = {name: getattr(loader, name) for name in _KEPT_OPTIONS if hasattr(loader, name)}
     if loader.num_workers > 0:
         options["prefetch_factor"] = loader.prefetch_factor
+    if options.get("in_order") is False:
+        options["in_order"] = True
+        if rank == 0:
+            warnings.warn(IN_ORDER_WARNING, stacklevel=2)
     clock = LoaderClock()
     options["collate_fn"] = unwrap_batch
     timed = TimedLoading(loader.dataset, loader.collate_fn, clock, loader.num_workers)

@@ -67,6 +67,19 @@ def test_options_of_the_original_loader_are_kept():
     assert all(rebuilt.loader_clock.read(step) > 0 for step in range(5))
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_loader_out_of_order_is_put_in_order_with_a_warning_on_rank_zero(rank, recwarn):
+    # Out of order, a replica trained the next step's samples with this step's loss weight (the step's record).
+    loader = DataLoader(RegressionData(40), batch_size=4, num_workers=1, in_order=False)
+    facts = inspect_train_loader(loader)
+    rebuilt = build_planned_loader(
+        loader, facts, num_replicas=2, rank=rank, plan_book=PlanBook([5, 3]), step_batch_size=8
+    )
+    assert rebuilt.in_order is True
+    said = [str(warning.message) for warning in recwarn if "in_order=False" in str(warning.message)]
+    assert said == ([loading.IN_ORDER_WARNING] if rank == 0 else [])
+
+
 @pytest.mark.timeout(120)
 def test_loader_times_reach_the_replica_from_spawned_workers():
     # A spawned worker gets the clock by pickling: its ring must still be the replica's shared memory.
