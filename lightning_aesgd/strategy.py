@@ -58,6 +58,7 @@ from lightning_aesgd.trainer_io import (
     logs_this_step,
     resumed_position,
     save_summary,
+    set_up_training_data_again,
 )
 from lightning_aesgd.user_collectives import (
     StepCollectives,
@@ -292,6 +293,7 @@ class AdaptiveElasticMixin(SharedDevices):
         )
         comm = default_communicator(self.root_device, self._watch_after())
         self.engine.start(self._module, comm, self.root_device, hooks)
+        set_up_training_data_again(trainer)
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
         self._fit_finished = False
         self._undo_train_end = before_train_end(trainer, self._finish_fit)

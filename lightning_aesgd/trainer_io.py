@@ -1,6 +1,7 @@
 """What the strategy reads from the Trainer and hands to its loggers, outside Lightning's hooks.
 
-Where a restored training loop resumes, the end of the fit loop (where the strategy finishes the fit), the
+Where a restored training loop resumes, the end of the fit loop (where the strategy finishes the fit), training
+data set up before the fit began, the
 Trainer's gradient clipping for updates the strategy applies itself,
 whether the loggers write at this step, the telemetry metrics handed to them, and the end-of-fit summary saved as
 JSON next to their logs. Each takes the Trainer (or module) of either Lightning namespace; nothing here imports
@@ -51,6 +52,24 @@ def before_train_end(trainer: Any, run: Callable[[], None]) -> Callable[[], None
             del loop.on_run_end
 
     return undo
+
+
+def set_up_training_data_again(trainer: Any) -> None:
+    """Have the fit loop set its training data up again, through the strategy, if it did so before the fit began.
+
+    Reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (Lightning's recipe for a per-step
+    schedule such as OneCycleLR) sets the training data up during the strategy's own set-up, before its engine runs:
+    the loader kept then is the user's, unplanned, and the fit loop would keep it. Its iterator is let go first
+    (workers it may have started). Lightning keeps the set-up in ``fit_loop._combined_loader`` (2.6).
+    """
+    loop: Any = getattr(trainer, "fit_loop", None)
+    if loop is None or getattr(loop, "_combined_loader", None) is None:
+        return
+    fetcher = getattr(loop, "_data_fetcher", None)
+    if fetcher is not None:
+        fetcher.teardown()
+        loop._data_fetcher = None
+    loop._combined_loader = None
 
 
 def clip_gradients(module: Any, optimizer: Any) -> None:

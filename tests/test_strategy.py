@@ -413,3 +413,24 @@ def test_a_group_the_host_does_not_wait_in_outlasts_the_timeout_so_the_collectiv
     assert strategy._timeout == timedelta(seconds=10), "the steps' own waits keep the strategy's timeout"
     # The watch fires at the strategy's timeout, however short, not at a rule of the group's.
     assert strategy._watch_after() == (10.0 if extended else None)
+
+
+class _OneCycle(RegressionModel):
+    """Lightning's recipe for a per-step schedule: its length read from the trainer in ``configure_optimizers``."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        total = self.trainer.estimated_stepping_batches  # sets the training data up, before the strategy's engine
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("sync", ["gradients", "models"])
+def test_a_schedule_sized_by_estimated_stepping_batches_trains_on_the_planned_loader(sync):
+    # The loader set up for the estimate was the user's own: the planned loader never replaced it, and the fit
+    # failed at its end ("call plan_book_for() first"), or under sync="models" never merged.
+    model = _OneCycle(size=40, batch_size=8)
+    trainer = _trainer(AdaptiveElasticStrategy(sync=sync), max_epochs=2)
+    trainer.fit(model)
+    assert trainer.global_step == 10
+    assert type(trainer.train_dataloader).__name__ == "PlannedDataLoader"
