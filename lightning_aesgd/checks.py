@@ -91,6 +91,27 @@ def warn_unrepeatable_plans(planner: Any) -> None:
     )
 
 
+def check_one_training_loader(trainer: Any) -> None:
+    """Raise where the fit trains on several DataLoaders at once (a dict or list of them: Lightning's CombinedLoader).
+
+    The strategy plans each step's samples over one loader; the others' batches would keep their equal split while
+    every loss counts with the planned share. Read once the fit loop has set its data up, before the first step.
+
+    Raises:
+        UnsupportedSettingError: naming the fix.
+    """
+    combined: Any = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    loaders = getattr(combined, "flattened", None) or []
+    if len(loaders) > 1:
+        raise UnsupportedSettingError(
+            f"adaptive_elastic plans each step's samples over one training DataLoader; the training data holds "
+            f"{len(loaders)} (a {type(combined.iterables).__name__} of loaders), whose batches but one would keep an "
+            "equal split while their losses count with the planned shares. HINT: put the datasets behind one "
+            "DataLoader (torch.utils.data.ConcatDataset for one stream of samples, or a Dataset whose items hold a "
+            "sample of each), or train with strategy='ddp'."
+        )
+
+
 def check_training_loader(dataloader: Any) -> None:
     """Raise unless the training data comes from a torch ``DataLoader``, which the strategy rebuilds to split steps.
 

@@ -12,11 +12,13 @@ A ``training_step`` that itself communicates cannot be skipped on one replica: t
 collective. :func:`collectives_in_training` finds the usual ones (``self.log(..., sync_dist=True)``, SyncBatchNorm,
 a torchmetrics metric logged for the epoch) after the first step, and
 :class:`~lightning_aesgd.user_collectives.StepCollectives` the strategy's collectives that step called; the
-strategy then keeps every replica in the steps.
+strategy then keeps every replica in the steps. So it does where the user's batch hooks would receive the idle
+batch (:func:`batch_hooks_in_training`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -74,6 +76,41 @@ def idle_training_step(module: Any, every_parameter: bool = True) -> Iterator[No
             module.training_step = own
         else:
             del module.training_step
+
+
+BATCH_HOOKS = ("on_before_batch_transfer", "on_train_batch_start", "on_train_batch_end")
+"""The module's hooks that receive a training batch (a callback's: the last two), an idle one too."""
+_LIGHTNING_PACKAGES = ("pytorch_lightning", "lightning", "lightning_aesgd")
+
+
+def batch_hooks_in_training(trainer: Any, module: nn.Module) -> str | None:
+    """Why a replica left out of a step may not be (its idle batch would reach the user's code), or ``None``.
+
+    A replica left out draws an idle batch, which the training loop hands to the module's batch hooks and to the
+    callbacks' batch-start and batch-end hooks as to any batch: a hook that reads it (``x, y = batch``) fails
+    there. So where the user's module overrides one, or one of the user's callbacks (not Lightning's own) does
+    with a parameter named ``batch`` (not one that takes ``*args``, as counting callbacks do), every replica stays
+    in the steps.
+    """
+    for hook in BATCH_HOOKS:
+        if _user_defined(type(module), hook):
+            return f"the module overrides {hook}(), which would receive a left-out replica's idle batch"
+    for callback in getattr(trainer, "callbacks", None) or []:
+        for hook in BATCH_HOOKS[1:]:
+            if _user_defined(type(callback), hook) and "batch" in inspect.signature(getattr(callback, hook)).parameters:
+                return (
+                    f"the callback {type(callback).__name__} overrides {hook}(), which would receive a left-out "
+                    "replica's idle batch"
+                )
+    return None
+
+
+def _user_defined(cls: type, name: str) -> bool:
+    """Whether the class that defines ``name`` for ``cls`` is the user's, not Lightning's or this package's."""
+    for owner in cls.__mro__:
+        if name in vars(owner):
+            return owner.__module__.split(".")[0] not in _LIGHTNING_PACKAGES
+    return False
 
 
 def collectives_in_training(trainer: Any, module: nn.Module) -> str | None:

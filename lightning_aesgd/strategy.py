@@ -29,6 +29,7 @@ from lightning_aesgd.checks import (
     check_fit_settings,
     check_gradient_settings,
     check_learner_settings,
+    check_one_training_loader,
     check_training_loader,
     warn_unrepeatable_plans,
 )
@@ -41,11 +42,16 @@ from lightning_aesgd.engine.averager import OptimizerStateMode
 from lightning_aesgd.engine.collective_watch import device_group_timeout
 from lightning_aesgd.engine.comm import HOST_WAITING_BACKENDS, ReplicaStalledError, default_communicator
 from lightning_aesgd.engine.learner_tuning import measure_learners
-from lightning_aesgd.engine.loading import IdleBatch, SampleCosts
+from lightning_aesgd.engine.loading import SampleCosts, is_idle
 from lightning_aesgd.engine.optimizer_shapes import fit_optimizer_state, one_model_state
 from lightning_aesgd.engine.pipeline import CHECKPOINT_KEY, StepPipeline, TrainerHooks
 from lightning_aesgd.engine.plan_loop import PlanLoop
-from lightning_aesgd.idle_steps import bare_zero, collectives_in_training, idle_training_step
+from lightning_aesgd.idle_steps import (
+    bare_zero,
+    batch_hooks_in_training,
+    collectives_in_training,
+    idle_training_step,
+)
 from lightning_aesgd.placement import SharedDevices, mixes_device_types
 from lightning_aesgd.settings import StrategySettings, check_launch, refuse_unknown_options
 from lightning_aesgd.sigterm import StopCheck, replace_stop_broadcast
@@ -321,6 +327,7 @@ class AdaptiveElasticMixin(SharedDevices):
 
     @override
     def on_train_start(self) -> None:
+        check_one_training_loader(self._module.trainer)
         # A resumed optimizer state may be another model shape's: one model's for several learners, or back.
         self._fit_optimizer_states()
         super().on_train_start()
@@ -340,10 +347,10 @@ class AdaptiveElasticMixin(SharedDevices):
         """The module's training step; a replica left out of the step (an idle batch) computes a zero loss."""
         batch = args[0] if args else kwargs.get("batch")
         if self.engine.sits_out:
-            if not isinstance(batch, IdleBatch):
+            if not is_idle(batch):
                 raise RuntimeError(f"A replica sitting out drew a batch of data ({type(batch).__name__}): a bug.")
             return bare_zero(self._module)  # no collective: not even DDP's forward, which would expect a sum
-        if isinstance(batch, IdleBatch):
+        if is_idle(batch):
             # Gradient sums need every parameter's zero gradient, and a grad scaler its inf checks; merges neither.
             wrapped = self.engine.wraps_model(self.world_size)
             every_parameter = wrapped or getattr(self.precision_plugin, "scaler", None) is not None
@@ -361,7 +368,12 @@ class AdaptiveElasticMixin(SharedDevices):
         if self.engine.ready and not self._idle_safety_checked:
             # After the first step, before its reports are taken in: every rank decides alike, before any plan.
             self._idle_safety_checked = True
-            reason = collectives_in_training(self._module.trainer, self._module) or self._step_collectives.reason()
+            trainer = self._module.trainer
+            reason = (
+                collectives_in_training(trainer, self._module)
+                or self._step_collectives.reason()
+                or batch_hooks_in_training(trainer, self._module)
+            )
             if reason is not None:
                 self.engine.plans.forbid_leaving_out(reason)
         return output
@@ -426,7 +438,7 @@ class AdaptiveElasticMixin(SharedDevices):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """An idle batch stays as it is: there is nothing to move, and the user's transfer hooks expect data."""
-        if isinstance(batch, IdleBatch):
+        if is_idle(batch):
             return batch
         return super().batch_to_device(batch, device, dataloader_idx)
 

@@ -97,6 +97,24 @@ class _MetricModel(_EpochModel):
         return super().training_step(batch, batch_idx)
 
 
+class _BatchHookModel(_EpochModel):
+    """Reads each batch in a hook before the step, which a left-out replica's idle batch would reach."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        _, _, index = batch
+        assert len(index) > 0
+
+
+class _DictLoaderModel(_EpochModel):
+    """Trains on a dict of one loader: each batch comes as ``{"main": batch}``, an idle one too."""
+
+    def train_dataloader(self):
+        return {"main": super().train_dataloader()}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch["main"], batch_idx)
+
+
 def _fit_three(tmp_path, model, **options):
     slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": SECONDS_PER_SAMPLE})
     epochs = options.pop("max_epochs", 1)
@@ -105,13 +123,22 @@ def _fit_three(tmp_path, model, **options):
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
 
 
-@pytest.mark.parametrize("model", [_SyncLoggingModel, _GatheringModel, _BarrierModel, _MetricModel])
+@pytest.mark.parametrize("model", [_SyncLoggingModel, _GatheringModel, _BarrierModel, _MetricModel, _BatchHookModel])
 def test_a_training_step_that_communicates_keeps_every_replica_in_the_steps(tmp_path, model):
     pl.seed_everything(7)
     # Two epochs: a metric's gather at an epoch's end would wait for a replica left out all epoch.
     records = _fit_three(tmp_path, model(size=240, batch_size=BATCH), max_epochs=2)
     assert all(min(sizes) > 0 for sizes in records[0]["plans"]["sizes"])  # no one left out, and no hang
     assert records[0]["plans"]["sizes"][-1][2] < BATCH  # the slow replica still gets a smaller batch
+
+
+def test_a_dict_of_one_training_loader_leaves_a_slow_replica_out_and_never_hands_it_data(tmp_path):
+    # The idle batch came inside the dict ({"main": IdleBatch()}): the user's step unpacked it and failed.
+    pl.seed_everything(7)
+    records = _fit_three(tmp_path, _DictLoaderModel(size=240, batch_size=BATCH))
+    assert records[0]["plans"]["sizes"][-1][2] == 0
+    seen = sorted(i for record in records for _, indices in record["seen"] for i in indices)
+    assert seen == list(range(240))
 
 
 def test_find_unused_parameters_keeps_every_replica_in_the_steps(tmp_path):

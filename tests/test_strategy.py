@@ -186,6 +186,28 @@ def test_a_training_iterable_that_is_not_a_dataloader_fails_before_training(sync
     torch.testing.assert_close(flat_parameters(model), before)
 
 
+class _TwoLoaders(RegressionModel):
+    """Trains on a dict (or list) of two loaders, which Lightning combines into one batch of both."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+
+    def train_dataloader(self):
+        loaders = [super().train_dataloader(), super().train_dataloader()]
+        return dict(zip("ab", loaders, strict=True)) if self.form == "dict" else loaders
+
+
+@pytest.mark.parametrize("form", ["dict", "list"])
+def test_several_training_loaders_fail_before_training(form):
+    # Only the last loader followed the plans: the others kept an equal split, weighted with its shares.
+    model = _TwoLoaders(form)
+    before = flat_parameters(model)
+    with pytest.raises(UnsupportedSettingError, match=r"holds 2 \(a (dict|list) of loaders\).* HINT: put the datasets"):
+        _trainer(max_steps=2).fit(model)
+    torch.testing.assert_close(flat_parameters(model), before)
+
+
 @pytest.mark.parametrize(
     ("model", "trainer_kwargs", "match"),
     [

@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -141,7 +142,8 @@ class IdleBatch:
 
     Lightning's loop still runs the step, so that every replica takes part in its sync point; the strategy runs no
     forward over data for it, only a zero loss's backward (:mod:`lightning_aesgd.idle_steps`). It is not moved to a
-    device; the user's ``on_before_batch_transfer`` and batch-start/end hooks see this object.
+    device. Where the user's module or callbacks override a hook that receives the batch, no replica is left out
+    (:func:`~lightning_aesgd.idle_steps.batch_hooks_in_training`).
     """
 
     def __repr__(self) -> str:
@@ -149,6 +151,15 @@ class IdleBatch:
 
     def __len__(self) -> int:
         return 0
+
+
+def is_idle(batch: Any) -> bool:
+    """Whether ``batch`` is an :class:`IdleBatch`, or holds one (a dict of one training loader gives ``{"a": ...}``).
+
+    >>> is_idle(IdleBatch()), is_idle({"main": IdleBatch()}), is_idle([torch.zeros(2)])
+    (True, True, False)
+    """
+    return isinstance(batch, IdleBatch) or any(isinstance(leaf, IdleBatch) for leaf in tree_leaves(batch))
 
 
 class TimedLoading(Dataset[Any]):
