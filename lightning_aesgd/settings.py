@@ -9,6 +9,7 @@ checks): settings are built, checked and turned into an engine without a Trainer
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -320,14 +321,27 @@ class StrategySettings:
 # --- checks ---------------------------------------------------------------------------------------------------
 
 
-def refuse_unknown_options(owner: str, unknown: Mapping[str, Any]) -> None:
+DDP_ONLY_OPTIONS = frozenset(
+    (set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "find_unused_parameters"})
+    | {"ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period"}  # DDPStrategy's own
+)
+"""DistributedDataParallel's and DDPStrategy's own options: the strategy sums gradients its own way."""
+
+
+def refuse_unknown_options(owner: str, unknown: Mapping[str, Any], known: Sequence[str] = ()) -> None:
     """Raise for keyword arguments ``owner`` (the strategy's class name) does not take, naming the fix.
 
     DDPStrategy would pass them to DistributedDataParallel, which the strategy may never build: a typo would vanish
     silently.
 
+    Args:
+        owner: the strategy's class name.
+        unknown: the arguments it does not take.
+        known: the options it takes, for a likely spelling.
+
     Raises:
-        TypeError: for any, with the merge rule's own options (``alpha``, ``momentum``) named as such.
+        TypeError: for any: the merge rule's own options (``alpha``, ``momentum``) and DDP's named as such, others
+            with the closest option names.
     """
     names = sorted(unknown)
     if {"alpha", "momentum"} & set(names):
@@ -335,10 +349,19 @@ def refuse_unknown_options(owner: str, unknown: Mapping[str, Any]) -> None:
             f"{owner} takes no {sorted({'alpha', 'momentum'} & set(names))}: they belong to the "
             "merge rule. HINT: pass merge_rule=ElasticAverage(alpha=..., momentum=...) (or SMA(...), EASGD(...))."
         )
-    if names:
+    ddp = sorted(DDP_ONLY_OPTIONS & set(names))
+    if ddp:
         raise TypeError(
-            f"{owner} got unexpected arguments {names}. HINT: check the spelling against "
-            "the options in its docstring (period, warmup_steps, merge_rule, planner, ...)."
+            f"{owner} takes no {ddp}: they are DistributedDataParallel's (or DDPStrategy's) options, and the strategy "
+            "sums gradients its own way (find_unused_parameters it takes). HINT: drop them; keep them for "
+            "strategy='ddp'."
+        )
+    if names:
+        guesses = {name: difflib.get_close_matches(name, known, n=2) for name in names}
+        said = "; ".join(f"{name}: did you mean {' or '.join(g)}?" for name, g in guesses.items() if g)
+        raise TypeError(
+            f"{owner} got unexpected arguments {names}{f' ({said})' if said else ''}. HINT: check the spelling "
+            f"against its options: {', '.join(sorted(known)) or 'see its docstring'}."
         )
 
 

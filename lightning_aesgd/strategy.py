@@ -164,7 +164,8 @@ class AdaptiveElasticMixin(SharedDevices):
         # Every argument is explicit, so that LightningCLI and jsonargparse list exactly these (not DDP's, which a
         # strategy without DistributedDataParallel would ignore); `unexpected` exists only to name typos.
         arguments = locals()  # every argument by name: the settings take theirs by their field names
-        refuse_unknown_options(type(self).__name__, unexpected)
+        options = [name for name in arguments if name not in ("self", "unexpected") and not name.startswith("_")]
+        refuse_unknown_options(type(self).__name__, unexpected, known=options)
         self.settings = StrategySettings(**{name: arguments[name] for name in StrategySettings.option_names()})
         check_launch(timeout, start_method)
         super().__init__(

@@ -254,8 +254,15 @@ def test_options_given_per_replica_fail_when_the_trainer_knows_its_devices(kwarg
 
 
 def test_a_misspelt_option_is_an_error_not_a_silent_ddp_argument():
-    with pytest.raises(TypeError, match=r"unexpected arguments \['perod'\]"):
+    with pytest.raises(TypeError, match=r"unexpected arguments \['perod'\] \(perod: did you mean period\?\)") as caught:
         AdaptiveElasticStrategy(perod=4)
+    assert "its options: accelerator, checkpoint_io," in str(caught.value)
+    assert "unexpected" not in str(caught.value).split("its options:")[1]
+
+
+def test_an_option_of_ddps_is_named_as_such():
+    with pytest.raises(TypeError, match=r"takes no \['bucket_cap_mb', 'static_graph'\]: they are Distributed"):
+        AdaptiveElasticStrategy(static_graph=True, bucket_cap_mb=50)
 
 
 def test_telemetry_reaches_csv_and_tensorboard_loggers(tmp_path):
