@@ -343,3 +343,30 @@ def test_a_gather_of_uneven_rows_is_refused_with_the_fix_and_all_gather_rows_tak
             )
             assert step["rows"] == zero["own"] + one["own"]  # every replica's rows, in rank order
         assert (len(zero["own"]), len(one["own"])) == (12, 4)
+
+
+class _TrainedBatch(RegressionModel):
+    """Logs the batch this replica trains at each step, beside the strategy's telemetry."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("trained_batch", float(len(batch[2])), on_step=True, on_epoch=False, rank_zero_only=True)
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_logged_batch_size_is_the_batch_trained_at_the_logged_step(tmp_path):
+    # Plans are made plan_lag steps ahead: the latest plan's sizes were logged beside an earlier step's metrics.
+    from pytorch_lightning.loggers import CSVLogger
+
+    strategy = AdaptiveElasticStrategy(slowdown=[1, 3], warmup_steps=2, start_method="fork", timeout=TIMEOUT)
+    logger = CSVLogger(tmp_path, name="log", version=0)
+    cpu_trainer(strategy, max_steps=24, logger=logger, log_every_n_steps=1).fit(_TrainedBatch(size=256, batch_size=8))
+    lines = (tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    by_step: dict[int, dict[str, float]] = {}
+    for line in lines[1:]:
+        row = dict(zip(header, line.split(","), strict=True))
+        by_step.setdefault(int(row["step"]), {}).update({key: float(value) for key, value in row.items() if value})
+    telemetry = "aesgd/replica_0/batch_size"
+    logged = [(row["trained_batch"], row[telemetry]) for row in by_step.values() if telemetry in row]
+    assert len({trained for trained, _ in logged}) > 1, "the plan never changed: nothing to tell apart"
+    assert [telemetry for _, telemetry in logged] == [trained for trained, _ in logged]

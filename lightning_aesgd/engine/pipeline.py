@@ -384,7 +384,8 @@ class StepPipeline(ABC):
         """``aesgd/...`` metrics of the latest reports (identical on every replica); ``None`` before the first."""
         if not self.plans.latest_reports or self.plans.plan_book is None:
             return None
-        metrics = replica_metrics(self.plans.stats(), self.plans.plan_book.latest)
+        # The batches trained at this step: the latest plan is for steps `plan_lag` ahead, already in the loader.
+        metrics = replica_metrics(self.plans.stats(), self.plans.plan_book.sizes_at(self._step_key))
         metrics["aesgd/excluded"] = float(self.exclusion_count)
         return metrics
 
