@@ -36,7 +36,8 @@ def test_the_probe_measures_each_process_count_with_and_without_waits():
         per_process, milliseconds, total = (float(cell) for cell in row.strip("| ").split(" | ")[2:])
         assert per_process > 0
         assert total >= per_process
-        assert milliseconds == pytest.approx(1000 / per_process, rel=0.01)
+        # steps/s is printed to 0.1: on a loaded machine (1.4 steps/s) that rounding alone is 3.5% of it
+        assert milliseconds == pytest.approx(1000 / per_process, rel=0.01 + 0.05 / per_process)
 
 
 def test_a_missing_gpu_fails_with_a_hint():
