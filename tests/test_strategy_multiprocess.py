@@ -357,9 +357,13 @@ def test_the_logged_batch_size_is_the_batch_trained_at_the_logged_step(tmp_path)
     # Plans are made plan_lag steps ahead: the latest plan's sizes were logged beside an earlier step's metrics.
     from pytorch_lightning.loggers import CSVLogger
 
-    strategy = AdaptiveElasticStrategy(slowdown=[1, 3], warmup_steps=2, start_method="fork", timeout=TIMEOUT)
+    # Replica 1 sleeps 4 ms a sample in its step: replica 0 is the faster, whatever else loads the machine, and
+    # never left out, so that its own batch is logged at every step.
+    slow = SlowdownCallback({"factors": [1, 5], "mode": "user", "seconds_per_sample": 0.001})
+    strategy = AdaptiveElasticStrategy(warmup_steps=2, leave_out_stragglers=False, start_method="fork", timeout=TIMEOUT)
     logger = CSVLogger(tmp_path, name="log", version=0)
-    cpu_trainer(strategy, max_steps=24, logger=logger, log_every_n_steps=1).fit(_TrainedBatch(size=256, batch_size=8))
+    trainer = cpu_trainer(strategy, max_steps=24, logger=logger, log_every_n_steps=1, callbacks=[slow])
+    trainer.fit(_TrainedBatch(size=256, batch_size=8))
     lines = (tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines()
     header = lines[0].split(",")
     by_step: dict[int, dict[str, float]] = {}
