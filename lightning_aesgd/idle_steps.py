@@ -80,29 +80,45 @@ def idle_training_step(module: Any, every_parameter: bool = True) -> Iterator[No
 
 BATCH_HOOKS = ("on_before_batch_transfer", "on_train_batch_start", "on_train_batch_end")
 """The module's hooks that receive a training batch (a callback's: the last two), an idle one too."""
+CALLBACK_BATCH_POSITION = {"on_train_batch_start": 2, "on_train_batch_end": 3}
+"""Where a callback's batch hook takes the batch: after the trainer and module (and the step's outputs)."""
 _LIGHTNING_PACKAGES = ("pytorch_lightning", "lightning", "lightning_aesgd")
 
 
 def batch_hooks_in_training(trainer: Any, module: nn.Module) -> str | None:
     """Why a replica left out of a step may not be (its idle batch would reach the user's code), or ``None``.
 
-    A replica left out draws an idle batch, which the training loop hands to the module's batch hooks and to the
-    callbacks' batch-start and batch-end hooks as to any batch: a hook that reads it (``x, y = batch``) fails
-    there. So where the user's module overrides one, or one of the user's callbacks (not Lightning's own) does
-    with a parameter named ``batch`` (not one that takes ``*args``, as counting callbacks do), every replica stays
-    in the steps.
+    A replica left out draws an idle batch, which the training loop hands to the module's (or the DataModule's)
+    batch hooks and to the callbacks' batch-start and batch-end hooks as to any batch: a hook that reads it
+    (``x, y = batch``) fails there. So every replica stays in the steps where the user's module overrides one, the
+    user's DataModule overrides ``on_before_batch_transfer``, one of the user's callbacks (not Lightning's own)
+    overrides one with a parameter where the batch goes (one that takes ``*args``, as counting callbacks do, is
+    trusted not to read it), or a callback has a ``batch_size_fn`` (Lightning's ThroughputMonitor calls it).
     """
     for hook in BATCH_HOOKS:
         if _user_defined(type(module), hook):
             return f"the module overrides {hook}(), which would receive a left-out replica's idle batch"
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and _user_defined(type(datamodule), BATCH_HOOKS[0]):
+        return f"the DataModule overrides {BATCH_HOOKS[0]}(), which would receive a left-out replica's idle batch"
     for callback in getattr(trainer, "callbacks", None) or []:
-        for hook in BATCH_HOOKS[1:]:
-            if _user_defined(type(callback), hook) and "batch" in inspect.signature(getattr(callback, hook)).parameters:
-                return (
-                    f"the callback {type(callback).__name__} overrides {hook}(), which would receive a left-out "
-                    "replica's idle batch"
-                )
+        name = type(callback).__name__
+        if getattr(callback, "batch_size_fn", None) is not None:
+            return f"the callback {name} calls its batch_size_fn on each batch, a left-out replica's idle one too"
+        for hook, position in CALLBACK_BATCH_POSITION.items():
+            if _user_defined(type(callback), hook) and _takes_positional(getattr(callback, hook), position):
+                return f"the callback {name} overrides {hook}(), which would receive a left-out replica's idle batch"
     return None
+
+
+def _takes_positional(method: Any, position: int) -> bool:
+    """Whether ``method`` names a parameter at positional ``position`` (0-based, ``self`` bound)."""
+    named = [
+        parameter
+        for parameter in inspect.signature(method).parameters.values()
+        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(named) > position
 
 
 def _user_defined(cls: type, name: str) -> bool:

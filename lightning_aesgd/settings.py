@@ -350,19 +350,23 @@ def refuse_unknown_options(owner: str, unknown: Mapping[str, Any], known: Sequen
             "merge rule. HINT: pass merge_rule=ElasticAverage(alpha=..., momentum=...) (or SMA(...), EASGD(...))."
         )
     ddp = sorted(DDP_ONLY_OPTIONS & set(names))
+    others = [name for name in names if name not in DDP_ONLY_OPTIONS]
+    problems = []
     if ddp:
-        raise TypeError(
+        problems.append(
             f"{owner} takes no {ddp}: they are DistributedDataParallel's (or DDPStrategy's) options, and the strategy "
             "sums gradients its own way (find_unused_parameters it takes). HINT: drop them; keep them for "
             "strategy='ddp'."
         )
-    if names:
-        guesses = {name: difflib.get_close_matches(name, known, n=2) for name in names}
+    if others:
+        guesses = {name: difflib.get_close_matches(name, known, n=2) for name in others}
         said = "; ".join(f"{name}: did you mean {' or '.join(g)}?" for name, g in guesses.items() if g)
-        raise TypeError(
-            f"{owner} got unexpected arguments {names}{f' ({said})' if said else ''}. HINT: check the spelling "
+        problems.append(
+            f"{owner} got unexpected arguments {others}{f' ({said})' if said else ''}. HINT: check the spelling "
             f"against its options: {', '.join(sorted(known)) or 'see its docstring'}."
         )
+    if problems:
+        raise TypeError("\n".join(problems))
 
 
 def check_switches(**switches: Any) -> None:

@@ -65,6 +65,7 @@ from lightning_aesgd.trainer_io import (
     resumed_position,
     save_summary,
     set_up_training_data_again,
+    warn_if_estimate_differs,
 )
 from lightning_aesgd.user_collectives import (
     StepCollectives,
@@ -192,6 +193,7 @@ class AdaptiveElasticMixin(SharedDevices):
         self._stop_check: StopCheck | None = None
         self._undo_train_end: Callable[[], None] | None = None
         self._fit_finished = False
+        self._counted_batches: float | None = None  # batches an epoch an estimate read before the fit began
 
     # LightningCLI's help describes each argument from the docstrings: the training options' are the settings'.
     __init__.__doc__ = StrategySettings.__doc__
@@ -300,7 +302,7 @@ class AdaptiveElasticMixin(SharedDevices):
         )
         comm = default_communicator(self.root_device, self._watch_after())
         self.engine.start(self._module, comm, self.root_device, hooks)
-        set_up_training_data_again(trainer)
+        self._counted_batches = set_up_training_data_again(trainer)
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
         self._fit_finished = False
         self._undo_train_end = before_train_end(trainer, self._finish_fit)
@@ -329,6 +331,8 @@ class AdaptiveElasticMixin(SharedDevices):
     @override
     def on_train_start(self) -> None:
         check_one_training_loader(self._module.trainer)
+        if self.is_global_zero:
+            warn_if_estimate_differs(self._module.trainer, self._counted_batches)
         # A resumed optimizer state may be another model shape's: one model's for several learners, or back.
         self._fit_optimizer_states()
         super().on_train_start()

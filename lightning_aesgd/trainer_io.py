@@ -54,22 +54,48 @@ def before_train_end(trainer: Any, run: Callable[[], None]) -> Callable[[], None
     return undo
 
 
-def set_up_training_data_again(trainer: Any) -> None:
+def set_up_training_data_again(trainer: Any) -> float | None:
     """Have the fit loop set its training data up again, through the strategy, if it did so before the fit began.
 
     Reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (Lightning's recipe for a per-step
     schedule such as OneCycleLR) sets the training data up during the strategy's own set-up, before its engine runs:
     the loader kept then is the user's, unplanned, and the fit loop would keep it. Its iterator is let go first
     (workers it may have started). Lightning keeps the set-up in ``fit_loop._combined_loader`` (2.6).
+
+    Returns:
+        The batches per epoch of the loader set up before (what the estimate counted), or ``None`` where none was.
     """
     loop: Any = getattr(trainer, "fit_loop", None)
     if loop is None or getattr(loop, "_combined_loader", None) is None:
-        return
+        return None
+    counted = loop.max_batches
     fetcher = getattr(loop, "_data_fetcher", None)
     if fetcher is not None:
         fetcher.teardown()
         loop._data_fetcher = None
     loop._combined_loader = None
+    return float(counted)
+
+
+def warn_if_estimate_differs(trainer: Any, counted: float | None) -> None:
+    """Warn where the planned loader has another number of steps per epoch than the estimate read before it.
+
+    The planned loader takes ``⌈N / step batch⌉`` steps an epoch: another number than the user's loader where
+    ``step_batch_size`` or ``learners_per_device`` change the step batch. A schedule sized by
+    ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` then ends early or runs out (OneCycleLR raises).
+    """
+    planned = getattr(trainer, "num_training_batches", None)
+    if counted is None or planned is None or planned == counted:
+        return
+    log.warning(
+        "configure_optimizers read trainer.estimated_stepping_batches from the training loader as given, %g batches "
+        "an epoch; the strategy's planned loader takes %g (its step batch differs: step_batch_size or "
+        "learners_per_device). A schedule sized by it ends at the wrong step (OneCycleLR raises past its end). "
+        "HINT: size the schedule from the steps the fit takes (epochs x %g), or keep the default step batch.",
+        counted,
+        planned,
+        planned,
+    )
 
 
 def clip_gradients(module: Any, optimizer: Any) -> None:

@@ -260,9 +260,12 @@ def test_a_misspelt_option_is_an_error_not_a_silent_ddp_argument():
     assert "unexpected" not in str(caught.value).split("its options:")[1]
 
 
-def test_an_option_of_ddps_is_named_as_such():
-    with pytest.raises(TypeError, match=r"takes no \['bucket_cap_mb', 'static_graph'\]: they are Distributed"):
-        AdaptiveElasticStrategy(static_graph=True, bucket_cap_mb=50)
+def test_an_option_of_ddps_is_named_as_such_beside_a_typo():
+    with pytest.raises(
+        TypeError, match=r"takes no \['bucket_cap_mb', 'static_graph'\]: they are Distributed"
+    ) as caught:
+        AdaptiveElasticStrategy(static_graph=True, bucket_cap_mb=50, perod=3)
+    assert "unexpected arguments ['perod'] (perod: did you mean period?)" in str(caught.value)
 
 
 def test_telemetry_reaches_csv_and_tensorboard_loggers(tmp_path):
@@ -463,3 +466,26 @@ def test_a_schedule_sized_by_estimated_stepping_batches_trains_on_the_planned_lo
     trainer.fit(model)
     assert trainer.global_step == 10
     assert type(trainer.train_dataloader).__name__ == "PlannedDataLoader"
+
+
+class _LinearDecay(_OneCycle):
+    """A schedule that only decays, sized as the OneCycle one, so that running past its end does not raise."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=int(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_an_estimate_read_before_the_planned_loader_is_warned_of_where_the_step_batch_differs(caplog):
+    # The user's loader counts 5 batches of 8 an epoch; with a step batch of 4 the planned loader takes 10.
+    model = _LinearDecay(size=40, batch_size=8)
+    with caplog.at_level("WARNING", logger="lightning_aesgd.trainer_io"):
+        _trainer(AdaptiveElasticStrategy(step_batch_size=4), max_epochs=1).fit(model)
+    assert "estimated_stepping_batches from the training loader as given, 5 batches an epoch" in caplog.text
+    assert "the strategy's planned loader takes 10" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_aesgd.trainer_io"):
+        _trainer(AdaptiveElasticStrategy(), max_epochs=1).fit(_LinearDecay(size=40, batch_size=8))
+    assert "estimated_stepping_batches" not in caplog.text

@@ -16,7 +16,6 @@ from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -156,10 +155,16 @@ class IdleBatch:
 def is_idle(batch: Any) -> bool:
     """Whether ``batch`` is an :class:`IdleBatch`, or holds one (a dict of one training loader gives ``{"a": ...}``).
 
+    Only one level deep, where Lightning's CombinedLoader puts a loader's batch: a step's batch may hold thousands
+    of items, and this runs twice a step.
+
     >>> is_idle(IdleBatch()), is_idle({"main": IdleBatch()}), is_idle([torch.zeros(2)])
     (True, True, False)
     """
-    return isinstance(batch, IdleBatch) or any(isinstance(leaf, IdleBatch) for leaf in tree_leaves(batch))
+    if isinstance(batch, IdleBatch):
+        return True
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    return len(items) == 1 and isinstance(next(iter(items)), IdleBatch)
 
 
 class TimedLoading(Dataset[Any]):
