@@ -8,7 +8,6 @@ would not need one, and check the report against a replica made late by a known 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
 from lightning_aesgd import ReplicaStalledError
 from lightning_aesgd.engine import stalls
@@ -129,12 +129,6 @@ LATE_SECONDS = 4.0
 WATCH_AFTER = 1.0
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _replica(rank: int, port: int, out: str, kind: str) -> None:
     """Replica ``rank`` of 2; replica 1 comes 4 s late to a collective that replica 0's watch reports after 1 s."""
     torch.set_num_threads(1)
@@ -192,7 +186,9 @@ def _step(comm: TorchCommunicator, step: int) -> torch.Tensor:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_watched_collective_names_the_replica_that_came_late_and_the_next_collective_raises_it(tmp_path, kind):
-    mp.start_processes(_replica, args=(_free_port(), str(tmp_path), kind), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(
+        _replica, args=(find_free_network_port(), str(tmp_path), kind), nprocs=2, join=True, start_method="fork"
+    )
     records = {int(path.stem): json.loads(path.read_text()) for path in tmp_path.glob("*.json")}
     assert records[0]["total"] == records[1]["total"] == 2.0  # the late collective itself completed
     assert records[0]["unwatched"]
