@@ -324,7 +324,17 @@ class AdaptiveElasticMixin(SharedDevices):
         batch = self.batch_to_device(next(iter(dataloader)))
         run_step = super().training_step
         quiet = not self.is_global_zero  # every replica measures the same step: one warning is enough
-        self.engine.choose_learners(partial(measure_learners, self._module, run_step, batch, quiet=quiet))
+        try:
+            self.engine.choose_learners(partial(measure_learners, self._module, run_step, batch, quiet=quiet))
+        except Exception as error:
+            # Lightning hands each of several training loaders here alone, before any check sees them together.
+            raise RuntimeError(
+                f"learners_per_device='auto' times the training step on the training DataLoader's first batch before "
+                f"the fit starts, and the step failed: {type(error).__name__}: {error}. HINT: where the fit trains on "
+                "several DataLoaders at once (a dict or list of them), put the datasets behind one DataLoader, which "
+                "adaptive_elastic needs; otherwise set learners_per_device to a number to see the step fail in "
+                "training."
+            ) from error
 
     # --- training -----------------------------------------------------------------------------------------
 

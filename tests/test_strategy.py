@@ -197,6 +197,9 @@ class _TwoLoaders(RegressionModel):
         loaders = [super().train_dataloader(), super().train_dataloader()]
         return dict(zip("ab", loaders, strict=True)) if self.form == "dict" else loaders
 
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"] if self.form == "dict" else batch[0], batch_idx)
+
 
 @pytest.mark.parametrize("form", ["dict", "list"])
 def test_several_training_loaders_fail_before_training(form):
@@ -205,6 +208,15 @@ def test_several_training_loaders_fail_before_training(form):
     before = flat_parameters(model)
     with pytest.raises(UnsupportedSettingError, match=r"holds 2 \(a (dict|list) of loaders\).* HINT: put the datasets"):
         _trainer(max_steps=2).fit(model)
+    torch.testing.assert_close(flat_parameters(model), before)
+
+
+def test_several_training_loaders_under_auto_learners_fail_with_the_same_hint():
+    # "auto" times the step on one loader's batch, before Lightning has handed the strategy the others.
+    model = _TwoLoaders("dict")
+    before = flat_parameters(model)
+    with pytest.raises(RuntimeError, match=r"learners_per_device='auto'.* failed: .*HINT: .*several DataLoaders"):
+        _trainer(AdaptiveElasticStrategy(sync="models", learners_per_device="auto"), max_steps=2).fit(model)
     torch.testing.assert_close(flat_parameters(model), before)
 
 
