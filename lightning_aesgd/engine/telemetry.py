@@ -16,39 +16,60 @@ from lightning_aesgd.core.tuning import rates_text
 from lightning_aesgd.engine.plan_loop import ReplicaStats
 
 
+def replica_figures(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> list[dict[str, float]]:
+    """What each replica reports, in rank order, as plain numbers.
+
+    Per rank: ``speed`` (units per active second), ``batch``, ``share`` of the step batch, normalised merge
+    ``weight``, ``wait_fraction`` (of wall time blocked on peers), ``step_seconds`` (active seconds per step,
+    release of a sync point to arrival at the next, smoothed), ``active_seconds`` (the latest period's, as
+    measured), ``busy_seconds`` (inside the optimizer step, waits for peers left out), ``loader_seconds`` and
+    ``noise``.
+
+    Args:
+        stats: the statistics every replica reported at the latest sync point, in rank order.
+        sizes: the batch sizes of the plan in force, in rank order.
+    """
+    total = sum(sizes) or 1
+    total_weight = sum(s.merge_weight for s in stats) or 1.0
+    return [
+        {
+            "speed": replica.speed,
+            "batch": size,
+            "share": size / total,
+            "weight": replica.merge_weight / total_weight,
+            "wait_fraction": replica.wait_fraction,
+            "step_seconds": replica.step_seconds,
+            "active_seconds": replica.active_seconds,
+            "busy_seconds": replica.busy_seconds,
+            "loader_seconds": replica.loader_seconds,
+            "noise": replica.noise,
+        }
+        for replica, size in zip(stats, sizes, strict=True)
+    ]
+
+
+METRIC_NAMES = {"speed": "samples_per_sec", "batch": "batch_size", "weight": "merge_weight", "noise": "step_noise"}
+"""The logged name of a :func:`replica_figures` entry, where it is not the entry's own."""
+
+
 def replica_metrics(stats: Sequence[ReplicaStats], sizes: Sequence[int]) -> dict[str, float]:
-    """Metrics named ``aesgd/replica_<r>/<what>`` plus plan-wide ones, for ``LightningModule.log_dict``.
+    """Metrics named ``aesgd/replica_<r>/<what>`` plus plan-wide ones, for Lightning's loggers.
 
     Args:
         stats: the statistics every replica reported at the latest merge, in rank order.
         sizes: the batch sizes of the plan in force, in rank order.
 
     Returns:
-        samples (or cost units) per active second, batch size, share of the step batch, normalised merge weight,
-        fraction of wall time spent blocked on peers, active seconds per step (release of a sync point to arrival
-        at the next; smoothed as ``step_seconds``, the latest period's as measured as ``active_seconds``), busy
-        seconds per step (inside the optimizer step, waits for peers left out) and the data loader's seconds per
-        step, per replica;
-        ``aesgd/share_error`` (the
-        largest relative distance of a share from the speed-proportional target) once every replica has a
-        speed; and ``aesgd/step_time_balance``.
+        Each replica's :func:`replica_figures` (``speed`` as ``samples_per_sec``, ``batch`` as ``batch_size``,
+        ``weight`` as ``merge_weight``, ``noise`` as ``step_noise``) and ``left_out`` (1 where the plan gives it no
+        work); ``aesgd/share_error`` (the largest relative distance of a share from the speed-proportional target)
+        and ``aesgd/step_time_balance`` once every replica taking part has a speed.
     """
-    total = sum(sizes)
-    total_weight = sum(s.merge_weight for s in stats) or 1.0
     metrics: dict[str, float] = {}
-    for rank, (replica, size) in enumerate(zip(stats, sizes, strict=True)):
+    for rank, figures in enumerate(replica_figures(stats, sizes)):
         prefix = f"aesgd/replica_{rank}"
-        metrics[f"{prefix}/samples_per_sec"] = replica.speed
-        metrics[f"{prefix}/batch_size"] = float(size)
-        metrics[f"{prefix}/share"] = size / total
-        metrics[f"{prefix}/merge_weight"] = replica.merge_weight / total_weight
-        metrics[f"{prefix}/wait_fraction"] = replica.wait_fraction
-        metrics[f"{prefix}/step_seconds"] = replica.step_seconds
-        metrics[f"{prefix}/busy_seconds"] = replica.busy_seconds
-        metrics[f"{prefix}/active_seconds"] = replica.active_seconds
-        metrics[f"{prefix}/loader_seconds"] = replica.loader_seconds
-        metrics[f"{prefix}/step_noise"] = replica.noise
-        metrics[f"{prefix}/left_out"] = float(size == 0)
+        metrics |= {f"{prefix}/{METRIC_NAMES.get(name, name)}": float(value) for name, value in figures.items()}
+        metrics[f"{prefix}/left_out"] = float(figures["batch"] == 0)
     stats, sizes = taking_part(stats, sizes)
     speeds = [s.speed for s in stats]
     if all(speed > 0 for speed in speeds):
@@ -124,29 +145,17 @@ def summary_record(
 
     Returns:
         ``unit``, ``sync_name`` and ``syncs`` (what the sync points are, and how many passed), ``replicas``
-        (per rank: ``speed`` in units per second, ``batch``, ``share``, ``target``, ``weight``, ``step_seconds``,
-        ``busy_seconds``, ``wait_fraction``, ``noise``), ``share_error`` and ``step_time_balance`` (``None`` until every
-        replica has a speed) and ``starved`` (the warnings of :func:`starved_replicas`).
+        (per rank: its ``rank``, :func:`replica_figures` and ``target``, the speed-proportional share),
+        ``share_error`` and ``step_time_balance`` (``None`` until every replica has a speed) and ``starved`` (the
+        warnings of :func:`starved_replicas`).
     """
     speeds = [s.speed for s in stats]
     measured = all(speed > 0 for speed in speeds)
     kept, kept_sizes = taking_part(stats, sizes)
     targets = ideal_shares(speeds) if measured else [math.nan] * len(stats)
-    total, total_weight = sum(sizes) or 1, sum(s.merge_weight for s in stats) or 1.0
     replicas = [
-        {
-            "rank": rank,
-            "speed": replica.speed,
-            "batch": int(size),
-            "share": size / total,
-            "target": target,
-            "weight": replica.merge_weight / total_weight,
-            "step_seconds": replica.step_seconds,
-            "busy_seconds": replica.busy_seconds,
-            "wait_fraction": replica.wait_fraction,
-            "noise": replica.noise,
-        }
-        for rank, (replica, size, target) in enumerate(zip(stats, sizes, targets, strict=True))
+        {"rank": rank, **figures, "batch": int(figures["batch"]), "target": target}
+        for rank, (figures, target) in enumerate(zip(replica_figures(stats, sizes), targets, strict=True))
     ]
     record: dict[str, Any] = {
         "unit": unit,
