@@ -44,10 +44,10 @@ def broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor], src: int)
 def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` in order, in runs of at most :data:`CHUNK_BYTES` (a larger tensor alone); the same on every rank."""
     chunks: list[list[torch.Tensor]] = []
-    size = CHUNK_BYTES
+    size = 0
     for tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if size + nbytes > CHUNK_BYTES:
+        if not chunks or size + nbytes > CHUNK_BYTES:  # an empty first tensor opens a chunk too
             chunks.append([])
             size = 0
         chunks[-1].append(tensor)

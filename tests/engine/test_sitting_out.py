@@ -331,6 +331,13 @@ def test_large_states_travel_in_chunks_and_large_tensors_in_place(monkeypatch, d
     assert world.calls == ["broadcast_", "broadcast_", "broadcast_"]  # [4, 8], [8], [40]
 
 
+def test_an_empty_tensor_first_of_its_kind_travels_with_the_others():
+    # A module may hold nn.Parameter(torch.empty(0)) to track its device; it opens the first chunk.
+    mine = [torch.zeros(0), torch.zeros(3)]
+    broadcast_tensors(_Filling(2, 1, tensors=[torch.arange(3.0)]), mine, src=0)
+    assert mine[1].tolist() == [0.0, 1.0, 2.0]
+
+
 class _Filling(FakeCommunicator):
     """A world whose broadcasts bring replica ``src``'s tensors and objects (given in order), as a receiver sees them.
 
