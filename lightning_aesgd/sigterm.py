@@ -1,4 +1,4 @@
-"""Lightning's per-step SIGTERM check, answered from the merge that just ran instead of a broadcast of its own."""
+"""Lightning's per-step SIGTERM check, answered from the replicas' reports instead of a broadcast of its own."""
 
 from __future__ import annotations
 
@@ -6,43 +6,33 @@ import sys
 from typing import Any, Protocol
 
 
-class _MergeOutcome(Protocol):
-    @property
-    def synced_last_step(self) -> bool: ...
-
+class _StopOutcome(Protocol):
     @property
     def stop_requested(self) -> bool: ...
 
-    @property
-    def waited_last_step(self) -> bool: ...
-
 
 class StopCheck:
-    """Stands in for the training epoch loop's ``_broadcast_sigterm_tensor``.
+    """Stands in for the training epoch loop's ``_broadcast_sigterm_tensor``: no collective at all.
 
-    Lightning's training epoch loop broadcasts rank zero's "received SIGTERM" flag at the start of every step:
-    a collective per step, and a synchronisation point where fast replicas would wait for slow ones outside
-    the merge, hiding what the arrival sensing must see. Every replica's flag travels in the merge's report
-    instead: after a step that merged, once any replica asked to stop, every replica stops before the next
-    step. After a step without a merge (``period > 1``) Lightning's own broadcast runs, as under DDP, except
-    where a due merge waited while one replica trains alone: every rank skipped it alike, and the flag travels
-    with the next merge's reports (at most ``MAX_STEPS_ALONE`` steps later), so that replica runs no collective.
+    Lightning's training epoch loop broadcasts rank zero's "received SIGTERM" flag at the start of every step (then
+    reads it back, a host synchronisation on a GPU): a collective per step, and a synchronisation point where fast
+    replicas would wait for slow ones between merges, which is what local steps exist to avoid, and which hides what
+    the arrival sensing must see. Every replica's flag travels in the reports instead (the merges' under model
+    merging, the last gradient bucket's about every quarter second under gradient sums); once any replica asked to
+    stop, every replica raises Lightning's ``SIGTERMException`` before the same next step, as every rank reads the
+    same reports at the same step. A stop is so honoured at the next merge (``period`` steps at most, or
+    ``MAX_STEPS_ALONE`` while one replica trains alone), where DDP honours it at the next step.
     """
 
-    def __init__(self, loop: Any, outcome: _MergeOutcome) -> None:
+    def __init__(self, loop: Any, outcome: _StopOutcome) -> None:
         self.loop = loop
         self.outcome = outcome
-        self.broadcast = loop._broadcast_sigterm_tensor
         # The loop's own module imports the exception of whichever Lightning namespace is running.
         self.exception = sys.modules[type(loop).__module__].SIGTERMException
         loop._broadcast_sigterm_tensor = self
 
     def __call__(self) -> None:  # noqa: D102
-        if self.outcome.waited_last_step:
-            return
-        if not self.outcome.synced_last_step:
-            self.broadcast()
-        elif self.outcome.stop_requested:
+        if self.outcome.stop_requested:
             raise self.exception()
 
     def restore(self) -> None:
@@ -51,7 +41,7 @@ class StopCheck:
             del self.loop._broadcast_sigterm_tensor
 
 
-def replace_stop_broadcast(trainer: Any, outcome: _MergeOutcome) -> StopCheck | None:
+def replace_stop_broadcast(trainer: Any, outcome: _StopOutcome) -> StopCheck | None:
     """Install a :class:`StopCheck` on the trainer's training epoch loop; ``None`` where the loop has no such check."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     module = sys.modules.get(type(loop).__module__) if loop is not None else None

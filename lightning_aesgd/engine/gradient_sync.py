@@ -216,7 +216,6 @@ class GradientSync(StepPipeline):
         if self.sitting.sits_out:  # no sum, no report, no update: the segment's handoff brings the model
             self._share = 0.0
             self.sat_out_steps += 1
-            self.synced_last_step = True  # Lightning's per-step stop broadcast stays off (engine.sitting_out)
             with update_skipped(optimizer):
                 return run_step()
         skip, factor = self._begin_sums(optimizer, record)

@@ -222,9 +222,6 @@ class ModelMerge(StepPipeline):
             # Another replica is planned in next step (a probe, a plan without leave-out): it must start from the
             # lone replica's model, so the merge that waited happens now, due or not.
             self.synced_last_step = True
-        # While a merge is owed, a step without one (waited, or not due) skips the SIGTERM broadcast too: every rank
-        # knows it alike, and the lone replica then runs no collective at all.
-        self.waited_last_step = not self.synced_last_step and self.alone.owes_merge
         if self.synced_last_step:
             with stalls.doing(f"the merge after global step {self._global_step}"):
                 self._merge(averager, optimizer, self.hooks.stop_requested())
@@ -238,9 +235,9 @@ class ModelMerge(StepPipeline):
         that replaces replicas by the weighted mean, the merge gives that replica its own model back; only the
         left-out replicas' copies and the reports would move. So merges wait, and the replica trains with no
         collective at all, until the next step plans another taker, a probe is due or waits for its measurement,
-        or ``MAX_STEPS_ALONE`` steps have passed (reports, and a SIGTERM in them, still travel that often; the
-        per-step SIGTERM broadcast is skipped too, see :mod:`lightning_aesgd.sigterm`). Every rank decides from the
-        same plan book and schedule, so all skip the same merges.
+        or ``MAX_STEPS_ALONE`` steps have passed (reports, and a SIGTERM in them, still travel that often; see
+        :mod:`lightning_aesgd.sigterm`). Every rank decides from the same plan book and schedule, so all skip the
+        same merges.
         """
         if averager.comm.world_size == 1 or self.learners > 1:  # several models to merge, even on a lone replica
             return False

@@ -143,7 +143,6 @@ class StepPipeline(ABC):
         self.sampler: PlannedBatchSampler | None = None
         self.loader_clock: LoaderClock | None = None
         self.synced_last_step = False  # whether the latest step ended at a sync point (its reports were read)
-        self.waited_last_step = False  # whether the sync point due after the latest step waited (every rank alike)
         # Told where the device computes in each step (an emulation of slower devices listens; by default nobody).
         self.compute_spans: ComputeSpans = NoComputeSpans()
         self.hooks = TrainerHooks()
