@@ -220,13 +220,19 @@ class GradientSum:
         buffer = bucket.buffer()
         arrive = self.on_last_bucket if bucket.is_last() else None
         rider = self._arrival(buffer, arrive) if arrive is not None else None
-        if self.alone and not (self.delay or buffer.is_sparse):
-            # A job of one replica: the sum is the bucket itself, and its non-finite values can reach no other
-            # replica's update. As under DDP: no copy, no collective and no finiteness test (a pass over every
-            # gradient, which on one device was the largest part of the strategy's cost per step). Not so for a
-            # segment's group of one present replica (others sitting out): they take its model at the handoff.
-            return completed(buffer)
-        result, flags = self._sum_sparse(buffer) if buffer.is_sparse else self._sum_dense(buffer, rider)
+        if self.alone:
+            # A job of one replica: the sum is the bucket itself (dense or sparse), and its non-finite values can
+            # reach no other replica's update. As under DDP: no collective and no finiteness test (a pass over every
+            # gradient, which on one device was the largest part of the strategy's cost per step); no copy either,
+            # but for a delayed sum, which the next backward must not overwrite. Not so for a segment's group of
+            # one present replica (others sitting out): they take its model at the handoff.
+            if not self.delay:
+                return completed(buffer)
+            result, flags = completed(_held_contribution(buffer)), torch.zeros(2, device=buffer.device)
+        elif buffer.is_sparse:
+            result, flags = self._sum_sparse(buffer)
+        else:
+            result, flags = self._sum_dense(buffer, rider)
         if not self.delay:
             self._step_flags.append(flags)
             return result

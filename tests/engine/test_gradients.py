@@ -78,6 +78,30 @@ def test_alone_the_sum_is_the_bucket_itself_unguarded_as_under_ddp():
     assert reduce.exclusions.read() == (0, 0)
 
 
+@pytest.mark.parametrize("delay", [0, 1])
+def test_alone_a_sparse_or_delayed_bucket_is_its_own_sum_without_a_collective(delay):
+    """Sparse gradients of a lone replica on NCCL (no sparse all-reduce) would gather rows over a group of one."""
+    comm = FakeCommunicator(world_size=1, device="meta")  # sums no sparse tensor, as NCCL
+    reduce = GradientSum(delay=delay, comm=comm)
+    reduce.alone = True
+    param = nn.Parameter(torch.zeros(5, 2))
+    summed = []
+    for value in (1.0, 2.0):
+        grad = torch.sparse_coo_tensor(torch.tensor([[1, 3, 1]]), torch.full((3, 2), value), (5, 2))  # row 1 twice
+        reduce.begin_step()
+        summed.append(reduce.reduce(SparseBucket(param, grad)).wait().to_dense())
+        reduce.end_step()
+
+    def rows(value: float) -> torch.Tensor:
+        return torch.tensor([[0.0, 0.0], [2 * value] * 2, [0.0, 0.0], [value] * 2, [0.0, 0.0]])
+
+    torch.testing.assert_close(summed[1], rows(1.0 if delay else 2.0))  # a delayed step applies the step before
+    if delay:
+        torch.testing.assert_close(reduce.take_pending()[id(param)].to_dense(), rows(2.0))
+    assert comm.calls == []
+    assert reduce.exclusions.read() == (0, 0)
+
+
 @pytest.mark.usefixtures("one_process_group")
 def test_a_group_of_one_present_replica_is_still_guarded_for_those_sitting_out():
     """Replicas sitting out take the present one's model at the handoff: its NaN is zeroed and counted."""
