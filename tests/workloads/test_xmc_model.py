@@ -70,6 +70,15 @@ def test_embedding_bag_forward_equals_dense_matmul() -> None:
         torch.testing.assert_close(net(batch.indices, batch.offsets, batch.weights), expected)
 
 
+def test_a_batch_on_the_meta_device_gives_its_labels_and_forward_without_reading_a_value() -> None:
+    # The meta device holds no values: what works there reads none back to the host (a GPU step would wait).
+    features, labels = _random_csr(6, 40, 0.15, seed=2), _random_csr(6, 5, 0.3, seed=3)
+    batch = collate_sparse([SparseXMCDataset(features, labels)[i] for i in range(6)]).to("meta")
+    assert batch.dense_labels(5).shape == (6, 5)
+    net = XMCNet(num_features=40, num_labels=5, hidden=8).to("meta")
+    assert net(batch.indices, batch.offsets, batch.weights).shape == (6, 5)
+
+
 def test_batch_moves_like_a_tensor_collection() -> None:
     batch = collate_sparse(
         [SparseXMCDataset(_random_csr(3, 5, 0.5, 0), _random_csr(3, 4, 0.5, 1))[i] for i in range(3)]

@@ -125,9 +125,14 @@ class SparseBatch:
         return SparseBatch(*(tensor.pin_memory() for tensor in self._tensors()))
 
     def dense_labels(self, num_labels: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The multi-hot target, shape ``(len(self), num_labels)``, built on the batch's device."""
+        """The multi-hot target, shape ``(len(self), num_labels)``, built on the batch's device.
+
+        Built with no host synchronisation (a GPU step runs ahead of the host): the output sizes are known here.
+        """
         rows = torch.repeat_interleave(
-            torch.arange(len(self), device=self.device), _lengths(self.label_offsets, self.label_ids)
+            torch.arange(len(self), device=self.device),
+            _lengths(self.label_offsets, self.label_ids),
+            output_size=self.label_ids.numel(),
         )
         target = torch.zeros(len(self), num_labels, dtype=dtype, device=self.device)
         target[rows, self.label_ids] = 1
@@ -139,7 +144,7 @@ class SparseBatch:
 
 def _lengths(offsets: Tensor, values: Tensor) -> Tensor:
     """Row lengths from row starts and the concatenated values."""
-    return torch.diff(offsets, append=offsets.new_tensor([values.numel()]))
+    return torch.diff(offsets, append=offsets.new_full((1,), values.numel()))  # new_tensor would copy from the host
 
 
 def _row_positions(pointers: np.ndarray, rows: np.ndarray) -> tuple[Tensor, Tensor]:
