@@ -232,21 +232,37 @@ def fit_and_test(cfg: DictConfig) -> tuple[dict[str, float], dict[str, float]]:
     fitted = {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
     results: dict[str, float] = {}
     if cfg.test:
-        # Every replica holds the same merged model after fit: one process tests it, each sample exactly once.
-        tester = pl.Trainer(
-            accelerator=trainer.accelerator,
-            devices=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-        )
-        tested = tester.test(model, datamodule=datamodule, verbose=False)
-        results.update({name: float(value) for name, value in tested[0].items()})
+        results.update(test_once(trainer, model, datamodule))
     first = {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("first_val/")}
     results.update(first)
-    log.info("%s", _report(results))
+    if trainer.is_global_zero:  # under popen or torchrun every rank gets here
+        log.info("%s", _report(results))
     return results, {**fitted, **results}
+
+
+def test_once(trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any) -> dict[str, float]:
+    """Test the fitted model in one process, each test sample exactly once; the test metrics (none on other ranks).
+
+    Every replica holds the same merged model after fit. Spawned or forked replicas have returned to the launching
+    process by now; launched by popen or torchrun, every rank runs this script, and only rank zero tests, on its own
+    device. The fit's process group goes first, on every rank: the test metrics would otherwise gather their states
+    over it, from ranks that do not test (or, with several GPUs, from every rank on the first one).
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if not trainer.is_global_zero:
+        return {}
+    device = trainer.strategy.root_device
+    tester = pl.Trainer(
+        accelerator=trainer.accelerator,
+        devices=[device.index] if device.type == "cuda" and device.index is not None else 1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    tested = tester.test(model, datamodule=datamodule, verbose=False)
+    return {name: float(value) for name, value in tested[0].items()}
 
 
 def optimized_value(name: str | None, metrics: dict[str, float]) -> float:

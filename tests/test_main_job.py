@@ -49,22 +49,28 @@ def other_lines(output: str) -> list[str]:
     return lines
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_the_main_job_prints_one_line_per_fact_and_leaves_its_figures_to_the_users_tools(tmp_path):
-    # The default experiment (4 replicas under the strong profile, forked), one epoch of 7 steps, then test.
-    command = [sys.executable, "-m", "lightning_aesgd.train", "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}"]
+def _run_job(overrides: list[str], tmp_path: Path, timeout: float = 240) -> str:
+    """Run the main job with ``overrides`` in a fresh session of processes; its output, once it succeeded."""
+    command = [sys.executable, "-m", "lightning_aesgd.train", *overrides, f"hydra.run.dir={tmp_path}"]
     environment = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     with subprocess.Popen(
         command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     ) as process:
         try:
-            output, _ = process.communicate(timeout=240)
+            output, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
-            pytest.fail(f"the main job ran over 240 s; its output ends with:\n{output[-4000:]}")
+            pytest.fail(f"the main job ran over {timeout} s; its output ends with:\n{output[-4000:]}")
     assert process.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_main_job_prints_one_line_per_fact_and_leaves_its_figures_to_the_users_tools(tmp_path):
+    # The default experiment (4 replicas under the strong profile, forked), one epoch of 7 steps, then test.
+    output = _run_job(["trainer.max_epochs=1"], tmp_path)
     others = other_lines(output)
     assert len(others) <= LINE_BUDGET, "\n".join(others)
     assert len(set(others)) == len(others), "\n".join(others)  # one line per fact
@@ -85,6 +91,19 @@ def test_the_main_job_prints_one_line_per_fact_and_leaves_its_figures_to_the_use
     assert params["devices"]["name"] == "strong"
     assert params["devices"]["slowdown"]["factors"] == [1, 1, 2, 4]
     assert params["hidden"] == 128  # the model's own hyperparameters stay beside them
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_replicas_launched_by_popen_test_once_on_rank_zero(tmp_path):
+    # Every rank runs the script under popen (and torchrun): the test must not run on each, nor gather over the fit's
+    # process group, which with several GPUs would put every rank's metrics on the first GPU.
+    overrides = ["launch.start_method=popen", "devices=real", "trainer.devices=2", "trainer.max_epochs=1"]
+    output = _run_job(overrides, tmp_path, timeout=180)
+    results = [line for line in output.splitlines() if "results: " in line]
+    assert len(results) == 1, output[-4000:]
+    assert re.search(r"test/p@1=0\.\d+", results[0])
+    assert "sync_dist=True" not in output  # Lightning's warning where a test's metrics meet a process group
 
 
 def test_other_lines_leaves_out_the_bar_the_summary_and_the_results():
