@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from lightning_aesgd.engine.stalls import PATIENCE_MAX_SECONDS, ReplicaStalledError, stalled_error
 
 log = logging.getLogger(__name__)
@@ -120,7 +122,8 @@ class CollectiveWatch:
             self._in_flight.append(_InFlight(work, name, key, issued, where))
             if self._thread is None:
                 thread_name = f"aesgd-collective-watch-{self.rank}"
-                self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+                device = _current_cuda_device()
+                self._thread = threading.Thread(target=self._run, args=(device,), name=thread_name, daemon=True)
                 self._thread.start()
 
     def check(self) -> ReplicaStalledError | None:
@@ -168,8 +171,12 @@ class CollectiveWatch:
         while self._in_flight and _finished(self._in_flight[0].work):
             self._in_flight.popleft()
 
-    def _run(self) -> None:
+    def _run(self, cuda_device: int | None = None) -> None:
         try:
+            # A new thread's current device is the first GPU: its queries of the works would open a context
+            # there, on every rank of a multi-GPU node.
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
             while not self._over.wait(self.poll):
                 if self.check() is not None:
                     return
@@ -180,6 +187,11 @@ class CollectiveWatch:
         except Exception as error:  # the watch never raises into training; without it NCCL's watchdog remains
             log.warning("The collective watch of replica %d stopped: %s", self.rank, error)
             self.stop()
+
+
+def _current_cuda_device() -> int | None:
+    """The calling thread's CUDA device, where CUDA is in use in this process; ``None`` otherwise."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
 
 
 def _finished(work: Any) -> bool:

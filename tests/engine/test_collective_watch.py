@@ -62,6 +62,23 @@ def test_a_collective_within_its_time_or_completed_is_not_reported():
     assert watch.stalled is None
 
 
+def test_the_watch_thread_queries_the_works_from_the_device_of_the_thread_that_issued_them(monkeypatch):
+    # A rank of a multi-GPU node issues on cuda:k; a new thread starts on cuda:0, where a query would open a context.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    devices: list[tuple[int, str]] = []
+    thread = threading.current_thread
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: devices.append((index, thread().name)))
+    watch = CollectiveWatch(10.0, rank=1, world_size=2, poll=0.01)
+    work = _Work()
+    watch.watch(work, "all-reduce #0", "k0", issued=time.monotonic())
+    work.done = True
+    deadline = time.monotonic() + 5.0
+    while watch._thread is not None and time.monotonic() < deadline:  # it ends once nothing is in flight
+        time.sleep(0.01)
+    assert devices == [(3, "aesgd-collective-watch-1")]
+
+
 def test_the_oldest_unfinished_collective_past_its_time_is_reported_once_with_what_the_replica_was_doing():
     watch, clock = _watch(timeout=10.0)
     watch.watch(_Work(), "all-reduce", "aesgd/roll_call/step_4", clock.now, where="the gradient sum of global step 4")
