@@ -97,7 +97,7 @@ MEMORY_FRACTION = 0.9
 
 
 def fits_in_memory(peak_bytes: int, parameter_bytes: int, learners: int, total_bytes: int) -> bool:
-    """Whether ``learners`` learners fit a device of ``total_bytes`` (at most :data:`MEMORY_FRACTION` of it).
+    """Whether ``learners`` learners fit ``total_bytes`` of device memory (at most :data:`MEMORY_FRACTION` of it).
 
     They need the measured step's peak (which holds their parameters and gradients already) plus room for two
     moments per parameter of each learner (Adam's).
@@ -136,12 +136,14 @@ def measure_learners(
                 (loss * learners).backward()
                 module.zero_grad(set_to_none=True)
             _synchronize(device)
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            return 0.0
         except LearnerStepError as error:  # "auto" keeps the learners that can run: one, unbatched
             level = logging.DEBUG if quiet else logging.WARNING
             log.log(level, "learners_per_device='auto' keeps 1 learner: %s", error)
+            return 0.0
+        except RuntimeError as error:  # torch.cuda.OutOfMemoryError is one
+            if not out_of_memory(error):
+                raise
+            torch.cuda.empty_cache()
             return 0.0
     rate = learners * rows_each * repeats / max(time.perf_counter() - start, 1e-9)
     if device.type == "cuda" and not _fits_device(module, device, learners):
@@ -149,10 +151,31 @@ def measure_learners(
     return rate
 
 
+OUT_OF_MEMORY_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+"""What the errors of a device that ran out of memory say: torch's allocator's, and cuBLAS's or cuDNN's own."""
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says the device ran out of memory: the caching allocator's or a CUDA library's allocation.
+
+    Example:
+        >>> out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+        True
+    """
+    return isinstance(error, torch.cuda.OutOfMemoryError) or any(
+        marker in str(error) for marker in OUT_OF_MEMORY_MARKERS
+    )
+
+
 def _fits_device(module: nn.Module, device: torch.device, learners: int) -> bool:
+    """Whether the learners fit what this process may use: what it holds, and what the device has free.
+
+    Not the device's total: replicas sharing one GPU each hold part of it.
+    """
     parameter_bytes = sum(p.numel() * p.element_size() for p in trainable_parameters(module))
     peak = torch.cuda.max_memory_allocated(device)
-    return fits_in_memory(peak, parameter_bytes, learners, torch.cuda.get_device_properties(device).total_memory)
+    free, _total = torch.cuda.mem_get_info(device)
+    return fits_in_memory(peak, parameter_bytes, learners, free + torch.cuda.memory_reserved(device))
 
 
 def _stacked_step(module: nn.Module, learners: int) -> LearnerStep:

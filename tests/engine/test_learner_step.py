@@ -396,6 +396,31 @@ def test_auto_keeps_one_learner_where_the_step_cannot_run_batched(caplog):
     assert "keeps 1 learner" not in caplog.text
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    ],
+)
+def test_learners_that_run_a_device_library_out_of_memory_do_not_fit(message):
+    net = Net()
+
+    def allocates_too_much(batch, batch_idx):
+        raise RuntimeError(message)
+
+    assert measure_learners(net, allocates_too_much, _batch(8, seed=0), 1, repeats=1) == 0.0
+
+
+def test_a_measurement_failing_otherwise_is_raised():
+    def fails(batch, batch_idx):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        measure_learners(Net(), fails, _batch(8, seed=0), 1, repeats=1)
+
+
 def test_measuring_learners_leaves_the_module_as_it_was():
     torch.manual_seed(0)
     net = Net()
@@ -416,6 +441,19 @@ def test_learners_fit_a_device_with_room_left_for_their_optimizer_state():
     gib = 2**30
     assert fits_in_memory(peak_bytes=10 * gib, parameter_bytes=gib, learners=2, total_bytes=16 * gib)
     assert not fits_in_memory(peak_bytes=10 * gib, parameter_bytes=gib, learners=3, total_bytes=16 * gib)
+
+
+def test_learners_on_a_shared_gpu_fit_what_this_process_holds_and_what_is_free(monkeypatch):
+    # Four replicas on one 80 GiB GPU: this one holds 5 GiB and 10 GiB are free; the device's total is not its own.
+    from lightning_aesgd.engine import learner_tuning
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 4 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * gib)
+    net = nn.Linear(gib // 4 // 8, 8, bias=False, device="meta")  # 1 GiB of float32 parameters, none allocated
+    fits = [learner_tuning._fits_device(net, torch.device("cuda:0"), k) for k in (2, 5)]
+    assert fits == [True, False]  # 4 + 2·2·1 <= 0.9·15 < 4 + 2·5·1
 
 
 @pytest.mark.parametrize("learners", [1, 2])
