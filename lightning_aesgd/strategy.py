@@ -62,6 +62,7 @@ from lightning_aesgd.trainer_io import (
     clip_gradients,
     log_metrics,
     logs_this_step,
+    restarts_epoch,
     resumed_position,
     save_summary,
     set_up_training_data_again,
@@ -314,7 +315,13 @@ class AdaptiveElasticMixin(SharedDevices):
         check_training_loader(dataloader)
         if self.engine.learners_undecided:
             self._choose_learners(dataloader)
-        return self.engine.training_loader(dataloader, resumed_position(self._module.trainer))
+        trainer = self._module.trainer
+        position = resumed_position(trainer)
+        loader = self.engine.training_loader(dataloader, position)
+        loader.batch_sampler.sampler.loop_epoch = lambda: trainer.current_epoch  # steps are keyed by the loop's
+        if position is not None and restarts_epoch(trainer, len(loader)):  # as the loop will: from its first step
+            loader.batch_sampler.load_state_dict({"epoch": position[0], "steps_done": 0})
+        return loader
 
     def _choose_learners(self, dataloader: Any) -> None:
         """``learners_per_device="auto"``: time the training step of 1, 2, ... learners on the loader's first batch.

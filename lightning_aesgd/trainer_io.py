@@ -29,6 +29,19 @@ def resumed_position(trainer: Any) -> tuple[int, int] | None:
     return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
 
+def restarts_epoch(trainer: Any, batches: int) -> bool:
+    """Whether the restored training loop starts its epoch over at the first batch (epochs of ``batches`` batches).
+
+    Lightning's epoch loop does so for a checkpoint written at a batch's end (``ModelCheckpoint`` every ``n``
+    training steps) whose batches done reach the epoch's length under this fit's ``limit_train_batches``, a
+    smaller limit than the run that wrote it had: it then counts the epoch's batches from 0 again.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    limit = trainer.limit_train_batches
+    length = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    return bool(progress.completed < progress.processed and progress.processed >= length)
+
+
 def before_train_end(trainer: Any, run: Callable[[], None]) -> Callable[[], None] | None:
     """Run ``run`` when the fit loop ends, before Lightning's ``on_train_end`` hooks; returns what undoes it.
 

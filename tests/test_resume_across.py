@@ -44,10 +44,25 @@ def _strategy(devices: int, kind: str = "adaptive", **options):
     return AdaptiveElasticStrategy(start_method="fork", timeout=TIMEOUT, **options)
 
 
-def _fit(directory: Path, devices: int, max_steps: int, *, kind="adaptive", ckpt_path=None, save_at=None, **options):
-    """One fit of the regression model; returns the checkpoint written at ``save_at`` steps, if asked."""
+def _fit(
+    directory: Path,
+    devices: int,
+    max_steps: int,
+    *,
+    kind="adaptive",
+    ckpt_path=None,
+    save_at=None,
+    limit_train_batches=1.0,
+    **options,
+):
+    """One fit of the regression model; returns the checkpoint written at ``save_at`` steps, if asked.
+
+    ``save_at="epoch_end"``: ModelCheckpoint's default, at the end of an epoch (one ``max_steps`` cut short too).
+    """
     callbacks: list[pl.Callback] = [_SeenWriter(directory)]
-    if save_at is not None:
+    if save_at == "epoch_end":
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename="last"))
+    elif save_at is not None:
         callbacks.append(ModelCheckpoint(dirpath=directory, every_n_train_steps=save_at, filename="{step}"))
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -61,6 +76,7 @@ def _fit(directory: Path, devices: int, max_steps: int, *, kind="adaptive", ckpt
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
+        limit_train_batches=limit_train_batches,
     )
     pl.seed_everything(7)
     model = RegressionModel(size=SIZE, batch_size=4)
@@ -68,6 +84,8 @@ def _fit(directory: Path, devices: int, max_steps: int, *, kind="adaptive", ckpt
     if devices == 1 and torch.distributed.is_initialized():
         # A fit in this process leaves its process group: forked replicas of a later fit would inherit it.
         torch.distributed.destroy_process_group()
+    if save_at == "epoch_end":
+        return directory / "last.ckpt"
     return directory / f"step={save_at}.ckpt" if save_at is not None else model
 
 
@@ -117,3 +135,20 @@ def test_a_mid_epoch_checkpoint_of_the_strategy_resumes_with_ddp(tmp_path):
     assert torch.isfinite(flat_parameters(model)).all()
     # DDP's plain loader cannot skip: it replays the epoch from its start, as it does with its own checkpoints.
     assert len(_seen(tmp_path / "ddp")) == 5 * 8
+
+
+def test_a_fit_cut_short_by_max_steps_continues_its_epoch_from_the_checkpoint_of_its_end(tmp_path):
+    # The most common resume: train N steps with the default checkpoint, then more. Lightning's loop finishes the
+    # epoch it stopped in, but tells samplers the next epoch's number.
+    path = _fit(tmp_path / "first", 1, 6, save_at="epoch_end")
+    model = _fit(tmp_path / "resumed", 1, SIZE // 4, ckpt_path=path)
+    assert model.trainer.global_step == SIZE // 4
+    used = _seen(tmp_path / "first") + _seen(tmp_path / "resumed")
+    assert sorted(used) == list(range(SIZE)), "every sample of the interrupted epoch once"
+
+
+def test_a_checkpoint_past_the_end_of_a_shorter_epoch_starts_that_epoch_over_as_lightnings_loop_does(tmp_path):
+    path = _fit(tmp_path / "first", 1, 8, save_at=8, limit_train_batches=12)
+    model = _fit(tmp_path / "resumed", 1, 8 + 6, ckpt_path=path, limit_train_batches=6)  # epochs of 6 steps now
+    assert model.trainer.global_step == 8 + 6
+    assert len(_seen(tmp_path / "resumed")) == 6 * 4

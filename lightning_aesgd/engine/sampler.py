@@ -128,6 +128,11 @@ class SharedPermutation(Sampler[int]):
     Drawn like torch's ``DistributedSampler`` (``randperm`` seeded with seed + epoch), so both visit the data in
     the same order. Lightning sets the epoch through :meth:`set_epoch` before every epoch.
 
+    Lightning passes the epochs its fit loop has processed: one more than the loop's own ``current_epoch`` for the
+    rest of a fit resumed from a checkpoint written at the end of an epoch that ``max_steps`` cut short
+    (``ModelCheckpoint``'s default), whose loop finishes that epoch first. Steps are keyed by the loop's epoch, which
+    :attr:`loop_epoch` gives where a Trainer drives the sampler.
+
     Args:
         size: number of samples.
         shuffle: draw a fresh permutation every epoch; otherwise keep dataset order.
@@ -139,9 +144,11 @@ class SharedPermutation(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
+        self.loop_epoch: Callable[[], int] | None = None
 
-    def set_epoch(self, epoch: int) -> None:  # noqa: D102
-        self.epoch = epoch
+    def set_epoch(self, epoch: int) -> None:
+        """Draw ``epoch`` (the training loop's epoch instead, where :attr:`loop_epoch` is set)."""
+        self.epoch = self.loop_epoch() if self.loop_epoch is not None else epoch
 
     def __len__(self) -> int:
         return self.size
