@@ -190,6 +190,7 @@ class AdaptiveElasticMixin(SharedDevices):
         self.engine: StepPipeline = self.settings.build_engine()
         self._checkpoint_extras: dict[str, Any] | None = None
         self._idle_safety_checked = False  # whether the training step was checked for collectives (once per fit)
+        self._trained_last_step = True  # whether this replica's latest training step drew data (its metrics are new)
         self._step_collectives = StepCollectives()  # the strategy's collectives that the user's training step calls
         self._stop_check: StopCheck | None = None
         self._undo_train_end: Callable[[], None] | None = None
@@ -281,6 +282,7 @@ class AdaptiveElasticMixin(SharedDevices):
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == "fit":
             self._idle_safety_checked = False
+            self._trained_last_step = True
             check_fit_settings(trainer, self._module)
             check_callbacks(trainer, self.sync)
             warn_unrepeatable_plans(self.settings.planner)
@@ -368,6 +370,7 @@ class AdaptiveElasticMixin(SharedDevices):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's training step; a replica left out of the step (an idle batch) computes a zero loss."""
         batch = args[0] if args else kwargs.get("batch")
+        self._trained_last_step = not (self.engine.sits_out or is_idle(batch))
         if self.engine.sits_out:
             if not is_idle(batch):
                 raise RuntimeError(f"A replica sitting out drew a batch of data ({type(batch).__name__}): a bug.")
@@ -414,6 +417,21 @@ class AdaptiveElasticMixin(SharedDevices):
         if share is not None and group is None and _is_mean(reduce_op) and _floating(tensor):
             tensor = tensor * (share * self.world_size)
         return super().reduce(tensor, group, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's vote of the replicas (a callback's stop or save); one left out of the latest step abstains.
+
+        Its training metrics are those of its last step with data: an ``EarlyStopping`` or ``ModelCheckpoint``
+        monitoring one would judge the run by a stale value (under ``all=False`` any replica stops the fit, under
+        ``all=True`` any one keeps a checkpoint from being saved). It votes neither way instead: yes where all must
+        agree, no where any one decides. Outside the training steps (validation metrics: every replica's own, new)
+        every replica votes as it decided.
+        """
+        trainer = self._module.trainer if self._module is not None else None
+        if not self._trained_last_step and trainer is not None and trainer.training:
+            decision = all
+        return super().reduce_boolean_decision(decision, all=all)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:

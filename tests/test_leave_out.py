@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 import torchmetrics
 from helpers import RegressionModel, cpu_trainer, flat_parameters, no_report_on_its_own
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
 from lightning_aesgd.engine import report_exchange
@@ -53,6 +55,9 @@ class _Record(pl.Callback):
     def on_fit_end(self, trainer, pl_module):  # after the strategy's end of training: replicas caught up
         self.record["plans"] = trainer.strategy.plans.plan_book.state_dict()
         self.record["parameters"] = flat_parameters(pl_module).tolist()
+        self.record["global_step"] = trainer.global_step
+        checkpoint = trainer.checkpoint_callback
+        self.record["best_checkpoint"] = Path(checkpoint.best_model_path).name if checkpoint is not None else None
         states = trainer.optimizers[0].state_dict()["state"].values()
         self.record["optimizer"] = [x for state in states for t in state.values() for x in t.reshape(-1).tolist()]
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
@@ -115,11 +120,22 @@ class _DictLoaderModel(_EpochModel):
         return super().training_step(batch["main"], batch_idx)
 
 
-def _fit_three(tmp_path, model, **options):
+class _ProgressModel(_EpochModel):
+    """Logs a training metric that improves at every step, as a loss mostly does."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("progress", -float(self.global_step))
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_three(tmp_path, model, callbacks=(), **options):
     slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": SECONDS_PER_SAMPLE})
     epochs = options.pop("max_epochs", 1)
     strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=60), **options)
-    cpu_trainer(strategy, devices=3, max_epochs=epochs, callbacks=[slow, _Record(tmp_path)]).fit(model)
+    checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
+    callbacks = [slow, _Record(tmp_path), *callbacks]
+    trainer = cpu_trainer(strategy, devices=3, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=checkpoints)
+    trainer.fit(model)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
 
 
@@ -139,6 +155,19 @@ def test_a_dict_of_one_training_loader_leaves_a_slow_replica_out_and_never_hands
     assert records[0]["plans"]["sizes"][-1][2] == 0
     seen = sorted(i for record in records for _, indices in record["seen"] for i in indices)
     assert seen == list(range(240))
+
+
+def test_a_left_out_replicas_stale_training_metric_neither_stops_the_fit_nor_holds_back_its_best_checkpoint(tmp_path):
+    # Its "progress" stays at its last step with data. Lightning stops the fit where any replica's EarlyStopping says
+    # so, and saves a checkpoint where every replica's ModelCheckpoint finds it better: the replicas in the steps
+    # must decide, as under DDP, where every replica's metric is current.
+    pl.seed_everything(7)
+    stop = EarlyStopping(monitor="progress", mode="min", patience=1, check_on_train_epoch_end=True)
+    best = ModelCheckpoint(tmp_path / "checkpoints", monitor="progress", mode="min", every_n_train_steps=2)
+    records = _fit_three(tmp_path, _ProgressModel(size=240, batch_size=BATCH), [stop, best], max_epochs=3)
+    assert records[0]["plans"]["sizes"][-1][2] == 0, "the slow replica is left out"
+    assert [record["global_step"] for record in records] == [30] * 3  # 3 epochs of 10 steps
+    assert records[0]["best_checkpoint"] == "epoch=2-step=30.ckpt"
 
 
 def test_find_unused_parameters_keeps_every_replica_in_the_steps(tmp_path):
