@@ -109,12 +109,26 @@ def _instantiate_group(group: DictConfig | None) -> list[Any]:
     return [instantiate(node) for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
 
 
-def _checkpoint(path: str | None) -> str | None:
+def _checkpoint(path: str | None, trainer: pl.Trainer) -> str | None:
     """``ckpt_path``, checked before any replica starts: a file that is not there fails at once, naming it.
 
-    Lightning's own names (``"last"``, ``"best"``, ...) and remote paths are Lightning's to resolve.
+    Lightning's own names (``"best"``, ...) and remote paths are Lightning's to resolve; ``"last"`` is looked for
+    as Lightning looks (``last*.ckpt`` in the checkpoint folders), where Lightning would only warn and train from
+    scratch: each job writes to a folder of its own.
     """
-    if path is None or path in ("last", "best", "hpc") or path.lower().startswith("registry") or "://" in path:
+    if path == "last":
+        dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
+        folders = [Path(dirpath) for dirpath in dirpaths if dirpath]
+        if not any(next(folder.glob("last*.ckpt"), None) for folder in folders if folder.is_dir()):
+            shown = ", ".join(str(folder) for folder in folders) or "none: no ModelCheckpoint"
+            raise FileNotFoundError(
+                f"ckpt_path=last finds no last checkpoint in this job's checkpoint folder ({shown}): each job "
+                "writes to a new folder. HINT: give the checkpoint's path, e.g. "
+                "ckpt_path=outputs/DATE/TIME/checkpoints/last.ckpt, or run in the earlier job's folder "
+                "(hydra.run.dir=outputs/DATE/TIME)."
+            )
+        return path
+    if path is None or path in ("best", "hpc") or path.lower().startswith("registry") or "://" in path:
         return path
     if Path(path).expanduser().exists():
         return path
@@ -228,7 +242,7 @@ def fit_and_test(cfg: DictConfig) -> tuple[dict[str, float], dict[str, float]]:
     check_data = getattr(datamodule, "check_data", None)  # files the replicas would each find missing
     if check_data is not None:
         check_data()
-    trainer.fit(model, datamodule=datamodule, ckpt_path=_checkpoint(cfg.get("ckpt_path")))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=_checkpoint(cfg.get("ckpt_path"), trainer))
     fitted = {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
     results: dict[str, float] = {}
     if cfg.test:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytorch_lightning as pl
@@ -118,6 +119,7 @@ def test_a_checkpoint_path_that_does_not_exist_fails_before_the_fit(tmp_path):
 def test_checkpoint_paths_that_lightning_resolves_pass_unchecked(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "last.ckpt").touch()
+    trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path))])
     for path in (
         "last",
         "best",
@@ -126,8 +128,16 @@ def test_checkpoint_paths_that_lightning_resolves_pass_unchecked(tmp_path, monke
         "~/last.ckpt",
         str(tmp_path / "last.ckpt"),
     ):
-        assert _checkpoint(path) == path
-    assert _checkpoint(None) is None
+        assert _checkpoint(path, trainer) == path
+    assert _checkpoint(None, trainer) is None
+
+
+def test_last_without_a_last_checkpoint_in_the_jobs_folder_fails_before_the_fit(tmp_path):
+    # Lightning would warn and train from scratch: a resume asked for, silently not done.
+    cfg = _compose(tmp_path, "ckpt_path=last", "trainer.max_epochs=1")
+    with pytest.raises(FileNotFoundError, match=r"ckpt_path=last finds no last checkpoint .*HINT: give the"):
+        fit_and_test(cfg)
+    assert not list(tmp_path.rglob("*.ckpt")), "nothing trained"
 
 
 def test_a_misspelt_model_option_keeps_hydras_own_error(tmp_path):
