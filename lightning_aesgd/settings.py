@@ -394,7 +394,8 @@ def check_launch(timeout: Any, start_method: Any) -> None:
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(
             f"`timeout` is the time collectives may wait, got {timeout!r}. HINT: pass a datetime.timedelta, e.g. "
-            "timeout=timedelta(minutes=30), or leave it unset."
+            "timeout=timedelta(minutes=30) (from Hydra: "
+            "'+algorithm.timeout={_target_:datetime.timedelta,minutes:30}'), or leave it unset."
         )
     if timeout is not None and timeout <= timedelta(0):
         raise ValueError(
