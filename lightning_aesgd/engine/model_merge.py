@@ -449,10 +449,11 @@ class ModelMerge(StepPipeline):
         self.alone.load_state_dict(state["shared"].get("alone") or {})
         self.normalization.load_state_dict(state["shared"]["l2_trend"])
         replicas, world_size = state["replicas"], averager.comm.world_size
+        warn = log.warning if averager.comm.rank == 0 else log.debug  # every rank restores alike: one warning
         if saved_learners != self.learners:
             # Every learner starts from the merged model and the checkpoint's optimizer state, which is one model's
             # (Lightning loaded it already; the strategy fits it to the learners before the first step).
-            log.warning(
+            warn(
                 "The checkpoint's replicas trained %d learners each, this run trains %d: all start from the merged "
                 "model and rank zero's optimizer state.",
                 saved_learners,
@@ -462,7 +463,7 @@ class ModelMerge(StepPipeline):
         if replicas is None:
             return
         if state["world_size"] != world_size:
-            log.warning(
+            warn(
                 "The checkpoint holds %d replicas, this run has %d: all start from the merged model.",
                 state["world_size"],
                 world_size,
