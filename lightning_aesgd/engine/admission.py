@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from typing import Any
 
 from lightning_aesgd.core.planners import admitted_replicas, balanced_step_time
 from lightning_aesgd.core.speed import StepTime
@@ -56,6 +57,7 @@ class Admission:
         self.align = align
         self.probe_reports = probe_reports
         self.probe_at: dict[int, int] = {}  # left-out replica → the step of its next probe
+        self.probed: set[int] = set()  # replicas probed at least once in this fit
 
     def probe_due(self, step: int, current: Sequence[int]) -> bool:
         """Whether a replica left out of the plan in force (``current``) is due to be probed at this sync point."""
@@ -103,19 +105,25 @@ class Admission:
             elif current[rank] == 0 and step >= self.probe_at.get(rank, step + 1):
                 chosen[rank] = True  # its probe: measured at the smallest batch, then judged again
                 del self.probe_at[rank]
+                self.probed.add(rank)
             elif rank not in self.probe_at:
+                # The first verdict may rest on one period's hiccup (a page-fault storm, a kernel's first load),
+                # which the budget's interval would hold out for thousands of steps: the first probe comes soon,
+                # and measures the replica afresh; later intervals follow that measurement.
                 holds = self.probe_reports * (lag + 1)
-                due = step + probe_interval(total, models, helping, rank, floors, caps, holds)
+                interval = probe_interval(total, models, helping, rank, floors, caps, holds)
+                due = step + (interval if rank in self.probed else MIN_PROBE_INTERVAL)
                 self.probe_at[rank] = -(-due // self.align) * self.align
         return chosen
 
-    def state_dict(self) -> dict[str, dict[int, int]]:
+    def state_dict(self) -> dict[str, Any]:
         """The probe schedule, for checkpoints."""
-        return {"probe_at": dict(self.probe_at)}
+        return {"probe_at": dict(self.probe_at), "probed": sorted(self.probed)}
 
-    def load_state_dict(self, state: dict[str, dict[int, int]]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.probe_at = {int(rank): int(due) for rank, due in state.get("probe_at", {}).items()}
+        self.probed = {int(rank) for rank in state.get("probed", [])}
 
 
 def probe_interval(
