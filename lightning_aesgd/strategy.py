@@ -62,7 +62,7 @@ from lightning_aesgd.trainer_io import (
     clip_gradients,
     log_metrics,
     logs_this_step,
-    restarts_epoch,
+    loop_start,
     resumed_position,
     save_summary,
     set_up_training_data_again,
@@ -320,9 +320,10 @@ class AdaptiveElasticMixin(SharedDevices):
         trainer = self._module.trainer
         position = resumed_position(trainer)
         loader = self.engine.training_loader(dataloader, position)
+        start = loop_start(trainer, len(loader))
+        if start != (position or (0, 0)):  # the loader's workers draw before the loop's reset: where it will start
+            loader.batch_sampler.load_state_dict({"epoch": start[0], "steps_done": start[1]})
         loader.batch_sampler.sampler.loop_epoch = lambda: trainer.current_epoch  # steps are keyed by the loop's
-        if position is not None and restarts_epoch(trainer, len(loader)):  # as the loop will: from its first step
-            loader.batch_sampler.load_state_dict({"epoch": position[0], "steps_done": 0})
         return loader
 
     def _choose_learners(self, dataloader: Any) -> None:

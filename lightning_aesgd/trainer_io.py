@@ -29,17 +29,28 @@ def resumed_position(trainer: Any) -> tuple[int, int] | None:
     return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
 
-def restarts_epoch(trainer: Any, batches: int) -> bool:
-    """Whether the restored training loop starts its epoch over at the first batch (epochs of ``batches`` batches).
+def loop_start(trainer: Any, batches: int) -> tuple[int, int]:
+    """Where the training loop starts this fit, as its reset will set it: (epoch, batches of it done).
 
-    Lightning's epoch loop does so for a checkpoint written at a batch's end (``ModelCheckpoint`` every ``n``
-    training steps) whose batches done reach the epoch's length under this fit's ``limit_train_batches``, a
-    smaller limit than the run that wrote it had: it then counts the epoch's batches from 0 again.
+    Read while the training data is set up, before the loop's reset (the loader's workers may draw their first
+    batches then). ``batches`` is the epoch's length before ``limit_train_batches``. Besides the saved position:
+
+    * a fit that is not restarting (a fresh one, or one whose checkpoint closed its epoch) starts the epoch after
+      the ones its loop processed, from its start;
+    * a checkpoint written at a batch's end (``ModelCheckpoint`` every ``n`` training steps) whose batches done
+      reach the epoch's length (under this fit's ``limit_train_batches``) starts the next epoch where that batch
+      was the epoch's last, and that epoch over where the limit is smaller than the saved run's.
     """
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    loop = trainer.fit_loop
+    if not loop.restarting:
+        return int(loop.epoch_progress.current.processed), 0
+    epoch, progress = int(trainer.current_epoch), loop.epoch_loop.batch_progress
+    done = int(progress.current.processed)
     limit = trainer.limit_train_batches
     length = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
-    return bool(progress.completed < progress.processed and progress.processed >= length)
+    if progress.current.completed < done and done >= length:
+        return (epoch + 1, 0) if progress.is_last_batch else (epoch, 0)
+    return epoch, done
 
 
 def before_train_end(trainer: Any, run: Callable[[], None]) -> Callable[[], None] | None:

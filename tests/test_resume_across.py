@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionModel, flat_parameters
+from helpers import RegressionData, RegressionModel, flat_parameters
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
+from torch.utils.data import DataLoader
 
 from lightning_aesgd import AdaptiveElasticStrategy
 
@@ -36,6 +37,14 @@ class _SeenWriter(pl.Callback):
         (self.directory / f"seen_{trainer.global_rank}.json").write_text(json.dumps(pl_module.seen))
 
 
+class _WorkerModel(RegressionModel):
+    """Loads in a worker process, which draws its first batches while Lightning sets the data up, before its loop's
+    reset: the sampler must start where the loop will."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RegressionData(self.hparams.size), batch_size=self.hparams.batch_size, num_workers=1)
+
+
 def _strategy(devices: int, kind: str = "adaptive", **options):
     if devices == 1 and kind == "adaptive":
         return AdaptiveElasticStrategy(**options)
@@ -53,6 +62,8 @@ def _fit(
     ckpt_path=None,
     save_at=None,
     limit_train_batches=1.0,
+    workers=0,
+    max_epochs=None,
     **options,
 ):
     """One fit of the regression model; returns the checkpoint written at ``save_at`` steps, if asked.
@@ -69,6 +80,7 @@ def _fit(
         devices=devices,
         strategy=_strategy(devices, kind, **options),
         max_steps=max_steps,
+        max_epochs=max_epochs,
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=save_at is not None,
@@ -79,7 +91,7 @@ def _fit(
         limit_train_batches=limit_train_batches,
     )
     pl.seed_everything(7)
-    model = RegressionModel(size=SIZE, batch_size=4)
+    model = (_WorkerModel if workers else RegressionModel)(size=SIZE, batch_size=4)
     trainer.fit(model, ckpt_path=None if ckpt_path is None else str(ckpt_path))
     if devices == 1 and torch.distributed.is_initialized():
         # A fit in this process leaves its process group: forked replicas of a later fit would inherit it.
@@ -137,18 +149,37 @@ def test_a_mid_epoch_checkpoint_of_the_strategy_resumes_with_ddp(tmp_path):
     assert len(_seen(tmp_path / "ddp")) == 5 * 8
 
 
-def test_a_fit_cut_short_by_max_steps_continues_its_epoch_from_the_checkpoint_of_its_end(tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_fit_cut_short_by_max_steps_continues_its_epoch_from_the_checkpoint_of_its_end(tmp_path, workers):
     # The most common resume: train N steps with the default checkpoint, then more. Lightning's loop finishes the
     # epoch it stopped in, but tells samplers the next epoch's number.
-    path = _fit(tmp_path / "first", 1, 6, save_at="epoch_end")
-    model = _fit(tmp_path / "resumed", 1, SIZE // 4, ckpt_path=path)
+    path = _fit(tmp_path / "first", 1, 6, save_at="epoch_end", workers=workers)
+    model = _fit(tmp_path / "resumed", 1, SIZE // 4, ckpt_path=path, workers=workers)
     assert model.trainer.global_step == SIZE // 4
     used = _seen(tmp_path / "first") + _seen(tmp_path / "resumed")
     assert sorted(used) == list(range(SIZE)), "every sample of the interrupted epoch once"
 
 
-def test_a_checkpoint_past_the_end_of_a_shorter_epoch_starts_that_epoch_over_as_lightnings_loop_does(tmp_path):
-    path = _fit(tmp_path / "first", 1, 8, save_at=8, limit_train_batches=12)
-    model = _fit(tmp_path / "resumed", 1, 8 + 6, ckpt_path=path, limit_train_batches=6)  # epochs of 6 steps now
-    assert model.trainer.global_step == 8 + 6
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_checkpoint_past_the_end_of_a_shorter_epoch_starts_that_epoch_over_as_lightnings_loop_does(tmp_path, workers):
+    path = _fit(tmp_path / "first", 1, 8, save_at=8, limit_train_batches=12, workers=workers)
+    model = _fit(tmp_path / "resumed", 1, 8 + 6, ckpt_path=path, limit_train_batches=6, workers=workers)
+    assert model.trainer.global_step == 8 + 6  # epochs of 6 steps now
     assert len(_seen(tmp_path / "resumed")) == 6 * 4
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path, workers):
+    steps = SIZE // 4
+    path = _fit(tmp_path / "first", 1, steps, save_at=steps, workers=workers)
+    model = _fit(tmp_path / "resumed", 1, 2 * steps, ckpt_path=path, workers=workers)
+    assert model.trainer.global_step == 2 * steps
+    assert sorted(_seen(tmp_path / "resumed")) == list(range(SIZE)), "the next epoch, whole"
+
+
+def test_a_checkpoint_of_a_finished_epoch_resumes_the_next_with_a_loader_in_workers(tmp_path):
+    # ModelCheckpoint's default without max_steps: the loop starts the next epoch, which the workers must draw.
+    path = _fit(tmp_path / "first", 1, -1, save_at="epoch_end", workers=1, max_epochs=1)
+    model = _fit(tmp_path / "resumed", 1, -1, ckpt_path=path, workers=1, max_epochs=2)
+    assert model.trainer.global_step == 2 * SIZE // 4
+    assert sorted(_seen(tmp_path / "resumed")) == list(range(SIZE)), "the second epoch, whole"
