@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.utilities import rank_zero_only
 
 from lightning_aesgd.callbacks import SlowdownCallback
 from lightning_aesgd.console import quiet_known_noise
@@ -304,6 +305,8 @@ def _report(results: dict[str, float]) -> str:
 def _main(cfg: DictConfig) -> float:
     quiet_known_noise()
     _results, metrics = fit_and_test(cfg)
+    if getattr(rank_zero_only, "rank", 0) != 0:
+        return math.nan  # under popen or torchrun every rank runs the job: rank zero tests, and its value counts
     # The value Hydra's sweepers optimise (Optuna under hparams_search): optimized_metric, or the first test metric.
     return optimized_value(cfg.get("optimized_metric"), metrics)
 

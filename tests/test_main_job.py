@@ -99,11 +99,13 @@ def test_replicas_launched_by_popen_test_once_on_rank_zero(tmp_path):
     # Every rank runs the script under popen (and torchrun): the test must not run on each, nor gather over the fit's
     # process group, which with several GPUs would put every rank's metrics on the first GPU.
     overrides = ["launch.start_method=popen", "devices=real", "trainer.devices=2", "trainer.max_epochs=1"]
+    overrides.append("optimized_metric=test/p@1")  # only rank zero has it: the others return no value of theirs
     output = _run_job(overrides, tmp_path, timeout=180)
     results = [line for line in output.splitlines() if "results: " in line]
     assert len(results) == 1, output[-4000:]
     assert re.search(r"test/p@1=0\.\d+", results[0])
     assert "sync_dist=True" not in output  # Lightning's warning where a test's metrics meet a process group
+    assert "is not among the job's metrics" not in output, output[-4000:]
 
 
 def test_other_lines_leaves_out_the_bar_the_summary_and_the_results():
