@@ -427,10 +427,12 @@ class AdaptiveElasticMixin(SharedDevices):
         monitoring one would judge the run by a stale value (under ``all=False`` any replica stops the fit, under
         ``all=True`` any one keeps a checkpoint from being saved). It votes neither way instead: yes where all must
         agree, no where any one decides. Outside the training steps (validation metrics: every replica's own, new)
-        every replica votes as it decided.
+        every replica votes as it decided, and so does rank zero always: some votes carry what only it knows
+        (``ModelCheckpoint``'s whether a file of that name exists).
         """
         trainer = self._module.trainer if self._module is not None else None
-        if not self._trained_last_step and trainer is not None and trainer.training:
+        stale = not self._trained_last_step and not self.is_global_zero
+        if stale and trainer is not None and trainer.training:
             decision = all
         return super().reduce_boolean_decision(decision, all=all)
 
