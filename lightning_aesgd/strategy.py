@@ -336,6 +336,8 @@ class AdaptiveElasticMixin(SharedDevices):
         quiet = not self.is_global_zero  # every replica measures the same step: one warning is enough
         try:
             self.engine.choose_learners(partial(measure_learners, self._module, run_step, batch, quiet=quiet))
+        except (ReplicaStalledError, torch.distributed.DistError):
+            raise  # a peer's failure, as it is: the launcher ends the replicas on these
         except Exception as error:
             # Lightning hands each of several training loaders here alone, before any check sees them together.
             raise RuntimeError(

@@ -19,7 +19,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from lightning_aesgd import SMA, AdaptiveElasticStrategy
+from lightning_aesgd import SMA, AdaptiveElasticStrategy, ReplicaStalledError
 from lightning_aesgd.checks import UnsupportedSettingError
 from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.engine.averager import ElasticAverager
@@ -218,6 +218,19 @@ def test_several_training_loaders_under_auto_learners_fail_with_the_same_hint():
     with pytest.raises(RuntimeError, match=r"learners_per_device='auto'.* failed: .*HINT: .*several DataLoaders"):
         _trainer(AdaptiveElasticStrategy(sync="models", learners_per_device="auto"), max_steps=2).fit(model)
     torch.testing.assert_close(flat_parameters(model), before)
+
+
+def test_a_peer_failing_while_auto_learners_are_timed_is_raised_as_it_is(monkeypatch):
+    # The launcher ends the replicas on a ReplicaStalledError: wrapped, it would not know it.
+    stalled = ReplicaStalledError(collective="all-reduce", rank=0, world_size=2, waited=1.0, roll=None, cause="gone")
+
+    def fails(self, measure):
+        raise stalled
+
+    monkeypatch.setattr("lightning_aesgd.engine.model_merge.ModelMerge.choose_learners", fails)
+    with pytest.raises(ReplicaStalledError) as raised:
+        _trainer(AdaptiveElasticStrategy(sync="models", learners_per_device="auto"), max_steps=2).fit(RegressionModel())
+    assert raised.value is stalled
 
 
 @pytest.mark.parametrize(
