@@ -335,7 +335,9 @@ class AdaptiveElasticMixin(SharedDevices):
         run_step = super().training_step
         quiet = not self.is_global_zero  # every replica measures the same step: one warning is enough
         try:
-            self.engine.choose_learners(partial(measure_learners, self._module, run_step, batch, quiet=quiet))
+            sharers = sum(device == self.root_device for device in self.parallel_devices or []) or 1
+            measure = partial(measure_learners, self._module, run_step, batch, quiet=quiet, sharers=sharers)
+            self.engine.choose_learners(measure)
         except (ReplicaStalledError, torch.distributed.DistError):
             raise  # a peer's failure, as it is: the launcher ends the replicas on these
         except Exception as error:

@@ -110,15 +110,22 @@ def fits_in_memory(peak_bytes: int, parameter_bytes: int, learners: int, total_b
 
 
 def measure_learners(
-    module: nn.Module, run_step: Callable[..., Any], batch: Any, learners: int, repeats: int = 3, quiet: bool = False
+    module: nn.Module,
+    run_step: Callable[..., Any],
+    batch: Any,
+    learners: int,
+    repeats: int = 3,
+    quiet: bool = False,
+    sharers: int = 1,
 ) -> float:
     """Samples per second of ``learners`` learners' forward and backward, each on ``batch``; 0 where they do not fit.
 
     They do not fit when the device runs out of memory, or leaves no room for their optimizer state
-    (:func:`fits_in_memory`). One learner runs the step as it is (no batching), as ``learners_per_device=1`` trains.
-    A step that cannot run batched is a warning, or with ``quiet`` (every replica but one) a debug message; so is a
-    batch that cannot be dealt to learners (:func:`~lightning_aesgd.engine.learners.batch_rows`), already at one
-    learner, which ends the search there.
+    (:func:`fits_in_memory`) in this replica's part of it (one of ``sharers`` replicas on the device). One learner
+    runs the step as it is (no batching), as ``learners_per_device=1`` trains. A step that cannot run batched is a
+    warning, or with ``quiet`` (every replica but one) a debug message; so is a batch that cannot be dealt to
+    learners (:func:`~lightning_aesgd.engine.learners.batch_rows`), already at one learner, which ends the search
+    there.
     """
     device = module_device(module)
     if device.type == "cuda":
@@ -146,7 +153,7 @@ def measure_learners(
             torch.cuda.empty_cache()
             return 0.0
     rate = learners * rows_each * repeats / max(time.perf_counter() - start, 1e-9)
-    if device.type == "cuda" and not _fits_device(module, device, learners):
+    if device.type == "cuda" and not _fits_device(module, device, learners, sharers):
         return 0.0
     return rate
 
@@ -167,15 +174,15 @@ def out_of_memory(error: BaseException) -> bool:
     )
 
 
-def _fits_device(module: nn.Module, device: torch.device, learners: int) -> bool:
-    """Whether the learners fit what this process may use: what it holds, and what the device has free.
+def _fits_device(module: nn.Module, device: torch.device, learners: int, sharers: int = 1) -> bool:
+    """Whether the learners fit what this process may use: what it holds, and its part of the device's free memory.
 
-    Not the device's total: replicas sharing one GPU each hold part of it.
+    Not the device's total: the ``sharers`` replicas on one GPU each hold part of it, and measure at once.
     """
     parameter_bytes = sum(p.numel() * p.element_size() for p in trainable_parameters(module))
     peak = torch.cuda.max_memory_allocated(device)
     free, _total = torch.cuda.mem_get_info(device)
-    return fits_in_memory(peak, parameter_bytes, learners, free + torch.cuda.memory_reserved(device))
+    return fits_in_memory(peak, parameter_bytes, learners, free // sharers + torch.cuda.memory_reserved(device))
 
 
 def _stacked_step(module: nn.Module, learners: int) -> LearnerStep:

@@ -444,7 +444,7 @@ def test_learners_fit_a_device_with_room_left_for_their_optimizer_state():
 
 
 def test_learners_on_a_shared_gpu_fit_what_this_process_holds_and_what_is_free(monkeypatch):
-    # Four replicas on one 80 GiB GPU: this one holds 5 GiB and 10 GiB are free; the device's total is not its own.
+    # Replicas on one 80 GiB GPU: this one holds 5 GiB and 10 GiB are free; the device's total is not its own.
     from lightning_aesgd.engine import learner_tuning
 
     gib = 2**30
@@ -454,6 +454,9 @@ def test_learners_on_a_shared_gpu_fit_what_this_process_holds_and_what_is_free(m
     net = nn.Linear(gib // 4 // 8, 8, bias=False, device="meta")  # 1 GiB of float32 parameters, none allocated
     fits = [learner_tuning._fits_device(net, torch.device("cuda:0"), k) for k in (2, 5)]
     assert fits == [True, False]  # 4 + 2·2·1 <= 0.9·15 < 4 + 2·5·1
+    # Four replicas measuring at once share the free 10 GiB: 2.5 GiB each.
+    assert not learner_tuning._fits_device(net, torch.device("cuda:0"), 2, sharers=4)  # 4 + 4 > 0.9·7.5
+    assert learner_tuning._fits_device(net, torch.device("cuda:0"), 1, sharers=4)  # 4 + 2 <= 6.75
 
 
 @pytest.mark.parametrize("learners", [1, 2])
