@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 class _StopOutcome(Protocol):
@@ -24,21 +27,43 @@ class StopCheck:
     ``MAX_STEPS_ALONE`` while one replica trains alone), where DDP honours it at the next step.
     """
 
-    def __init__(self, loop: Any, outcome: _StopOutcome) -> None:
+    def __init__(self, loop: Any, outcome: _StopOutcome, signals: Any = None) -> None:
         self.loop = loop
         self.outcome = outcome
         # The loop's own module imports the exception of whichever Lightning namespace is running.
         self.exception = sys.modules[type(loop).__module__].SIGTERMException
         loop._broadcast_sigterm_tensor = self
+        self.signals = signals
+        self.received = False  # whether this process received SIGTERM: its flag in the next reports
+        if signals is not None:  # before the Trainer registers its handlers, which take this one
+            signals._sigterm_notifier_fn = self.note_sigterm
 
     def __call__(self) -> None:  # noqa: D102
         if self.outcome.stop_requested:
             raise self.exception()
 
+    def note_sigterm(self, signum: int, frame: Any) -> None:
+        """Stands in for Lightning's SIGTERM handler: record the signal for the reports, and pass it on.
+
+        Lightning's own broadcasts the flag from the handler (to meet the per-step broadcast on the others, which
+        no longer runs: it would wait until the timeout) and marks the Trainer, whose loop then leaves at the end
+        of this replica's step, alone (the others would wait in the next merge). The signal still reaches the
+        launched processes, as Lightning forwards it.
+        """
+        log.info("Replica received SIGTERM (%s): every replica stops after the next reports.", signum)
+        if not self.received:
+            launcher = getattr(getattr(self.signals, "trainer", None), "strategy", None)
+            launcher = getattr(launcher, "launcher", None)
+            if launcher is not None:
+                launcher.kill(signum)
+        self.received = True
+
     def restore(self) -> None:
-        """Give the loop back its own method."""
+        """Give the loop back its own method, and the Trainer its own SIGTERM handler."""
         if self.loop.__dict__.get("_broadcast_sigterm_tensor") is self:
             del self.loop._broadcast_sigterm_tensor
+        if self.signals is not None and self.signals.__dict__.get("_sigterm_notifier_fn") == self.note_sigterm:
+            del self.signals._sigterm_notifier_fn
 
 
 def replace_stop_broadcast(trainer: Any, outcome: _StopOutcome) -> StopCheck | None:
@@ -47,4 +72,4 @@ def replace_stop_broadcast(trainer: Any, outcome: _StopOutcome) -> StopCheck | N
     module = sys.modules.get(type(loop).__module__) if loop is not None else None
     if not hasattr(loop, "_broadcast_sigterm_tensor") or not hasattr(module, "SIGTERMException"):
         return None  # another Lightning version: keep its check, and its collective
-    return StopCheck(loop, outcome)
+    return StopCheck(loop, outcome, getattr(trainer, "_signal_connector", None))

@@ -296,7 +296,7 @@ class AdaptiveElasticMixin(SharedDevices):
             self.slowdown.check_replicas(self.world_size)
             self.engine.compute_spans = StepStretcher(self.slowdown, self.root_device)
         hooks = TrainerHooks(
-            stop_requested=lambda: bool(getattr(trainer, "received_sigterm", False)),
+            stop_requested=lambda: self._sigterm_received(trainer),
             grad_scaler=getattr(self.precision_plugin, "scaler", None),
             before_own_update=partial(clip_gradients, self._module),  # for a flushed delayed sum
             reducer_meets_every_step=self.settings.find_unused_parameters,  # DDP's own all-reduce of its map
@@ -309,6 +309,11 @@ class AdaptiveElasticMixin(SharedDevices):
         self._stop_check = replace_stop_broadcast(trainer, self.engine)
         self._fit_finished = False
         self._undo_train_end = before_train_end(trainer, self._finish_fit)
+
+    def _sigterm_received(self, trainer: Any) -> bool:
+        """Whether this process received SIGTERM during the fit (the strategy's handler, else Lightning's flag)."""
+        own = self._stop_check is not None and self._stop_check.received
+        return own or bool(getattr(trainer, "received_sigterm", False))
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
