@@ -113,20 +113,21 @@ def _instantiate_group(group: DictConfig | None) -> list[Any]:
 def _checkpoint(path: str | None, trainer: pl.Trainer) -> str | None:
     """``ckpt_path``, checked before any replica starts: a file that is not there fails at once, naming it.
 
-    Lightning's own names (``"best"``, ...) and remote paths are Lightning's to resolve; ``"last"`` is looked for
-    as Lightning looks (``last*.ckpt`` in the checkpoint folders), where Lightning would only warn and train from
-    scratch: each job writes to a folder of its own.
+    Lightning's own names (``"last"``, ``"best"``, ...) and remote paths are Lightning's to resolve; where
+    ``"last"`` finds nothing (Lightning then trains from scratch), a warning says why: each job writes to a new
+    folder.
     """
     if path == "last":
         dirpaths = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
         folders = [Path(dirpath) for dirpath in dirpaths if dirpath]
         if not any(next(folder.glob("last*.ckpt"), None) for folder in folders if folder.is_dir()):
+            # A restart loop (torchrun --max-restarts) asks for "last" on its first attempt too: it trains afresh.
             shown = ", ".join(str(folder) for folder in folders) or "none: no ModelCheckpoint"
-            raise FileNotFoundError(
-                f"ckpt_path=last finds no last checkpoint in this job's checkpoint folder ({shown}): each job "
-                "writes to a new folder. HINT: give the checkpoint's path, e.g. "
-                "ckpt_path=outputs/DATE/TIME/checkpoints/last.ckpt, or run in the earlier job's folder "
-                "(hydra.run.dir=outputs/DATE/TIME)."
+            log.warning(
+                "ckpt_path=last finds no last checkpoint in this job's checkpoint folder (%s): the fit starts from "
+                "scratch. Each job writes to a new folder: to resume an earlier job, give its checkpoint's path "
+                "(ckpt_path=outputs/DATE/TIME/checkpoints/last.ckpt) or run in its folder (hydra.run.dir=...).",
+                shown,
             )
         return path
     if path is None or path in ("best", "hpc") or path.lower().startswith("registry") or "://" in path:
