@@ -281,6 +281,18 @@ def test_once(trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any) -
     return {name: float(value) for name, value in tested[0].items()}
 
 
+def check_optimized_metric(name: str | None, tests: bool) -> None:
+    """Fail before the fit where ``optimized_metric`` names a test metric of a job that does not test.
+
+    Other names are only known once the model has logged them (after the fit, :func:`optimized_value`).
+    """
+    if name is not None and name.startswith("test/") and not tests:
+        raise ValueError(
+            f"optimized_metric={name!r} is a test metric, but the job does not test (test=false). "
+            "HINT: set test=true, or optimise a validation metric, e.g. optimized_metric=val/p@1."
+        )
+
+
 def optimized_value(name: str | None, metrics: dict[str, float]) -> float:
     """The value of the metric ``name`` (``optimized_metric``) that the job returns to Hydra's sweepers.
 
@@ -305,6 +317,7 @@ def _report(results: dict[str, float]) -> str:
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def _main(cfg: DictConfig) -> float:
     quiet_known_noise()
+    check_optimized_metric(cfg.get("optimized_metric"), bool(cfg.test))
     _results, metrics = fit_and_test(cfg)
     if getattr(rank_zero_only, "rank", 0) != 0:
         return math.nan  # under popen or torchrun every rank runs the job: rank zero tests, and its value counts

@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from pytorch_lightning.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_aesgd.train import build, config_dir, hyperparameters, optimized_value
+from lightning_aesgd.train import build, check_optimized_metric, config_dir, hyperparameters, optimized_value
 
 CONFIGS = Path(config_dir())
 _LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -154,6 +154,14 @@ def test_the_optimized_value_is_the_named_metric_or_the_first_test_metric():
     assert math.isnan(optimized_value(None, {"val/p@1": 0.4}))
     with pytest.raises(KeyError, match="val/acc"):
         optimized_value("val/acc", metrics)
+
+
+def test_a_test_metric_to_optimise_in_a_job_that_does_not_test_fails_before_the_fit():
+    with pytest.raises(ValueError, match="test=true"):
+        check_optimized_metric("test/p@1", tests=False)
+    check_optimized_metric("test/p@1", tests=True)
+    check_optimized_metric("val/p@1", tests=False)
+    check_optimized_metric(None, tests=False)
 
 
 # --- end to end -----------------------------------------------------------------------------------------------
