@@ -55,9 +55,11 @@ class FlatView:
         self.shapes = [t.shape for t in self.tensors]  # one model's, whatever the learners
         self._dtypes = [t.dtype for t in self.tensors]
         if learners > 1 and bind and self.tensors and not self._bindable():
+            found = sorted({f"{t.dtype} on {t.device}" for t in self.tensors})
             raise ValueError(
-                "Several learners per device need every parameter on one device in float32 or float64. HINT: use "
-                "learners_per_device=1 with this model or precision (a '*-mixed' precision keeps float32 weights)."
+                "Several learners per device need every parameter in one dtype (all float32, or all float64) on one "
+                f"device; this model has {', '.join(found)}. HINT: cast the model to one dtype (model.float()), or "
+                "use learners_per_device=1 with this model or precision (a '*-mixed' precision keeps float32 weights)."
             )
         self.live: Tensor | None = self._bind() if bind and self._bindable() else None
         self._blocks = self._stack() if learners > 1 and self.live is None else []

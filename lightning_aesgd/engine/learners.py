@@ -31,8 +31,9 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 UNSUPPORTED_STEP_HINT = (
     "HINT: with learners_per_device > 1 the training step runs once for all learners, batched by torch.func.vmap: "
-    "it may not read tensors to the host (.item(), float(), data-dependent `if`), return None, or run "
-    "collectives. Keep such code out of training_step, or use learners_per_device=1."
+    "it may not read tensors to the host (.item(), float(), data-dependent `if`), return None, run "
+    "collectives, or use a memory format other than the contiguous one (channels_last). Keep such code out of "
+    "training_step, or use learners_per_device=1."
 )
 
 
@@ -137,10 +138,8 @@ class LearnerStep:
     def __init__(self, module: Any, stacked: Sequence[Tensor], learners: int) -> None:
         self.module = module
         self.learners = learners
-        ids = {id(tensor) for tensor in stacked}
-        named = [*module.named_parameters(), *module.named_buffers()]
         # The tensor objects stay (their `.data` is rebound), so they are looked up once, not at every step.
-        self._stacked = [(f"module.{name}", tensor) for name, tensor in named if id(tensor) in ids]
+        self._stacked = [(f"module.{name}", tensor) for name, tensor in _slots_of(module, stacked)]
 
     def __call__(self, run_step: Callable[..., Any], batch: Any, *rest: Any) -> Any:
         """Run ``run_step(batch_j, *rest)`` for every learner ``j`` batched, in one call (two in a short step).
@@ -172,7 +171,7 @@ class LearnerStep:
 
         def one_learner(learner: dict[str, Tensor], learner_batch: Any) -> tuple[list[Tensor], tuple[Tensor, ...]]:
             logged.start()
-            output = functional_call(call, learner, (learner_batch, *rest), strict=False)
+            output = functional_call(call, learner, (learner_batch, *rest), strict=False, tie_weights=False)
             leaves, spec = tree_flatten(output)
             structure[:] = [spec, leaves]
             # vmap returns tensors only: other values leave through `structure` (the step runs once, batched).
@@ -203,6 +202,27 @@ IN_PLACE_HINT = (
     "plain tensor attribute), that tensor is one for all learners and cannot take each learner's value. Make it a "
     "floating buffer (each learner keeps its own), update it outside training_step, or use learners_per_device=1."
 )
+
+
+def _slots_of(module: nn.Module, stacked: Sequence[Tensor]) -> list[tuple[str, Tensor]]:
+    """A name for every place that holds one of ``stacked`` in ``module``: each attribute of a module object, once.
+
+    A tensor tied across modules (an embedding and the output layer) is held in two places, and each must take the
+    learner's tensor. A module registered under two names (``self.b = self.a``) holds it in one place: naming it
+    twice would make :func:`~torch.func.functional_call` swap it in twice, and, restoring in the same order, leave
+    the batched tensor in the module after the step (torch's ``tie_weights`` does exactly that).
+    """
+    ids = {id(tensor) for tensor in stacked}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    seen: set[tuple[int, str]] = set()
+    slots = []
+    for name, tensor in named:
+        owner_name, _, attribute = name.rpartition(".")
+        place = (id(module.get_submodule(owner_name)), attribute)
+        if id(tensor) in ids and place not in seen:
+            seen.add(place)
+            slots.append((name, tensor))
+    return slots
 
 
 def _hint_for(error: Exception) -> str:

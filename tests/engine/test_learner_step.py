@@ -297,6 +297,8 @@ def test_buffers_of_several_dtypes_are_each_shown_in_their_own():
 def test_learners_need_a_bindable_model():
     with pytest.raises(ValueError, match="learners_per_device=1"):
         FlatView([torch.ones(2, dtype=torch.bfloat16)], bind=True, learners=2)
+    with pytest.raises(ValueError, match=r"torch.float32 on cpu, torch.float64 on cpu\. HINT: cast the model"):
+        FlatView([torch.ones(2), torch.ones((), dtype=torch.float64)], bind=True, learners=2)
 
 
 def test_a_merge_counts_every_learner_of_every_replica():
@@ -474,3 +476,42 @@ def test_a_scalar_parameter_and_buffer_are_bound_shown_and_adopted(learners):
     assert (module.temperature.shape, module.scale.shape) == ((), ())
     torch.testing.assert_close(module.temperature.detach(), torch.tensor(2.0))
     assert learners == 1 or module.temperature.grad is None, "the learners' gradients do not outlive them"
+
+
+class SharedNet(nn.Module):
+    """One block registered under two names (``again``), and an output layer tied to the input layer's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(3, 3)
+        self.again = self.block
+        self.inner = nn.Linear(3, 3, bias=False)
+        self.outer = nn.Linear(3, 3, bias=False)
+        self.outer.weight = self.inner.weight
+        self.out = nn.Linear(3, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.outer(torch.tanh(self.inner(self.again(torch.tanh(self.block(x)))))))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        x, y = batch
+        return {"loss": nn.functional.mse_loss(self(x), y)}
+
+
+def test_a_module_registered_twice_and_tied_weights_train_each_learner_as_a_module_of_its_own(float64):
+    """torch's own ``tie_weights`` left a module registered twice holding the batched tensor after the step."""
+    learners, rows = 2, 6
+    torch.manual_seed(0)
+    net = SharedNet()
+    initial = copy.deepcopy(net)
+    averager = ElasticAverager(net, FakeCommunicator(world_size=1), MergeSettings(ElasticAverage()), learners)
+    step = LearnerStep(net, [*averager.params.tensors, *averager.buffers.tensors], learners)
+    batches = [_batch(rows, seed) for seed in range(3)]
+    _train_stacked(net, step, batches)  # type: ignore[arg-type]
+    assert all(p.double().sum().isfinite() for p in net.parameters())  # no tensor escaped from the batched step
+    for learner in range(learners):
+        alone = copy.deepcopy(initial)
+        part = slice(learner * rows // learners, (learner + 1) * rows // learners)
+        _train_alone(alone, [(x[part], y[part]) for x, y in batches])  # type: ignore[arg-type]
+        expected = torch.cat([p.reshape(-1) for p in alone.parameters()])
+        torch.testing.assert_close(averager.params.current()[learner], expected, atol=1e-12, rtol=0)
