@@ -47,11 +47,14 @@ class FlatView:
         learners: int = 1,
     ) -> None:
         self.tensors = list(tensors)
+        # A complex tensor is read and written as its real pairs (torch.view_as_real shares its storage), as torch's
+        # collectives send it: cast to a real dtype, it would lose its imaginary part. It is never bound.
+        self._parts = _real_parts(self.tensors)
         self.device = self.tensors[0].device if self.tensors else torch.device(device or "cpu")
-        self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in self.tensors) else torch.float32
-        self.numel = sum(t.numel() for t in self.tensors)  # per learner
+        self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in self._parts) else torch.float32
+        self.numel = sum(t.numel() for t in self._parts)  # per learner
         self.learners = learners
-        self._sizes = [t.numel() for t in self.tensors]
+        self._sizes = [t.numel() for t in self._parts]
         self.shapes = [t.shape for t in self.tensors]  # one model's, whatever the learners
         self._dtypes = [t.dtype for t in self.tensors]
         if learners > 1 and bind and self.tensors and not self._bindable():
@@ -85,7 +88,7 @@ class FlatView:
         same_layout = [(t.shape, t.dtype) for t in tensors] == list(zip(self.shapes, self._dtypes, strict=True))
         if not same_layout or self.live is not None or self.learners > 1:
             return False
-        self.tensors = list(tensors)
+        self.tensors, self._parts = list(tensors), _real_parts(tensors)
         return True
 
     def _bindable(self) -> bool:
@@ -154,7 +157,7 @@ class FlatView:
         if self._blocks:
             rows = [block.detach().reshape(self.learners, -1) for block in self._blocks]
             return torch.cat(rows, dim=1).to(self.device, self.dtype)
-        return torch.cat([t.detach().reshape(-1).to(self.device, self.dtype) for t in self.tensors])
+        return torch.cat([t.detach().reshape(-1).to(self.device, self.dtype) for t in self._parts])
 
     @torch.no_grad()
     def read_into(self, out: Tensor) -> Tensor:
@@ -162,7 +165,7 @@ class FlatView:
         if self.live is not None or self._blocks:
             return out.copy_(self.current())
         offset = 0
-        for tensor in self.tensors:
+        for tensor in self._parts:
             out[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
             offset += tensor.numel()
         return out
@@ -186,8 +189,12 @@ class FlatView:
             for block, chunk in zip(self._blocks, torch.split(rows, self._sizes, dim=-1), strict=True):
                 block.reshape(self.learners, -1).copy_(chunk)
             return
-        for tensor, chunk in zip(self.tensors, torch.split(flat, self._sizes), strict=True):
+        for tensor, chunk in zip(self._parts, torch.split(flat, self._sizes), strict=True):
             tensor.copy_(chunk.view_as(tensor))
+
+
+def _real_parts(tensors: Sequence[Tensor]) -> list[Tensor]:
+    return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
 
 
 def rows_mean(rows: Tensor) -> Tensor:
@@ -238,4 +245,6 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 def _is_mergeable_state(value: object, param: Tensor) -> bool:
     # Per-parameter moments have the parameter's shape; scalars such as Adam's step count are left alone.
-    return isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape
+    if not isinstance(value, Tensor):
+        return False
+    return (value.is_floating_point() or value.is_complex()) and value.shape == param.shape

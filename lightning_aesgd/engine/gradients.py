@@ -428,6 +428,8 @@ def _in_layout_of(param: Tensor, flat: Tensor) -> Tensor:
     """
     if flat.is_sparse:
         return flat
+    if param.is_complex():  # the bucket holds its real pairs (torch.view_as_real)
+        flat = torch.complex(flat[0::2], flat[1::2])
     if _dense(param):
         return torch.as_strided(flat, param.size(), param.stride(), flat.storage_offset())
     return flat.view(param.size())
@@ -491,7 +493,9 @@ def _per_parameter(launched: list[tuple[list[nn.Parameter], torch.futures.Future
             pending[id(param)] = summed
             continue
         # Each parameter's chunk, kept flat in the bucket's memory order (see _in_layout_of).
-        for param, flat in zip(params, torch.split(summed, [p.numel() for p in params]), strict=True):
+        # A complex gradient lies in the bucket as its real pairs (torch.view_as_real), twice its elements.
+        sizes = [p.numel() * (2 if p.is_complex() else 1) for p in params]
+        for param, flat in zip(params, torch.split(summed, sizes), strict=True):
             pending[id(param)] = flat
     return pending
 
