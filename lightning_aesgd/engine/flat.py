@@ -48,16 +48,22 @@ class FlatView:
     ) -> None:
         self.tensors = list(tensors)
         # A complex tensor is read and written as its real pairs (torch.view_as_real shares its storage), as torch's
-        # collectives send it: cast to a real dtype, it would lose its imaginary part. It is never bound.
-        self._parts = _real_parts(self.tensors)
+        # collectives send it: cast to a real dtype, it would lose its imaginary part. A view holding one is never
+        # bound (every merge copies). The views are taken anew at each use, so that they follow a rebound `.data`.
+        parts = _real_parts(self.tensors)
         self.device = self.tensors[0].device if self.tensors else torch.device(device or "cpu")
-        self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in self._parts) else torch.float32
-        self.numel = sum(t.numel() for t in self._parts)  # per learner
+        self.dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
+        self.numel = sum(t.numel() for t in parts)  # per learner
         self.learners = learners
-        self._sizes = [t.numel() for t in self._parts]
+        self._sizes = [t.numel() for t in parts]
         self.shapes = [t.shape for t in self.tensors]  # one model's, whatever the learners
         self._dtypes = [t.dtype for t in self.tensors]
         if learners > 1 and bind and self.tensors and not self._bindable():
+            if any(t.is_complex() for t in self.tensors):
+                raise ValueError(
+                    "Several learners per device cannot stack complex parameters. HINT: use learners_per_device=1 "
+                    "with this model."
+                )
             found = sorted({f"{t.dtype} on {t.device}" for t in self.tensors})
             raise ValueError(
                 "Several learners per device need every parameter in one dtype (all float32, or all float64) on one "
@@ -88,7 +94,7 @@ class FlatView:
         same_layout = [(t.shape, t.dtype) for t in tensors] == list(zip(self.shapes, self._dtypes, strict=True))
         if not same_layout or self.live is not None or self.learners > 1:
             return False
-        self.tensors, self._parts = list(tensors), _real_parts(tensors)
+        self.tensors = list(tensors)
         return True
 
     def _bindable(self) -> bool:
@@ -157,7 +163,7 @@ class FlatView:
         if self._blocks:
             rows = [block.detach().reshape(self.learners, -1) for block in self._blocks]
             return torch.cat(rows, dim=1).to(self.device, self.dtype)
-        return torch.cat([t.detach().reshape(-1).to(self.device, self.dtype) for t in self._parts])
+        return torch.cat([t.detach().reshape(-1).to(self.device, self.dtype) for t in _real_parts(self.tensors)])
 
     @torch.no_grad()
     def read_into(self, out: Tensor) -> Tensor:
@@ -165,7 +171,7 @@ class FlatView:
         if self.live is not None or self._blocks:
             return out.copy_(self.current())
         offset = 0
-        for tensor in self._parts:
+        for tensor in _real_parts(self.tensors):
             out[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
             offset += tensor.numel()
         return out
@@ -189,7 +195,7 @@ class FlatView:
             for block, chunk in zip(self._blocks, torch.split(rows, self._sizes, dim=-1), strict=True):
                 block.reshape(self.learners, -1).copy_(chunk)
             return
-        for tensor, chunk in zip(self._parts, torch.split(flat, self._sizes), strict=True):
+        for tensor, chunk in zip(_real_parts(self.tensors), torch.split(flat, self._sizes), strict=True):
             tensor.copy_(chunk.view_as(tensor))
 
 
@@ -234,7 +240,7 @@ def floating_buffers(module: nn.Module) -> list[Tensor]:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """Floating-point state tensors of an optimizer (momentum buffers, Adam moments) in a stable order."""
+    """Floating-point and complex state tensors of an optimizer (momentum buffers, Adam moments) in a stable order."""
     tensors: list[Tensor] = []
     for group in optimizer.param_groups:
         for param in group["params"]:

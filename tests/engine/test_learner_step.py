@@ -299,6 +299,8 @@ def test_learners_need_a_bindable_model():
         FlatView([torch.ones(2, dtype=torch.bfloat16)], bind=True, learners=2)
     with pytest.raises(ValueError, match=r"torch.float32 on cpu, torch.float64 on cpu\. HINT: cast the model"):
         FlatView([torch.ones(2), torch.ones((), dtype=torch.float64)], bind=True, learners=2)
+    with pytest.raises(ValueError, match="cannot stack complex parameters"):
+        FlatView([torch.ones(2, dtype=torch.cfloat)], bind=True, learners=2)
 
 
 def test_a_merge_counts_every_learner_of_every_replica():
