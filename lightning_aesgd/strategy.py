@@ -60,6 +60,7 @@ from lightning_aesgd.trainer_io import SUMMARY_FILE as SUMMARY_FILE  # re-export
 from lightning_aesgd.trainer_io import (
     before_train_end,
     clip_gradients,
+    judges_training_metrics,
     log_metrics,
     logs_this_step,
     loop_start,
@@ -435,13 +436,14 @@ class AdaptiveElasticMixin(SharedDevices):
         Its training metrics are those of its last step with data: an ``EarlyStopping`` or ``ModelCheckpoint``
         monitoring one would judge the run by a stale value (under ``all=False`` any replica stops the fit, under
         ``all=True`` any one keeps a checkpoint from being saved). It votes neither way instead: yes where all must
-        agree, no where any one decides. Outside the training steps (validation metrics: every replica's own, new)
-        every replica votes as it decided, and so does rank zero always: some votes carry what only it knows
+        agree, no where any one decides. It abstains inside the training steps, and at a validation's end of the fit
+        where a callback monitors a training metric. Otherwise (validation metrics: every replica's own, new) every
+        replica votes as it decided, and so does rank zero always: some votes carry what only it knows
         (``ModelCheckpoint``'s whether a file of that name exists).
         """
         trainer = self._module.trainer if self._module is not None else None
         stale = not self._trained_last_step and not self.is_global_zero
-        if stale and trainer is not None and trainer.training:
+        if stale and trainer is not None and (trainer.training or _fit_judges_training(trainer)):
             decision = all
         return super().reduce_boolean_decision(decision, all=all)
 
@@ -647,6 +649,11 @@ class AdaptiveElasticMixin(SharedDevices):
 
 class AdaptiveElasticStrategy(AdaptiveElasticMixin, DDPStrategy):
     """Adaptive elastic training as a ``pytorch_lightning`` strategy. See :class:`AdaptiveElasticMixin`."""
+
+
+def _fit_judges_training(trainer: Any) -> bool:
+    """Whether a vote outside the training steps reads a training metric: a fit's validation, judged by one."""
+    return bool(trainer.state.fn == "fit" and judges_training_metrics(trainer))
 
 
 def _is_mean(reduce_op: object) -> bool:

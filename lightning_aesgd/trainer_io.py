@@ -2,7 +2,7 @@
 
 Where a restored training loop resumes, the end of the fit loop (where the strategy finishes the fit), training
 data set up before the fit began, the
-Trainer's gradient clipping for updates the strategy applies itself,
+Trainer's gradient clipping for updates the strategy applies itself, whether a callback monitors a training metric,
 whether the loggers write at this step, the telemetry metrics handed to them, and the end-of-fit summary saved as
 JSON next to their logs. Each takes the Trainer (or module) of either Lightning namespace; nothing here imports
 Lightning.
@@ -27,6 +27,25 @@ def resumed_position(trainer: Any) -> tuple[int, int] | None:
     if not trainer.fit_loop.restarting:
         return None
     return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def judges_training_metrics(trainer: Any) -> bool:
+    """Whether a callback of the fit monitors a metric logged in training (an ``EarlyStopping`` on the loss).
+
+    Its vote at a validation's end then reads a training metric, as its vote inside the training steps does. The
+    names are those Lightning gives the training results (``loss``, or ``loss_step`` and ``loss_epoch`` where both
+    are logged); Lightning keeps them in the fit loop's ``_results`` (2.6).
+    """
+    monitored = {getattr(callback, "monitor", None) for callback in trainer.callbacks} - {None}
+    if not monitored:
+        return False
+    results = getattr(trainer.fit_loop.epoch_loop, "_results", {})
+    logged = {
+        name
+        for metric in results.values()
+        for name in (metric.meta.name, metric.meta.forked_name(True), metric.meta.forked_name(False))
+    }
+    return not monitored.isdisjoint(logged)
 
 
 def loop_start(trainer: Any, batches: int) -> tuple[int, int]:

@@ -128,13 +128,20 @@ class _ProgressModel(_EpochModel):
         return super().training_step(batch, batch_idx)
 
 
-def _fit_three(tmp_path, model, callbacks=(), **options):
+def _fit_three(tmp_path, model, callbacks=(), trainer_options=None, **options):
     slow = SlowdownCallback({"factors": [1, 1, 50], "mode": "user", "seconds_per_sample": SECONDS_PER_SAMPLE})
     epochs = options.pop("max_epochs", 1)
     strategy = AdaptiveElasticStrategy(start_method="fork", timeout=timedelta(seconds=60), **options)
     checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
     callbacks = [slow, _Record(tmp_path), *callbacks]
-    trainer = cpu_trainer(strategy, devices=3, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=checkpoints)
+    trainer = cpu_trainer(
+        strategy,
+        devices=3,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        enable_checkpointing=checkpoints,
+        **(trainer_options or {}),
+    )
     trainer.fit(model)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
 
@@ -157,14 +164,22 @@ def test_a_dict_of_one_training_loader_leaves_a_slow_replica_out_and_never_hands
     assert seen == list(range(240))
 
 
-def test_a_left_out_replicas_stale_training_metric_neither_stops_the_fit_nor_holds_back_its_best_checkpoint(tmp_path):
+@pytest.mark.parametrize("judged_at", ["training steps", "validation ends"])
+def test_a_left_out_replicas_stale_training_metric_neither_stops_the_fit_nor_holds_back_its_best_checkpoint(
+    tmp_path, judged_at
+):
     # Its "progress" stays at its last step with data. Lightning stops the fit where any replica's EarlyStopping says
     # so, and saves a checkpoint where every replica's ModelCheckpoint finds it better: the replicas in the steps
-    # must decide, as under DDP, where every replica's metric is current.
+    # must decide, as under DDP, where every replica's metric is current. The callbacks judge inside the training
+    # steps, or at the end of each validation (every 2 steps), where the training metric is just as stale.
     pl.seed_everything(7)
-    stop = EarlyStopping(monitor="progress", mode="min", patience=1, check_on_train_epoch_end=True)
-    best = ModelCheckpoint(tmp_path / "checkpoints", monitor="progress", mode="min", every_n_train_steps=2)
-    records = _fit_three(tmp_path, _ProgressModel(size=240, batch_size=BATCH), [stop, best], max_epochs=3)
+    in_steps = judged_at == "training steps"
+    stop = EarlyStopping(monitor="progress", mode="min", patience=1, check_on_train_epoch_end=in_steps)
+    best = ModelCheckpoint(
+        tmp_path / "checkpoints", monitor="progress", mode="min", every_n_train_steps=2 if in_steps else None
+    )
+    validation = {} if in_steps else {"limit_val_batches": 1, "val_check_interval": 2}
+    records = _fit_three(tmp_path, _ProgressModel(size=240, batch_size=BATCH), [stop, best], validation, max_epochs=3)
     assert records[0]["plans"]["sizes"][-1][2] == 0, "the slow replica is left out"
     assert [record["global_step"] for record in records] == [30] * 3  # 3 epochs of 10 steps
     assert records[0]["best_checkpoint"] == "epoch=2-step=30.ckpt"
