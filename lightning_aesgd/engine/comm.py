@@ -21,7 +21,7 @@ from lightning_aesgd.engine.flat import to_host
 
 # `name as name`: the stall machinery's names stay importable from here, where the engine imports them.
 from lightning_aesgd.engine.stalls import ReplicaStalledError as ReplicaStalledError
-from lightning_aesgd.engine.stalls import default_store, entering, keep_alive, now_doing
+from lightning_aesgd.engine.stalls import default_store, entering, keep_alive, new_roll_calls, now_doing, roll_call_key
 from lightning_aesgd.engine.stalls import is_peer_failure as is_peer_failure
 from lightning_aesgd.engine.stalls import stalled_error as stalled_error
 
@@ -178,6 +178,8 @@ class TorchCommunicator:
         self._world_size, self._rank = dist.get_world_size(group), dist.get_rank(group)
         # A subgroup's roll calls are its own: its collectives are numbered apart from the world's.
         self._roll_prefix = "" if group is None else "group_" + "_".join(map(str, self._members() or [])) + "/"
+        if group is None:
+            new_roll_calls()
         self._host_group: Any = host_group if host_group is not None else group
         self._has_host_group = host_group is not None or _is_gloo(group)
         if group is not None and not self._has_host_group:
@@ -219,7 +221,7 @@ class TorchCommunicator:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         if self._watch is not None:  # a gradient bucket's sum, launched as it fills: named by the step computed
             task = now_doing()
-            key = task.step_key if task is not None and task.step_key else f"aesgd/roll_call/{self._roll_prefix}sum"
+            key = task.step_key if task is not None and task.step_key else roll_call_key(f"{self._roll_prefix}sum")
             self._watch.watch(work, "all-reduce", key, time.monotonic(), None if task is None else task.where)
         future: torch.futures.Future[Any] = work.get_future()
         return future
@@ -323,7 +325,7 @@ class TorchCommunicator:
         """
         self._raise_watched_stall()
         index, self._calls = self._calls, self._calls + 1
-        key = f"aesgd/roll_call/{self._roll_prefix}{index}"
+        key = roll_call_key(f"{self._roll_prefix}{index}")
         entering(key)
         started = time.monotonic()
         try:

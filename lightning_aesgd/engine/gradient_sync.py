@@ -515,4 +515,4 @@ def _judge_exclusions(excluded: int, run: int, global_step: int, logs: bool) -> 
 
 def _roll_call_key(global_step: int) -> str:
     """The roll call's key for the gradient sum of ``global_step`` (the same on every replica)."""
-    return f"aesgd/roll_call/step_{global_step}"
+    return stalls.roll_call_key(f"step_{global_step}")

@@ -251,6 +251,24 @@ def _parse_stamp(stamp: str | None) -> tuple[float | None, str | None]:
     return float(fields[1]), fields[2]
 
 
+_roll_call_generation = 0
+
+
+def new_roll_calls() -> None:
+    """Begin a new namespace of roll-call keys: the world's collectives count from 0 again (a new communicator).
+
+    Every process of a job creates its world communicators in the same order (one a fit), so the namespaces agree;
+    a second fit in one process group then never reads the first fit's answers under the same collective number.
+    """
+    global _roll_call_generation
+    _roll_call_generation += 1
+
+
+def roll_call_key(name: str) -> str:
+    """The store key of the roll call for the collective ``name`` (a number, or a step's) in the current namespace."""
+    return f"aesgd/roll_call/{_roll_call_generation}/{name}"
+
+
 def alive_key(world_rank: int) -> str:
     """The store key of replica ``world_rank``'s heartbeat stamp."""
     return f"{ALIVE_PREFIX}/{world_rank}"

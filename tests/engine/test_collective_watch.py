@@ -189,7 +189,7 @@ def _replica(rank: int, port: int, out: str, kind: str) -> None:
 
 def _step(comm: TorchCommunicator, step: int) -> torch.Tensor:
     """A gradient sum's collectives in step ``step``: a bucket filled during the backward, then the last at arrival."""
-    key = f"aesgd/roll_call/step_{step}"
+    key = stalls.roll_call_key(f"step_{step}")
     with stalls.doing(f"the gradient sum of global step {step}", step_key=key):
         first = torch.ones(1)
         launched = comm.all_reduce_sum_async(first)

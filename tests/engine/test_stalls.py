@@ -295,7 +295,7 @@ def test_the_communicator_translates_a_timeout_and_leaves_other_errors_alone():
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert stalls._heartbeat is not None
     assert stalls._heartbeat._position is not None
-    assert stalls._heartbeat._position[0] == "aesgd/roll_call/1", "the heartbeat shows the collective entered"
+    assert stalls._heartbeat._position[0] == stalls.roll_call_key("1"), "the heartbeat shows the collective entered"
 
     def other():
         raise RuntimeError("Tensors must be CPU and dense")
@@ -303,6 +303,27 @@ def test_the_communicator_translates_a_timeout_and_leaves_other_errors_alone():
     with pytest.raises(RuntimeError, match="dense") as caught_other:
         comm._collective("broadcast", other)
     assert not isinstance(caught_other.value, ReplicaStalledError)
+
+
+def test_a_second_fit_in_one_process_group_holds_its_roll_calls_apart():
+    # Each fit makes a new communicator, whose collectives count from 0 again. Under the first fit's keys, a roll
+    # call of the second would read the first fit's answers as arrivals (and a heartbeat position as being inside).
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # the conftest destroys it
+
+    def timeout():
+        raise RuntimeError(GLOO_TIMEOUT)
+
+    with pytest.raises(ReplicaStalledError):
+        TorchCommunicator(torch.device("cpu"))._collective("all-reduce", timeout)  # the first fit's #0 answers
+    first = stalls._heartbeat._position[0]
+    group_store = stalls.default_store()  # the group's view of ``store`` (torch prefixes its keys)
+    assert group_store.check([f"{first}/0"]), "the first fit's roll call answered under its key"
+
+    TorchCommunicator(torch.device("cpu")).all_reduce_sum_(torch.ones(1))  # the second fit's #0
+    second = stalls._heartbeat._position[0]
+    assert second != first
+    assert not group_store.check([f"{second}/0"]), "no answer waits under the second fit's key"
 
 
 # --- four real gloo processes: a late replica and an absent one ---------------------------------------------------
