@@ -15,6 +15,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
+from lightning_aesgd.engine import gradients
 from lightning_aesgd.user_collectives import UnevenGatherError
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -247,6 +248,26 @@ def test_a_replica_that_turns_nan_is_left_out_and_every_replica_ends_finite(tmp_
     # Gradients: the same update on every replica. Models: the merged model, which the strategy makes every
     # replica's own before Lightning's on_train_end hooks run.
     assert states[0]["parameters"] == states[1]["parameters"]
+
+
+def test_large_buckets_summed_in_place_give_the_copied_sums_update_and_leave_a_nan_replica_out(tmp_path, monkeypatch):
+    """A large host bucket is summed in place, its flags and the reports in a small all-reduce beside it: the same
+    update, exclusions and plans as the guarded copy's. Every bucket counts as large here (the forked replicas
+    inherit the threshold); the reports ride with the flags of the last bucket."""
+    runs = {}
+    for form, threshold in (("copied", 1 << 62), ("in place", 0)):
+        monkeypatch.setattr(gradients, "IN_PLACE_MIN_ELEMENTS", threshold)
+        directory = tmp_path / form.replace(" ", "_")
+        directory.mkdir()
+        strategy = AdaptiveElasticStrategy(start_method="fork", timeout=TIMEOUT)
+        pl.seed_everything(7)
+        cpu_trainer(strategy, max_steps=20, callbacks=[_FinalState(directory)]).fit(_NaNOnRankOne())
+        runs[form] = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for states in runs.values():
+        assert all(state["finite"] for state in states), states
+        assert [state["excluded"] for state in states] == [1, 1], states
+        assert states[0]["parameters"] == states[1]["parameters"]
+    assert runs["in place"][0]["parameters"] == pytest.approx(runs["copied"][0]["parameters"], abs=1e-6)
 
 
 class _CosineModel(RegressionModel):

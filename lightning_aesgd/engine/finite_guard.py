@@ -65,19 +65,33 @@ def finite_probe(tensor: Tensor) -> Tensor:
     return tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))
 
 
-def renormalised(summed: Tensor) -> Tensor:
+def guarded_in_place(buffer: Tensor, share: float) -> Tensor:
+    """Guard a flat dense host ``buffer`` in place: zeros if any element is not finite; returns its two flags.
+
+    The in-place form of :func:`guarded`, for a bucket large enough that its copy costs more than a second, small
+    all-reduce of the flags (:data:`~lightning_aesgd.engine.gradients.IN_PLACE_MIN_ELEMENTS`). A non-finite
+    replica's own gradients are lost with it, as they are useless.
+    """
+    if math.isfinite(finite_probe(buffer).item()):
+        return torch.tensor([share, 0.0], dtype=buffer.dtype)
+    buffer.zero_()
+    return torch.tensor([0.0, 1.0], dtype=buffer.dtype)
+
+
+def renormalised(summed: Tensor, flags: Tensor | None = None) -> Tensor:
     """The sum of guarded contributions (:func:`guarded`), renormalised over the finite shares where needed.
 
     Returns a view of ``summed`` without its flags (scaled in place); the flags stay readable as
-    ``summed[-2:]`` (:func:`flags_of`).
+    ``summed[-2:]`` (:func:`flags_of`). With ``flags`` (summed apart, :func:`guarded_in_place`), all of ``summed``
+    is the sum.
     """
-    total = summed[:-2]
-    if _on_host(summed):  # the flags are readable at once: scale only where a replica was left out
-        finite_share, left_out = summed[-2:].tolist()
+    total, flags = (summed[:-2], summed[-2:]) if flags is None else (summed, flags)
+    if _on_host(flags):  # the flags are readable at once: scale only where a replica was left out
+        finite_share, left_out = flags.tolist()
         if left_out > 0:
             total.mul_(1.0 / finite_share if finite_share > 0 else 0.0)
         return total
-    total.mul_(renormalisation(summed[-2], summed[-1]))
+    total.mul_(renormalisation(flags[0], flags[1]))
     return total
 
 

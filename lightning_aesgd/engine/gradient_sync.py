@@ -151,6 +151,7 @@ class GradientSync(StepPipeline):
         self._hooked = self.wraps_model(comm.world_size)  # otherwise no hook marks the arrival: the closure does
         scaler = self.hooks.grad_scaler
         self.reduce.guard = scaler is None or not scaler.is_enabled()  # a scaler handles overflow itself
+        self.reduce.sums_in_place = device.type == "cpu" and not self.hooks.mixed_device_types
         self.reduce.hold(None)  # nothing in flight from an earlier fit that ended by an exception
         self._pending_is_stale = False
         self.reduce.applied = {}

@@ -30,10 +30,16 @@ def one_process_group():
 class FakeBucket:
     """DDP's GradBucket as a hook sees it: a flat buffer of its parameters' gradients, in order."""
 
-    def __init__(self, params: list[nn.Parameter], grads: list[torch.Tensor], last: bool = True) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], grads: list[torch.Tensor], last: bool = True, position: int = 0
+    ) -> None:
         self.params = params
         self.flat = torch.cat([g.reshape(-1) for g in grads])
         self.last = last
+        self.position = position
+
+    def index(self) -> int:
+        return self.position
 
     def buffer(self) -> torch.Tensor:
         return self.flat
