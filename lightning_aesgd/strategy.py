@@ -437,9 +437,10 @@ class AdaptiveElasticMixin(SharedDevices):
         monitoring one would judge the run by a stale value (under ``all=False`` any replica stops the fit, under
         ``all=True`` any one keeps a checkpoint from being saved). It votes neither way instead: yes where all must
         agree, no where any one decides. It abstains inside the training steps, and at a validation's end of the fit
-        where a callback monitors a training metric. Otherwise (validation metrics: every replica's own, new) every
-        replica votes as it decided, and so does rank zero always: some votes carry what only it knows
-        (``ModelCheckpoint``'s whether a file of that name exists).
+        where a callback monitors a training metric (then on every vote there: a vote does not say which callback
+        casts it, so an unsynced validation metric of its own no longer counts). Otherwise (validation metrics:
+        every replica's own, new) every replica votes as it decided, and so does rank zero always: some votes carry
+        what only it knows (``ModelCheckpoint``'s whether a file of that name exists).
         """
         trainer = self._module.trainer if self._module is not None else None
         stale = not self._trained_last_step and not self.is_global_zero
