@@ -182,6 +182,7 @@ def test_only_a_step_mode_slowdown_is_the_strategys_own():
 def test_ddp_options_are_those_of_gradient_sync_only():
     options = StrategySettings(find_unused_parameters=True).ddp_options()
     assert options.pop("find_unused_parameters") is True
+    assert options.pop("gradient_as_bucket_view") is True  # no copies between the gradients and the buckets
     # DDP's per-forward buffer broadcast is off, under the name this torch gives it.
     assert options in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
     assert StrategySettings(sync="models").ddp_options() == {}
