@@ -288,8 +288,8 @@ class StrategySettings:
         # at every forward: DDP's per-forward broadcast would be a second synchronisation point per step, which
         # arrival sensing would count as work and which the delayed sum could not overlap (see GradientSync).
         # Gradients live in DDP's buckets, which the guarded sum of a large host bucket fills in place: no copy of
-        # every gradient into its bucket and back, which on a 17-million-parameter MLP over CPU replicas made up
-        # the finiteness probe's pass and more (docs/results/large_model).
+        # each summed bucket back into the gradients. On a 17-million-parameter MLP over CPU replicas that took
+        # the steps from 6% slower than Lightning's DDP's to 4% faster (docs/results/large_model).
         return {
             "find_unused_parameters": self.find_unused_parameters,
             "gradient_as_bucket_view": True,

@@ -135,6 +135,18 @@ def main() -> None:
     for name, values in times.items():
         listed = sorted(round(value, 1) for value in values)
         print(f"{name}: {listed} ms per step, median {statistics.median(values):.1f}")
+    for rival in list(times)[:-1]:
+        print(paired_difference("adaptive_elastic", times["adaptive_elastic"], rival, times[rival]))
+
+
+def paired_difference(name: str, values: list[float], rival: str, rival_values: list[float]) -> str:
+    """The mean difference of ``values`` from ``rival_values`` race by race, with its standard error."""
+    differences = [value - other for value, other in zip(values, rival_values, strict=True)]
+    spread = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
+    return (
+        f"{name} - {rival}: {statistics.mean(differences):+.1f} ms per step (standard error {spread:.1f}) "
+        f"over {len(differences)} races"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "large_model_steps.py"
 
@@ -23,3 +24,15 @@ def test_a_quick_race_times_every_contender(tmp_path):
     for name in ("ddp", "ddp_bucket_view", "adaptive_elastic"):
         (median,) = re.findall(rf"^{name}: \[[0-9., ]+\] ms per step, median ([0-9.]+)$", finished.stdout, re.M)
         assert float(median) > 0
+    for rival in ("ddp", "ddp_bucket_view"):
+        assert re.search(
+            rf"^adaptive_elastic - {rival}: [+-][0-9.]+ ms per step \(standard error nan\) over 1 races$",
+            finished.stdout,
+            re.M,
+        )
+
+
+def test_a_paired_difference_is_the_mean_of_the_race_by_race_differences():
+    line = load_script("large_model_steps").paired_difference("a", [10.0, 14.0, 9.0], "b", [9.0, 11.0, 10.0])
+    # differences 1, 3, -1: mean 1, standard deviation 2, standard error 2 / sqrt(3)
+    assert line == "a - b: +1.0 ms per step (standard error 1.2) over 3 races"
