@@ -64,6 +64,7 @@ _SWITCHES = (
     "checkpoint_replicas",
     "telemetry",
     "find_unused_parameters",
+    "gradient_as_bucket_view",
     "compensate_momentum",
 )
 """The on/off options checked here; ``merge_buffers`` is checked, with its own message, by MergeSettings."""
@@ -140,6 +141,12 @@ class StrategySettings:
             paper's rule; ½ (``algorithm=abs_sgd``) keeps the stability margin of the synchronous step size, which
             a stale update halves (:func:`~lightning_aesgd.core.lr.stale_update_scale`).
         find_unused_parameters: with ``sync="gradients"``, DistributedDataParallel's option of that name.
+        gradient_as_bucket_view: with ``sync="gradients"``, DistributedDataParallel's option of that name, on by
+            default (Lightning's DDP leaves it off): the gradients are views into DDP's communication buckets, so
+            a large host bucket summed in place is its gradients' sum, with no copy back into them
+            (docs/results/large_model; smaller, delayed or device buckets are summed on a copy, copied back). Off
+            for user code that calls ``param.grad.detach_()`` (which a view refuses) or keeps a step's
+            ``param.grad`` without cloning it (the next backward overwrites a view).
         slowdown: emulate slower devices by a factor per replica, in the ``step`` mode: the spans where each
             replica's device computes take ``fᵣ`` times as long (see :mod:`lightning_aesgd.emulation`; the other
             modes come from :class:`~lightning_aesgd.callbacks.SlowdownCallback`).
@@ -189,6 +196,7 @@ class StrategySettings:
     gradient_delay_warmup: int = 0
     gradient_delay_lr_scale: float = 1.0
     find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
     slowdown: SlowdownProfile | Sequence[float] | Mapping[str, Any] | None = None
     checkpoint_replicas: bool = True
     telemetry: bool = True
@@ -287,12 +295,9 @@ class StrategySettings:
         # Buffers (BatchNorm statistics) go from rank zero at evaluation, checkpoints and the end of fit instead of
         # at every forward: DDP's per-forward broadcast would be a second synchronisation point per step, which
         # arrival sensing would count as work and which the delayed sum could not overlap (see GradientSync).
-        # Gradients live in DDP's buckets, which the guarded sum of a large host bucket fills in place: no copy of
-        # each summed bucket back into the gradients. On a 17-million-parameter MLP over CPU replicas that took
-        # the steps from 6% slower than Lightning's DDP's to 4% faster (docs/results/large_model).
         return {
             "find_unused_parameters": self.find_unused_parameters,
-            "gradient_as_bucket_view": True,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
             **NO_BUFFER_SYNC_AT_FORWARD,
         }
 
@@ -329,7 +334,8 @@ class StrategySettings:
 
 
 DDP_ONLY_OPTIONS = frozenset(
-    (set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "find_unused_parameters"})
+    set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    - {"self", "module", "find_unused_parameters", "gradient_as_bucket_view"}
     | {"ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period"}  # DDPStrategy's own
 )
 """DistributedDataParallel's and DDPStrategy's own options: the strategy sums gradients its own way."""
@@ -362,8 +368,8 @@ def refuse_unknown_options(owner: str, unknown: Mapping[str, Any], known: Sequen
     if ddp:
         problems.append(
             f"{owner} takes no {ddp}: they are DistributedDataParallel's (or DDPStrategy's) options, and the strategy "
-            "sums gradients its own way (find_unused_parameters it takes). HINT: drop them; keep them for "
-            "strategy='ddp'."
+            "sums gradients its own way (it takes find_unused_parameters and gradient_as_bucket_view). HINT: drop "
+            "them; keep them for strategy='ddp'."
         )
     if others:
         guesses = {name: difflib.get_close_matches(name, known, n=2) for name in others}

@@ -146,6 +146,7 @@ class AdaptiveElasticMixin(SharedDevices):
         gradient_delay_warmup: int = StrategySettings.gradient_delay_warmup,
         gradient_delay_lr_scale: float = StrategySettings.gradient_delay_lr_scale,
         find_unused_parameters: bool = StrategySettings.find_unused_parameters,
+        gradient_as_bucket_view: bool = StrategySettings.gradient_as_bucket_view,
         slowdown: Any = StrategySettings.slowdown,
         checkpoint_replicas: bool = StrategySettings.checkpoint_replicas,
         telemetry: bool = StrategySettings.telemetry,

@@ -9,12 +9,13 @@ its per-forward buffer broadcast (the fairer DDP; the model has no buffers anywa
 
 Usage::
 
-    python scripts/large_model_steps.py --width 2048 --layers 4 --repeats 4
+    python scripts/large_model_steps.py --width 2048 --layers 4 --repeats 6
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import statistics
@@ -36,6 +37,8 @@ from lightning_aesgd.bench.race.program import quiet_lightning
 
 START = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 WARM_STEPS = 5
+ORDERS = list(itertools.permutations(("ddp", "ddp_bucket_view", "adaptive_elastic")))
+"""The contenders' orders, one repeat each in turn."""
 
 
 class WideNet(pl.LightningModule):
@@ -102,7 +105,11 @@ def ms_per_step(strategy: Strategy, args: argparse.Namespace, path: Path) -> flo
 
 
 def main() -> None:
-    """Race the contenders ``--repeats`` times, each first in turn; print each run, then each sorted with its median."""
+    """Run every contender ``--repeats`` times; print the runs, medians and the defaults' paired differences.
+
+    The order goes through all 6 permutations (each contender as often first, last and right after each other);
+    the differences are the defaults' from each DDP, repeat by repeat.
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
@@ -127,25 +134,24 @@ def main() -> None:
     print(f"{parameters / 1e6:.1f} million parameters, {args.replicas} replicas, batch {args.batch_size} each")
     with tempfile.TemporaryDirectory() as folder, quiet_lightning():
         for repeat in range(args.repeats):
-            names = list(strategies)
-            order = names[repeat % len(names) :] + names[: repeat % len(names)]  # each first in turn
+            order = ORDERS[repeat % len(ORDERS)]
             for name in order:
                 times[name].append(ms_per_step(strategies[name](), args, Path(folder) / "clock.json"))
                 print(f"repeat {repeat}: {name} {times[name][-1]:.1f} ms per step", flush=True)
     for name, values in times.items():
         listed = sorted(round(value, 1) for value in values)
         print(f"{name}: {listed} ms per step, median {statistics.median(values):.1f}")
-    for rival in list(times)[:-1]:
+    for rival in ("ddp", "ddp_bucket_view"):
         print(paired_difference("adaptive_elastic", times["adaptive_elastic"], rival, times[rival]))
 
 
 def paired_difference(name: str, values: list[float], rival: str, rival_values: list[float]) -> str:
-    """The mean difference of ``values`` from ``rival_values`` race by race, with its standard error."""
+    """The mean difference of ``values`` from ``rival_values`` repeat by repeat, with its standard error."""
     differences = [value - other for value, other in zip(values, rival_values, strict=True)]
     spread = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
     return (
         f"{name} - {rival}: {statistics.mean(differences):+.1f} ms per step (standard error {spread:.1f}) "
-        f"over {len(differences)} races"
+        f"over {len(differences)} repeat{'s' if len(differences) != 1 else ''}"
     )
 
 

@@ -135,6 +135,7 @@ STRATEGY_OPTIONS: Table = {
     "gradient_delay_warmup": (_values(0, 2), (-1, 1.5)),
     "gradient_delay_lr_scale": (_values(1.0, 0.5), (0.0, -1.0, math.nan, "0.5")),
     "find_unused_parameters": (st.booleans(), ("no",)),
+    "gradient_as_bucket_view": (st.booleans(), ("no",)),  # with model merging too, where no DDP wraps the model
     "replicas_per_device": (_values(1), (0, -1, 1.5, "2")),
     "learners_per_device": (_values(1, 2, 3, "auto"), (0, -1, 1.5, "2", True, "many")),
     "max_learners": (_values(8, 1, 3), (0, -1, 2.5, "4")),

@@ -26,7 +26,7 @@ def test_a_quick_race_times_every_contender(tmp_path):
         assert float(median) > 0
     for rival in ("ddp", "ddp_bucket_view"):
         assert re.search(
-            rf"^adaptive_elastic - {rival}: [+-][0-9.]+ ms per step \(standard error nan\) over 1 races$",
+            rf"^adaptive_elastic - {rival}: [+-][0-9.]+ ms per step \(standard error nan\) over 1 repeat$",
             finished.stdout,
             re.M,
         )
@@ -35,4 +35,4 @@ def test_a_quick_race_times_every_contender(tmp_path):
 def test_a_paired_difference_is_the_mean_of_the_race_by_race_differences():
     line = load_script("large_model_steps").paired_difference("a", [10.0, 14.0, 9.0], "b", [9.0, 11.0, 10.0])
     # differences 1, 3, -1: mean 1, standard deviation 2, standard error 2 / sqrt(3)
-    assert line == "a - b: +1.0 ms per step (standard error 1.2) over 3 races"
+    assert line == "a - b: +1.0 ms per step (standard error 1.2) over 3 repeats"

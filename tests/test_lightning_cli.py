@@ -77,5 +77,7 @@ def test_the_help_lists_the_strategys_options_not_ddps(capsys):
     text = capsys.readouterr().out
     assert "--trainer.strategy.period" in text
     assert "bucket_cap_mb" not in text
-    assert "gradient_as_bucket_view" not in text
-    assert "--trainer.strategy.sync" in text  # find_unused_parameters is ours too, for sync="gradients"
+    assert "static_graph" not in text
+    assert "--trainer.strategy.sync" in text
+    # find_unused_parameters and gradient_as_bucket_view are ours too, for sync="gradients"
+    assert "--trainer.strategy.gradient_as_bucket_view" in text

@@ -182,10 +182,21 @@ def test_only_a_step_mode_slowdown_is_the_strategys_own():
 def test_ddp_options_are_those_of_gradient_sync_only():
     options = StrategySettings(find_unused_parameters=True).ddp_options()
     assert options.pop("find_unused_parameters") is True
-    assert options.pop("gradient_as_bucket_view") is True  # no copies between the gradients and the buckets
+    assert options.pop("gradient_as_bucket_view") is True  # no copy of a summed bucket back into the gradients
     # DDP's per-forward buffer broadcast is off, under the name this torch gives it.
     assert options in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
     assert StrategySettings(sync="models").ddp_options() == {}
+    assert (
+        StrategySettings(sync="gradients", gradient_as_bucket_view=False).ddp_options()["gradient_as_bucket_view"]
+        is False
+    )
+
+
+def test_gradient_as_bucket_view_is_the_strategys_own_switch():
+    strategy = AdaptiveElasticStrategy(sync="gradients", gradient_as_bucket_view=False)
+    assert strategy._ddp_kwargs["gradient_as_bucket_view"] is False
+    with pytest.raises(TypeError, match="gradient_as_bucket_view=True or gradient_as_bucket_view=False"):
+        StrategySettings(sync="gradients", gradient_as_bucket_view="no")
 
 
 class _Recorded:

@@ -252,14 +252,16 @@ def test_a_replica_that_turns_nan_is_left_out_and_every_replica_ends_finite(tmp_
 
 def test_large_buckets_summed_in_place_give_the_copied_sums_update_and_leave_a_nan_replica_out(tmp_path, monkeypatch):
     """A large host bucket is summed in place, its flags and the reports in a small all-reduce beside it: the same
-    update, exclusions and plans as the guarded copy's. Every bucket counts as large here (the forked replicas
-    inherit the threshold); the reports ride with the flags of the last bucket."""
+    update, exclusions and plans as the guarded copy's, with the gradients in DDP's buckets (the default) or
+    copied to and from them. Every bucket counts as large here (the forked replicas inherit the threshold); the
+    reports ride with the flags of the last bucket."""
     runs = {}
-    for form, threshold in (("copied", 1 << 62), ("in place", 0)):
+    forms = (("copied", 1 << 62, True), ("in place", 0, True), ("in place, gradients apart", 0, False))
+    for form, threshold, in_buckets in forms:
         monkeypatch.setattr(gradients, "IN_PLACE_MIN_ELEMENTS", threshold)
-        directory = tmp_path / form.replace(" ", "_")
+        directory = tmp_path / form.replace(" ", "_").replace(",", "")
         directory.mkdir()
-        strategy = AdaptiveElasticStrategy(start_method="fork", timeout=TIMEOUT)
+        strategy = AdaptiveElasticStrategy(start_method="fork", timeout=TIMEOUT, gradient_as_bucket_view=in_buckets)
         pl.seed_everything(7)
         cpu_trainer(strategy, max_steps=20, callbacks=[_FinalState(directory)]).fit(_NaNOnRankOne())
         runs[form] = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -268,6 +270,7 @@ def test_large_buckets_summed_in_place_give_the_copied_sums_update_and_leave_a_n
         assert [state["excluded"] for state in states] == [1, 1], states
         assert states[0]["parameters"] == states[1]["parameters"]
     assert runs["in place"][0]["parameters"] == pytest.approx(runs["copied"][0]["parameters"], abs=1e-6)
+    assert runs["in place, gradients apart"][0]["parameters"] == runs["in place"][0]["parameters"]
 
 
 class _CosineModel(RegressionModel):

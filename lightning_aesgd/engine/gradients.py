@@ -83,7 +83,7 @@ host, a pass over the bucket (and the page faults of a fresh tensor) that a seco
 about a million elements on, where the copy takes a few tenths of a millisecond. On a 17-million-parameter MLP
 those copies made the strategy's steps 11% slower than DDP's on 2 equal CPU replicas (171 ms against 154 ms); in
 place, 6%; in place into the gradients themselves (DDP's ``gradient_as_bucket_view``, which the strategy sets),
-4% faster than Lightning's DDP and 3% slower than DDP with that option, by the probe (docs/results/large_model).
+4% faster than Lightning's DDP and 3% slower than DDP with that option, because of the probe (docs/results/large_model).
 Devices keep the copy, cheap at their bandwidth, where a second collective
 is not. Every replica sees the same bucket sizes, so all choose alike."""
 

@@ -190,7 +190,7 @@ def test_tiny_benchmark_writes_sane_figures(tmp_path: Path, capsys: pytest.Captu
     assert "| strong | adaptive_sgd |" in capsys.readouterr().out
 
 
-def test_ddp_races_without_its_per_forward_buffer_broadcast_unless_asked(tmp_path: Path):
+def test_ddp_races_as_the_strategy_configures_it_unless_asked(tmp_path: Path):
     own = ["algorithm=ddp", "algorithm.sync_buffers_at_forward=true"]
     variants = {"ddp_b64": ["algorithm=ddp", "data.batch_size=64"], "ddp_own": own}
     target = Target.parse("val/acc=0.85")
@@ -202,6 +202,8 @@ def test_ddp_races_without_its_per_forward_buffer_broadcast_unless_asked(tmp_pat
 
     for fair in ("ddp", "ddp_b64", "post_local_sgd"):
         assert NO_BUFFER_SYNC_AT_FORWARD.items() <= strategy(fair)._ddp_kwargs.items(), fair
+    for fair in ("ddp", "ddp_b64"):  # its gradients in its buckets, as the strategy's
+        assert strategy(fair)._ddp_kwargs["gradient_as_bucket_view"] is True, fair
     for broadcasting in ("ddp_lightning", "ddp_own"):  # Lightning's default, as a user gets it
         assert strategy(broadcasting)._ddp_kwargs == {}, broadcasting
     assert not hasattr(strategy("sync_adaptive"), "sync_buffers_at_forward")  # the switch is DDP's alone

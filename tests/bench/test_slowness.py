@@ -213,5 +213,6 @@ def test_ddp_races_with_the_strategys_buffer_policy_and_equal_shared_replicas_ru
     ddp, callbacks = _strategy("ddp", CASES["step"].profile(), replicas_sharing=4)
     assert NO_BUFFER_SYNC_AT_FORWARD.items() <= ddp._ddp_kwargs.items()
     assert NO_BUFFER_SYNC_AT_FORWARD.items() <= StrategySettings().ddp_options().items()
+    assert ddp._ddp_kwargs["gradient_as_bucket_view"] is StrategySettings().gradient_as_bucket_view is True
     assert len(callbacks) == 1  # the step mode reaches DDP through the callback
     assert CASES["shared-cores-equal"].profile() is None

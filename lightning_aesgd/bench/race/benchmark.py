@@ -29,6 +29,8 @@ TINY_REPLICAS = 2
 
 BUFFER_BROADCAST = "algorithm.sync_buffers_at_forward"
 """The ``ddp`` config's switch for DDP's broadcast of BatchNorm buffers from rank zero at every forward."""
+BUCKET_VIEW = "algorithm.gradient_as_bucket_view"
+"""DDP's option that keeps the gradients in its communication buckets, which the strategy sets (not in the config)."""
 LIGHTNING_DDP = "ddp_lightning"
 """The entrant that races Lightning's DDP as it comes, buffer broadcast included (``ddp`` races without it)."""
 BUILT_IN_VARIANTS: dict[str, list[str]] = {LIGHTNING_DDP: ["algorithm=ddp", f"{BUFFER_BROADCAST}=true"]}
@@ -127,11 +129,12 @@ def entrant_overrides(variants: dict[str, list[str]], algorithm: str) -> list[st
     for models that have them, which the strategy skips (it hands rank zero's buffers over at evaluation,
     checkpoints and the end of fit). Every DDP entrant (``ddp``, and ``post_local_sgd``, whose local steps would
     otherwise still broadcast) therefore races without that broadcast, unless its overrides set the switch
-    themselves; ``ddp_lightning`` is Lightning's DDP as it comes.
+    themselves; ``ddp_lightning`` is Lightning's DDP as it comes. ``ddp`` so raced also keeps its gradients in its
+    buckets (``gradient_as_bucket_view``), as the strategy does: no copy of each summed bucket back into them.
 
     Example:
         >>> entrant_overrides({}, "ddp")
-        ['algorithm=ddp', 'algorithm.sync_buffers_at_forward=false']
+        ['algorithm=ddp', 'algorithm.sync_buffers_at_forward=false', '+algorithm.gradient_as_bucket_view=true']
         >>> entrant_overrides({}, "sma"), entrant_overrides({}, "ddp_lightning")
         (['algorithm=sma'], ['algorithm=ddp', 'algorithm.sync_buffers_at_forward=true'])
     """
@@ -139,7 +142,8 @@ def entrant_overrides(variants: dict[str, list[str]], algorithm: str) -> list[st
     algorithms = [override.split("=", 1)[1] for override in chosen if override.startswith("algorithm=")]
     sets_switch = any(override.lstrip("+").startswith(f"{BUFFER_BROADCAST}=") for override in chosen)
     if algorithms[-1:] in (["ddp"], ["post_local_sgd"]) and not sets_switch:
-        return [*chosen, f"{BUFFER_BROADCAST}=false"]
+        in_buckets = [f"+{BUCKET_VIEW}=true"] if algorithms[-1] == "ddp" else []
+        return [*chosen, f"{BUFFER_BROADCAST}=false", *in_buckets]
     return list(chosen)
 
 

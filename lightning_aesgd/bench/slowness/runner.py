@@ -138,7 +138,9 @@ def _strategy(algorithm: str, profile: SlowdownProfile | None, replicas_sharing:
     if algorithm == "adaptive_elastic":
         return AdaptiveElasticStrategy(slowdown=profile if inside else None, start_method="fork"), slowdown
     if algorithm == "ddp":
-        return pl.strategies.DDPStrategy(start_method="fork", **NO_BUFFER_SYNC_AT_FORWARD), slowdown
+        # DDP as the strategy configures it: no per-forward broadcast, the gradients in the buckets.
+        fair = {**NO_BUFFER_SYNC_AT_FORWARD, "gradient_as_bucket_view": True}
+        return pl.strategies.DDPStrategy(start_method="fork", **fair), slowdown
     return "auto", slowdown
 
 
