@@ -170,7 +170,8 @@ def admitted_replicas(
     only improvements by more than ``margin``: ``k`` moves from ``b`` to a larger ``k`` only if
     ``T_k < (1 − margin)·T_b`` (relative: 10%, so that noise in the models, CPU quotas' above all, does not leave
     out a replica whose help is real but small). Several equally slow replicas thus leave together: leaving out one
-    of them alone shortens nothing while the others still hold the step. One replica always stays.
+    of them alone shortens nothing while the others still hold the step. One replica always stays. The search stops
+    where no larger ``k`` can win, with the same choice as trying every ``k``.
 
     Example:
         >>> admitted_replicas(96, [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 50.0)], min_size=4)
@@ -191,17 +192,18 @@ def admitted_replicas(
         return None in [highs[i] for i in ranks] or sum(highs[i] for i in ranks) >= total
 
     slowest_first = sorted(range(len(step_times)), key=lambda i: -step_times[i].seconds(lows[i]))
-    one_sample = max(time.seconds(1) - time.seconds(0) for time in step_times)
+    rounding = _largest_sample_times(step_times, slowest_first)
     best = 0  # replicas left out, slowest first
     best_time = time = step_time(slowest_first)
     for left_out in range(1, len(slowest_first)):
-        # Once the rest's slowest replica no longer holds the step at its floor (by more than the balanced plan's
-        # rounding, one sample of any replica), every replica left takes more than its floor: leaving out more
-        # only takes capacity away, and no larger k can win. Without this stop each plan of n replicas cost n
-        # balanced plans (64 replicas: about 15 ms a plan). At batches of a few samples the plans' rounding can
-        # still make a larger k look better; the stop then keeps the replicas in.
-        previous = slowest_first[left_out - 1]
-        if step_times[previous].seconds(lows[previous]) + one_sample < time:
+        # A plan's step time lies within one sample of the best real-valued plan's, T*, of the slowest replica
+        # planned (the plan rounds each size up by at most one). Once the next replica to leave does not hold the
+        # step at its floor, nor does any after it: every replica left takes more than its floor, and leaving out
+        # more only takes capacity away, so T* grows from here on. No larger k can then win unless one sample of
+        # rounding could carry it past the margin. Without this stop each plan of n replicas cost n balanced plans
+        # (64 replicas: about 15 ms a plan).
+        previous, lowest_ahead = slowest_first[left_out - 1], time - rounding[left_out - 1]
+        if step_times[previous].seconds(lows[previous]) < lowest_ahead and lowest_ahead >= (1 - margin) * best_time:
             break
         rest = slowest_first[left_out:]
         if not can_hold_the_step(rest):
@@ -210,6 +212,15 @@ def admitted_replicas(
             best, best_time = left_out, time
     chosen = set(slowest_first[best:])
     return [i in chosen for i in range(len(step_times))]
+
+
+def _largest_sample_times(step_times: Sequence[StepTime], order: Sequence[int]) -> list[float]:
+    """For each position in ``order``, the largest time of one sample among the replicas from there on."""
+    largest, running = [], 0.0
+    for rank in reversed(order):
+        running = max(running, step_times[rank].seconds(1) - step_times[rank].seconds(0))
+        largest.append(running)
+    return largest[::-1]
 
 
 @dataclass(frozen=True)

@@ -291,15 +291,14 @@ def _admitted_by_every_k(total, times, lows, highs, margin):
         min_size=1,
         max_size=12,
     ),
-    per_replica=st.integers(4, 64),
-    margin=st.sampled_from([0.1, 0.3]),
+    per_replica=st.integers(0, 64),
+    margin=st.sampled_from([0.0, 0.1, 0.3]),
     capped=st.booleans(),
 )
 def test_admission_stops_early_only_where_no_more_left_out_could_win(fleet, per_replica, margin, capped) -> None:
-    """It stops once the rest's slowest replica no longer holds the step at its floor (without the stop, planning
-    64 replicas cost 64 balanced plans): the same choice as trying every k, at the strategy's margin (10%) or more
-    and batches of 4 samples and more above the floors. Without a margin, or at smaller batches, one sample of the
-    balanced plans' rounding can make a larger k look better, and the stop keeps those replicas in."""
+    """It stops once the rest's slowest replica no longer holds the step at its floor and one sample of the plans'
+    rounding could not carry a larger k past the margin (without the stop, planning 64 replicas cost 64 balanced
+    plans): the same choice as trying every k, at any margin and batch."""
     times = [StepTime(overhead * slowness, per_sample * slowness) for overhead, per_sample, _, slowness in fleet]
     lows = [low for _, _, low, _ in fleet]
     total = sum(lows) + per_replica * len(fleet)
@@ -342,3 +341,27 @@ def test_balanced_plans_hold_where_speeds_differ_by_1e15_or_the_floors_take_ever
     mixed = [StepTime(0.6626413407502934, 0.5097926495396711), fast, StepTime(0.0, 1.4977639153824007)]
     assert balance_step_times(11, mixed, [3, 0, 0], [8, 11, 9]) == [3, 7, 1]
     assert balance_step_times(0, [StepTime(0.3, 1e-3), StepTime(0.0, 1.0)], 0) == [0, 0]
+
+
+def test_admission_looks_past_a_replica_whose_samples_round_the_step_up() -> None:
+    """Hypothesis's case: a replica with no fixed cost but a third of a second per sample holds the balanced step at
+    4 of its samples while 4 replicas stay in; leaving it out too shortens the step by less than one of its samples
+    but more than the margin against the best so far. The stop once ended the search before it (4 left out)."""
+    fleet = [
+        (0.027941511672329906, 0.0016414605135759975, 3, 50),
+        (0.01704576264038508, 0.0032785567940183907, 10, 50),
+        (0.044752219977099716, 0.0021250991642553048, 10, 2),
+        (0.0, 0.008014757913462435, 4, 1),
+        (0.03603991469646139, 0.006120500949714203, 5, 50),
+        (0.01704576264038508, 0.0032785567940183907, 10, 50),
+        (0.015716780223246987, 0.009925151198845229, 10, 1),
+        (0.044752219977099716, 0.0021250991642553048, 10, 2),
+        (0.008949593720634565, 0.007061365785514746, 1, 50),
+        (2.6984541093435733e-108, 0.006664218007691755, 1, 50),
+        (0.03603991469646139, 0.006120500949714203, 5, 50),
+        (0.00808465085868251, 0.0038419270597306364, 3, 50),
+    ]
+    times = [StepTime(overhead * slowness, per_sample * slowness) for overhead, per_sample, _, slowness in fleet]
+    lows = [low for _, _, low, _ in fleet]
+    admitted = admitted_replicas(sum(lows) + 59 * len(fleet), times, lows, None, margin=0.3)
+    assert admitted == [False, False, True, True, False, False, True, True, False, False, False, False]
