@@ -365,3 +365,8 @@ def test_admission_looks_past_a_replica_whose_samples_round_the_step_up() -> Non
     lows = [low for _, _, low, _ in fleet]
     admitted = admitted_replicas(sum(lows) + 59 * len(fleet), times, lows, None, margin=0.3)
     assert admitted == [False, False, True, True, False, False, True, True, False, False, False, False]
+
+
+def test_water_level_is_the_first_breakpoint_where_the_lows_already_reach_the_total() -> None:
+    # Replica 0 is pinned at 5 (low = high), replica 1 sits at its low of 8 until x = 8: the sum is 13 from x = 5 on.
+    assert water_level(13, [(0.0, 1.0), (0.0, 1.0)], [5, 8], [5, 20]) == 5.0

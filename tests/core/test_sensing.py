@@ -1,3 +1,5 @@
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -153,3 +155,142 @@ def test_without_a_reference_every_report_weighs_one():
     restored = ArrivalModel(1, smoothing=0.8)
     restored.load_state_dict(long.state_dict())
     assert restored.smoothing_now == long.smoothing_now
+
+
+def test_a_default_report_measures_nothing_and_says_finite_and_untracked():
+    assert PeriodReport(2.0).as_row() == [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0]
+    assert not PeriodReport(2.0).measured
+
+
+@pytest.mark.parametrize(
+    ("planned", "steps", "active", "measured"),
+    [(1.0, 1.0, 0.1, True), (0.0, 1.0, 0.1, False), (8.0, 1.0, 0.0, False), (8.0, 0.0, 0.1, False)],
+)
+def test_a_report_is_measured_only_with_steps_samples_and_active_time(planned, steps, active, measured):
+    report = PeriodReport(1.0, work=planned, planned=planned, steps=steps, active=active)
+    assert report.measured is measured
+
+
+def test_the_arrival_model_checks_its_replicas_and_reports():
+    with pytest.raises(ValueError, match="at least one replica"):
+        ArrivalModel(0)
+    model = ArrivalModel(2)
+    with pytest.raises(ValueError, match="one report per replica"):
+        model.update([_report(8, 0.1)])
+    ArrivalModel(1, reference_steps=0.5)  # any positive reference
+
+
+def test_the_arrival_model_smooths_with_beta_0_8_by_default():
+    model = ArrivalModel(1)
+    model.update([_report(64, 1.0)])
+    model.update([_report(64, 2.0)])
+    # Bias-corrected average of two periods: (β·1 + 2) / (1 + β).
+    assert model.step_seconds() == pytest.approx([(0.8 * 1.0 + 2.0) / 1.8])
+
+
+def test_the_longest_report_of_a_merge_sets_the_smoothing():
+    model = ArrivalModel(2, smoothing=0.8, reference_steps=3)
+    model.update([_report(64, 0.03, steps=3), _report(64, 0.12, steps=12)])
+    assert model.smoothing_now == pytest.approx(0.8**4)
+
+
+def test_a_replica_not_measured_yet_has_no_model_and_zero_rates():
+    model = ArrivalModel(2)
+    model.update([_report(64, 0.1), PeriodReport(1.0)])
+    assert model.models() is None
+    assert model.step_seconds() == [pytest.approx(0.1), 0.0]
+    assert model.rates() == [pytest.approx(640.0), 0.0]
+
+
+def test_a_change_of_speed_restarts_the_estimates_at_its_second_period():
+    """Two periods in a row beyond the threshold (25%) on the same side are a new level: the estimates restart there."""
+    model = ArrivalModel(1, smoothing=0.8)
+    for _ in range(5):
+        model.update([_report(64, 0.064)])
+        assert model.shifted == [False]
+    model.update([_report(64, 0.128)])  # twice as slow: one period is not yet a new speed
+    assert model.shifted == [False]
+    # Bias-corrected average of five periods of 0.064 and one of 0.128: the weight of the newest is (1 − β)/(1 − β⁶).
+    gain = 0.2 / (1 - 0.8**6)
+    assert model.step_seconds() == pytest.approx([(1 - gain) * 0.064 + gain * 0.128])
+    model.update([_report(64, 0.128)])
+    assert model.shifted == [True]
+    assert model.step_seconds() == pytest.approx([0.128])
+    assert model.rates() == pytest.approx([500.0])
+
+
+def test_a_replica_marked_stale_restarts_at_its_next_measured_period():
+    model = ArrivalModel(2, smoothing=0.8)
+    model.update([_report(64, 0.064), _report(64, 0.064)])
+    model.restart_next(1)
+    assert model.restarts_pending() == {1}
+    model.update([_report(64, 0.070), PeriodReport(1.0)])  # replica 1 not measured: still pending
+    assert model.restarts_pending() == {1}
+    model.update([_report(64, 0.070), _report(64, 0.070)])
+    assert model.restarts_pending() == set()
+    assert model.step_seconds()[1] == pytest.approx(0.070)
+    assert model.step_seconds()[0] < 0.070  # not restarted: still averaging the first period in
+
+
+def test_the_noise_of_the_arrival_model_rests_on_periods_at_the_same_batch_and_survives_a_checkpoint():
+    model = ArrivalModel(1)
+    for seconds in (0.1, 0.11, 0.1):
+        model.update([_report(64, seconds)])
+    # Two differences of log 1.1: σ = median |d| / (0.6745·√2).
+    assert model.noise() == pytest.approx([math.log(1.1) / (0.6744897501960817 * math.sqrt(2))])
+    assert model.noise_known(2)
+    assert not model.noise_known(3)
+    model.restart_next(0)
+    restored = ArrivalModel(1)
+    restored.load_state_dict(model.state_dict())
+    assert restored.noise() == model.noise()
+    assert restored.noise_known(2)
+    assert restored.restarts_pending() == {0}
+
+
+def test_a_change_of_batch_explains_a_miss_as_large_as_the_change():
+    """A fixed-cost step at a doubled batch misses the speed-proportional model by log 2, all of it explained."""
+    model = ArrivalModel(1, smoothing=0.8)
+    for _ in range(5):
+        model.update([_report(64, 0.064)])
+    for _ in range(2):
+        model.update([_report(128, 0.064)])
+        assert model.shifted == [False]
+
+
+def test_damping_settings_accept_their_bounds():
+    check_plan_damping(0.0, 1.0, 0.0)
+    check_plan_damping(1.0, 1e-6, 0.99)
+
+
+def test_the_floor_defaults_to_one_and_rounds_up_only_what_exceeds_a_whole_sample():
+    assert batch_floor(256, 4) == 1
+    assert batch_floor(256, 4, min_share=0.5) == 32  # exactly 32: not rounded up to 33
+    assert batch_floor(256, 4, min_share=1.0) == 64
+    with pytest.raises(ValueError, match="min_share"):
+        batch_floor(256, 4, min_share=1.5)
+
+
+def test_a_damped_plan_by_default_moves_half_way_beyond_a_three_percent_band_and_keeps_one_sample():
+    assert damped_plan([100, 100], [102, 98]) == [100, 100]  # 2% is inside the default band
+    assert damped_plan([100, 100], [104, 96]) == [102, 98]
+    assert damped_plan([1, 99], [0, 100], gain=1.0, dead_band=0.0) == [1, 99]  # the default min_size of 1
+
+
+def test_a_damped_plan_band_is_inclusive_and_a_full_gain_jumps_to_the_target():
+    assert damped_plan([100, 100], [125, 75], gain=0.5, dead_band=0.25) == [100, 100]
+    assert damped_plan([100, 100], [126, 74], gain=1.0, dead_band=0.25) == [126, 74]
+
+
+@pytest.mark.parametrize(
+    ("current", "target", "gain", "match"),
+    [
+        ([1, 2], [3], 0.5, "plans must match"),
+        ([1, 2], [2, 2], 0.5, "plans must match"),
+        ([1, 2], [2, 1], 0.0, "gain"),
+        ([1, 2], [2, 1], 1.5, "gain"),
+    ],
+)
+def test_a_damped_plan_checks_its_plans_and_gain(current, target, gain, match):
+    with pytest.raises(ValueError, match=match):
+        damped_plan(current, target, gain, dead_band=0.0)

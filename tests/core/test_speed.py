@@ -295,3 +295,61 @@ def test_step_time_state_round_trip_and_invalid_input() -> None:
         estimator.update(0, 1.0)
     with pytest.raises(ValueError, match="smoothing"):
         StepTimeEstimator(smoothing=1.0)
+
+
+def test_both_estimators_smooth_with_their_documented_default_beta() -> None:
+    speed, step_time = SpeedEstimator(), StepTimeEstimator()
+    for seconds in (1.0, 3.0):
+        speed.update(10.0, seconds)
+        step_time.update(64, seconds)
+    # Bias-corrected average of two steps: (β·t₁ + t₂) / (1 + β), β = 0.9 and 0.8.
+    assert speed.mean_seconds == pytest.approx((0.9 * 1.0 + 3.0) / 1.9)
+    model = step_time.model()
+    assert model is not None
+    assert model.seconds(64) == pytest.approx((0.8 * 1.0 + 3.0) / 1.8)
+
+
+def test_a_fresh_speed_estimator_state_loads() -> None:
+    restored = SpeedEstimator()
+    restored.load_state_dict(SpeedEstimator().state_dict())
+    assert restored.rate is None
+
+
+def test_a_step_time_restart_forgets_the_past_and_the_mean_size_follows_the_batches() -> None:
+    estimator = StepTimeEstimator(smoothing=0.5)
+    assert estimator.mean_size == 0.0
+    estimator.update(64, 1.0)
+    estimator.update(128, 1.0)
+    assert estimator.mean_size == pytest.approx((0.5 * 64 + 128) / 1.5)
+    estimator.restart(32, 2.0)
+    assert estimator.mean_size == pytest.approx(32)
+    model = estimator.model()
+    assert model is not None
+    assert model.seconds(32) == pytest.approx(2.0)
+
+
+def test_step_time_model_learns_nothing_from_sizes_within_the_minimum_spread() -> None:
+    # Sizes 100 and 102 vary by about 1% (< 5%): a line through them would be noise, so k stays 0.
+    estimator = StepTimeEstimator(smoothing=0.8)
+    for size in [100, 102] * 5:
+        estimator.update(size, 0.02 + 1e-4 * size)
+    assert estimator.fixed_samples == 0.0
+
+
+def test_step_time_model_raises_a_learnt_fixed_cost_when_steps_stop_growing_with_the_batch() -> None:
+    estimator = StepTimeEstimator(smoothing=0.8)
+    for size in [100, 400, 200, 800, 300, 600] * 3:
+        estimator.update(size, 0.02 + 1e-4 * size)
+    assert estimator.fixed_samples == pytest.approx(200)
+    for size, seconds in [(300, 0.07), (500, 0.065)] * 3:  # no line: barely longer at a larger batch
+        estimator.update(size, seconds)
+    assert estimator.fixed_samples > 300
+
+
+def test_step_time_model_keeps_the_fixed_cost_below_95_percent_of_the_step() -> None:
+    estimator = StepTimeEstimator(smoothing=0.8)
+    for size in [100, 400, 200, 800] * 3:
+        estimator.update(size, 0.05 + 1e-9 * size)  # a line, but nearly all fixed cost
+    model = estimator.model()
+    assert model is not None
+    assert model.overhead == pytest.approx(0.95 * model.seconds(estimator.mean_size))

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_aesgd.core.tuning import learners_to_keep, measures_more
+from lightning_aesgd.core.tuning import learners_to_keep, measures_more, rates_text
 
 
 @pytest.mark.parametrize(
@@ -47,3 +47,13 @@ def test_the_tuner_needs_a_measurement_and_a_sane_gain():
         learners_to_keep([], 0.1)
     with pytest.raises(ValueError, match="min_gain"):
         learners_to_keep([1.0], -0.5)
+
+
+def test_a_failed_first_learner_ends_the_search_and_any_positive_rate_counts():
+    assert not measures_more([0.0], 0.1, max_learners=8)  # out of memory with one learner: nothing to add
+    assert not measures_more([math.nan], 0.1, max_learners=8)
+    assert measures_more([0.5], 0.1, max_learners=2)  # slow, but it ran
+
+
+def test_the_rates_text_names_only_the_counts_that_could_not_run():
+    assert rates_text([0.4, 0.0]) == "1: 0, 2: did not run"
