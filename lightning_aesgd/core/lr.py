@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_aesgd.core.values import is_whole
+from lightning_aesgd.core.values import is_real, is_whole
 
 __all__ = ["InverseTimeDecay", "stale_update_scale"]
 
@@ -49,11 +49,11 @@ class InverseTimeDecay:
     warmup_start: float = 0.01
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.decay, (int, float)) and math.isfinite(self.decay) and self.decay >= 0):
+        if not (is_real(self.decay) and math.isfinite(self.decay) and self.decay >= 0):
             raise ValueError(f"`decay` must be a finite number >= 0, got {self.decay!r}. HINT: 0 keeps the rate.")
         if not is_whole(self.warmup_steps) or self.warmup_steps < 0:
             raise ValueError(f"`warmup_steps` counts steps, got {self.warmup_steps!r}. HINT: pass a whole number >= 0.")
-        if not (isinstance(self.warmup_start, (int, float)) and 0.0 < self.warmup_start <= 1.0):
+        if not (is_real(self.warmup_start) and 0.0 < self.warmup_start <= 1.0):
             raise ValueError(
                 f"`warmup_start` is the ramp's first factor, got {self.warmup_start!r}. HINT: pass a value in (0, 1]."
             )

@@ -51,7 +51,14 @@ def test_it_drives_a_torch_lambda_lr():
 
 @pytest.mark.parametrize(
     "options",
-    [{"decay": -0.1}, {"decay": float("nan")}, {"decay": 0.1, "warmup_steps": -1}, {"decay": 0.1, "warmup_steps": 1.5}],
+    [
+        {"decay": -0.1},
+        {"decay": float("nan")},
+        {"decay": True},
+        {"decay": 0.1, "warmup_steps": -1},
+        {"decay": 0.1, "warmup_steps": 1.5},
+        {"decay": 0.1, "warmup_start": True},
+    ],
 )
 def test_bad_settings_are_refused(options):
     with pytest.raises(ValueError, match="HINT"):
@@ -100,3 +107,9 @@ def test_abs_sgds_one_step_delay_halves_the_rate():
 def test_the_scale_needs_a_whole_delay(delay):
     with pytest.raises(ValueError, match="whole number"):
         stale_update_scale(delay)
+
+
+def test_without_a_warm_up_the_decay_starts_at_step_zero():
+    # The defaults: no ramp (w = 0), so f(t) = 1 / (1 + decay·t) from the first step.
+    schedule = InverseTimeDecay(decay=0.5)
+    assert [schedule(t) for t in range(3)] == [1.0, pytest.approx(1 / 1.5), 0.5]

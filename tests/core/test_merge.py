@@ -22,6 +22,7 @@ from lightning_aesgd.core.merge import (
     CentralElastic,
     ElasticAverage,
     MergeRule,
+    as_merge_rule,
     available_merge_rules,
     elastic_pull_,
     extrapolate_,
@@ -202,6 +203,13 @@ def test_elastic_pull_is_exact_at_both_ends_and_linear_between(replicas: list[to
     torch.testing.assert_close(pulled, x - alpha * (x - target), rtol=1e-5, atol=1e-3)
 
 
+def test_elastic_pull_hard_reset_replaces_even_a_diverged_replica() -> None:
+    # α = 1: x becomes exactly the target, whatever x held (a lerp would give NaN for an infinite x).
+    x = tensor(math.inf, -math.inf, math.nan)
+    elastic_pull_(x, tensor(1.0, 2.0, 3.0), 1.0)
+    assert torch.equal(x, tensor(1.0, 2.0, 3.0))
+
+
 def test_extrapolate_adds_momentum_times_the_last_move_and_shifts_the_history() -> None:
     mean = tensor(1.0, 1.0)
     history = {"previous": tensor(3.0, 2.0), "before_previous": tensor(1.0, 2.0)}
@@ -378,6 +386,15 @@ def test_elastic_average_closed_form_with_outer_momentum() -> None:
     torch.testing.assert_close(cluster.states[0]["before_previous"], z2)
 
 
+@pytest.mark.parametrize(
+    ("alpha", "momentum", "expected"), [(1.0, 0.0, True), (0.5, 0.0, False), (1.0, 0.5, False), (0.0, 0.0, False)]
+)
+def test_only_a_hard_reset_without_momentum_replaces_replicas_with_the_mean(
+    alpha: float, momentum: float, expected: bool
+) -> None:
+    assert ElasticAverage(alpha=alpha, momentum=momentum).replaces_replicas_with_mean is expected
+
+
 def test_elastic_average_without_momentum_stores_no_history() -> None:
     assert ElasticAverage(momentum=0.0).init_state(tensor(1.0)) == {}
 
@@ -494,6 +511,29 @@ def test_easgd_is_elastically_symmetric(beta: float, updates: list[torch.Tensor]
         torch.testing.assert_close(center_after - center_before, given_up, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize(
+    ("rule", "num_replicas", "overshoots"),
+    [
+        (CentralElastic(alpha=0.5), 2, False),  # α·n = 1: the central model lands on the mean
+        (CentralElastic(alpha=0.5), 3, True),
+        (SMA(), 10, False),
+        (SMA(), 11, True),
+        (EASGD(beta=1.0), 7, False),  # α = β / n: the pull is β whatever n
+    ],
+    ids=str,
+)
+def test_an_overshoot_is_warned_of_when_alpha_times_n_exceeds_one(
+    rule: CentralElastic, num_replicas: int, overshoots: bool
+) -> None:
+    warning = rule.overshoot_warning(num_replicas)
+    if not overshoots:
+        assert warning is None
+    else:
+        assert warning is not None
+        assert f"on {num_replicas} replicas" in warning
+        assert f"alpha <= {1 / num_replicas:g}" in warning
+
+
 def test_presets_carry_the_papers_defaults() -> None:
     sma = SMA()
     assert (sma.alpha, sma.central_momentum, sma.needs_snapshot, sma.resets_on_lr_drop) == (0.1, 0.9, True, True)
@@ -538,6 +578,12 @@ def test_get_merge_rule_builds_the_named_rule(name: str, kwargs: dict[str, float
         assert getattr(rule, key) == value
 
 
+def test_as_merge_rule_builds_a_named_rule_and_passes_a_rule_object_through() -> None:
+    assert type(as_merge_rule("sma")) is SMA
+    rule = ElasticAverage(alpha=0.5)
+    assert as_merge_rule(rule) is rule
+
+
 def test_available_merge_rules_lists_every_name() -> None:
     assert available_merge_rules() == ["easgd", "elastic_average", "sma"]
 
@@ -560,6 +606,7 @@ def test_get_merge_rule_lists_valid_names_for_an_unknown_one() -> None:
         (lambda: SMA(alpha=-1.0), r"`alpha` must be in \[0, 1\]"),
         (lambda: EASGD(beta=0.0), r"`beta` must be in \(0, 1\].*0\.9"),
         (lambda: EASGD(beta=1.5), r"`beta` must be in \(0, 1\]"),
+        (lambda: EASGD(beta=-0.5), r"`beta` must be in \(0, 1\]"),
         (lambda: get_merge_rule("sma", alpha=3.0), r"`alpha` must be in \[0, 1\]"),
     ],
 )
@@ -573,3 +620,8 @@ def test_merge_rejects_an_empty_replica_set(rule: MergeRule) -> None:
     local = tensor(1.0)
     with pytest.raises(ValueError, match="`num_replicas` must be >= 1"):
         rule.merge_(local, local, local, num_replicas=0, state=rule.init_state(local))
+
+
+def test_easgd_accepts_the_full_coupling():
+    rule = EASGD(beta=1.0)  # β in (0, 1]: 1 included
+    assert rule.alpha_for(4) == 0.25

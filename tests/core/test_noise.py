@@ -126,3 +126,52 @@ def test_no_batch_sizes_pass_for_a_change_of_speed_on_a_device_of_constant_speed
     for size in sizes:
         model.update([_report(size, fixed + per_sample * size)])
         assert model.shifted == [False]
+
+
+def test_the_noise_is_zero_until_two_periods_at_one_size_were_seen():
+    noise = StepNoise()
+    assert (noise.count, noise.relative) == (0, 0.0)
+    noise.update(64, 0.005)
+    assert (noise.count, noise.relative) == (0, 0.0)
+    noise.update(64, 0.005 * math.exp(0.1))
+    assert noise.count == 1
+    assert noise.relative == pytest.approx(0.1 / (0.6744897501960817 * math.sqrt(2.0)))
+
+
+def test_a_fresh_noise_survives_a_checkpoint():
+    restored = StepNoise()
+    restored.load_state_dict(StepNoise().state_dict())
+    assert (restored.count, restored.relative) == (0, 0.0)
+    restored.update(64, 0.005)
+    assert restored.count == 0  # no period before this one to compare with
+
+
+@pytest.mark.parametrize(
+    ("differences", "median"),
+    [([0.6, 0.1, 0.2], 0.2), ([0.8, 0.1, 0.4, 0.2], 0.3), ([0.5], 0.5), ([0.1, 0.7], 0.4)],
+)
+def test_the_noise_is_the_median_difference_over_0_6745_root_2(differences, median):
+    noise = StepNoise()
+    noise.load_state_dict({"differences": differences, "previous": None})
+    assert noise.count == len(differences)
+    assert noise.relative == pytest.approx(median / (0.6744897501960817 * math.sqrt(2.0)), rel=1e-12)
+
+
+def test_without_replicas_the_band_is_its_floor():
+    assert noise_band([], smoothing=0.8, floor=0.03) == 0.03
+
+
+def test_a_level_shift_needs_both_misses_beyond_the_larger_of_threshold_and_4_sigma():
+    # Without noise the limit is the threshold 0.25, which a miss must exceed, not just reach.
+    assert not is_level_shift([0.2, 0.2], noise=0.0)
+    assert not is_level_shift([0.25, 0.3], noise=0.0)
+    assert not is_level_shift([0.3, 0.25], noise=0.0)
+    assert is_level_shift([0.26, 0.26], noise=0.0)
+    # With σ = 0.1 the limit is 4σ = 0.4.
+    assert not is_level_shift([0.35, 0.35], noise=0.1)
+    assert is_level_shift([0.45, 0.45], noise=0.1)
+
+
+def test_too_few_misses_are_no_level_shift():
+    assert is_level_shift([], noise=0.0) is False
+    assert is_level_shift([5.0], noise=0.0) is False

@@ -86,6 +86,16 @@ def test_invalid_schedules_raise_with_a_hint(period: int, warmup_steps: int, mes
         merge_due(0, period, warmup_steps)
 
 
+@pytest.mark.parametrize(("period", "warmup_steps"), [(4.0, 0), (2, 1.5), (True, 0), (2, "1")])
+def test_schedules_that_do_not_count_in_whole_steps_are_refused(period: object, warmup_steps: object) -> None:
+    with pytest.raises(ValueError, match="whole numbers"):
+        validate_schedule(period, warmup_steps)  # type: ignore[arg-type]
+
+
+def test_merge_due_without_a_warm_up_merges_every_period_from_step_zero() -> None:
+    assert [step for step in range(6) if merge_due(step, period=2)] == [0, 2, 4]
+
+
 def test_merge_due_rejects_a_negative_step() -> None:
     with pytest.raises(ValueError, match="0-based index"):
         merge_due(-1, period=2)
@@ -129,9 +139,16 @@ def test_linear_warmup_then_decay_is_no_drop_before_its_last_steps() -> None:
     assert all(step >= 195 for step in fired), fired
 
 
-def test_a_drop_ratio_outside_zero_one_is_refused_with_a_hint() -> None:
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_drop_ratio_outside_zero_one_is_refused_with_a_hint(ratio: float) -> None:
     with pytest.raises(ValueError, match="HINT"):
-        LearningRateDrop(ratio=1.0)
+        LearningRateDrop(ratio=ratio)
+
+
+def test_a_fall_to_half_the_rate_is_a_drop_and_a_smaller_fall_is_not() -> None:
+    # The default ratio 0.5: a MultiStep drop with γ = 0.5 counts, within one step, the boundary included.
+    drop = LearningRateDrop()
+    assert [drop.observe(lr) for lr in (1.0, 0.5, 0.3, 0.2)] == [False, True, False, False]
 
 
 @given(st.floats(min_value=0.0, max_value=100.0), st.integers(min_value=1, max_value=10))

@@ -7,7 +7,7 @@ import pytest
 
 from lightning_aesgd.core.lr import InverseTimeDecay, stale_update_scale
 from lightning_aesgd.core.schedule import validate_schedule
-from lightning_aesgd.core.values import is_real, is_whole
+from lightning_aesgd.core.values import is_real, is_whole, plain
 from lightning_aesgd.placement import check_replicas_per_device
 
 
@@ -35,3 +35,8 @@ def test_option_checks_take_numpy_counts_as_a_sweep_might_give_them():
     assert type(check_replicas_per_device(np.int64(2))) is int
     with pytest.raises(ValueError, match="period"):
         validate_schedule(True, 0)
+
+
+@pytest.mark.parametrize("value", ["4", None, {"period": 4}, 1j])
+def test_plain_returns_what_is_no_number_nor_list_as_it_is(value):
+    assert plain(value) is value

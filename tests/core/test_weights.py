@@ -8,10 +8,12 @@ from hypothesis import strategies as st
 
 from lightning_aesgd.core.weights import (
     MERGE_WEIGHTS,
+    AdaptiveNormalization,
     L2Trend,
     linear_lr_scale,
     normalize,
     nudge_extremes,
+    nudge_factor,
     replica_weight,
 )
 
@@ -40,6 +42,12 @@ def weight_lists(draw: st.DrawFn, min_size: int = 1) -> list[float]:
 )
 def test_replica_weight_counts_what_the_merge_weights_name(weights: str, expected: float) -> None:
     assert replica_weight(weights, num_samples=96.0, num_updates=3) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weights", MERGE_WEIGHTS)
+def test_replica_weight_of_a_replica_that_did_nothing_is_zero_unless_uniform(weights: str) -> None:
+    expected = 1.0 if weights == "uniform" else 0.0
+    assert replica_weight(weights, num_samples=0.0, num_updates=0) == expected  # type: ignore[arg-type]
 
 
 def test_merge_weights_lists_every_choice() -> None:
@@ -179,6 +187,66 @@ def test_nudge_rejects_invalid_arguments(shares: list[float], boost: float, mess
         nudge_extremes(shares, boost)
 
 
+def test_nudge_factor_leaves_a_zero_weight_alone() -> None:
+    # [0, 1, 2]: the smallest weight is 0, which no factor can scale; the largest gets 1 + boost.
+    assert [nudge_factor([0.0, 1.0, 2.0], rank) for rank in range(3)] == [1.0, 1.0, pytest.approx(1.1)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AdaptiveNormalization
+
+
+def test_adaptive_normalization_nudges_from_the_first_step_past_its_warm_up() -> None:
+    assert AdaptiveNormalization(enabled=True).factor(0, previous=[3.0, 1.0], local_steps=1) == pytest.approx(1.1)
+    warm = AdaptiveNormalization(enabled=True, warmup_steps=4)
+    assert [warm.factor(1, previous=[3.0, 1.0], local_steps=steps) for steps in (4, 5)] == [1.0, pytest.approx(0.9)]
+
+
+@pytest.mark.parametrize(
+    ("enabled", "previous", "decreased"),
+    [(False, [3.0, 1.0], False), (True, [], False), (True, [3.0, 1.0], True)],
+    ids=["disabled", "no-previous-merge", "norm-decreased"],
+)
+def test_adaptive_normalization_leaves_weights_alone_unless_every_condition_holds(
+    enabled: bool, previous: list[float], decreased: bool
+) -> None:
+    normalization = AdaptiveNormalization(enabled=enabled)
+    if decreased:
+        normalization.observe(2.0)
+        normalization.observe(1.0)
+    assert normalization.factor(0, previous, local_steps=5) == 1.0
+    assert normalization.weight(2.0, 0, previous, local_steps=5) == 2.0
+
+
+def test_adaptive_normalization_follows_the_norm_trend_of_each_window() -> None:
+    normalization = AdaptiveNormalization(enabled=True)
+    normalization.observe(1.0)
+    normalization.observe(-1.0)  # no norm measured: ignored
+    assert normalization.trend.active
+    normalization.observe(0.0)  # a norm of 0 is a measured one, and a decrease
+    assert not normalization.trend.active
+    assert normalization.factor(0, [3.0, 1.0], local_steps=5) == 1.0
+    normalization.new_window()
+    assert normalization.factor(0, [3.0, 1.0], local_steps=5) == pytest.approx(1.1)
+
+
+def test_disabled_adaptive_normalization_does_not_track_the_norm() -> None:
+    normalization = AdaptiveNormalization(enabled=False)
+    normalization.observe(2.0)
+    normalization.observe(1.0)
+    assert normalization.state_dict() == {"previous_norm": None, "active": True}
+
+
+def test_adaptive_normalization_resumes_from_its_state_dict() -> None:
+    normalization = AdaptiveNormalization(enabled=True)
+    normalization.observe(2.0)
+    normalization.observe(1.0)
+    assert normalization.state_dict() == {"previous_norm": 1.0, "active": False}
+    restored = AdaptiveNormalization(enabled=True)
+    restored.load_state_dict(normalization.state_dict())
+    assert restored.factor(0, [3.0, 1.0], local_steps=5) == 1.0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # L2Trend
 
@@ -237,6 +305,8 @@ def test_l2_trend_rejects_invalid_norms(norm: float) -> None:
 def test_linear_lr_scale() -> None:
     assert linear_lr_scale(512, 256) == 2.0
     assert linear_lr_scale(32, 1024) == 1 / 32
+    assert linear_lr_scale(1, 4) == 0.25
+    assert linear_lr_scale(4, 1) == 4.0
     with pytest.raises(ValueError, match="must be > 0"):
         linear_lr_scale(0, 256)
     with pytest.raises(ValueError, match="must be > 0"):

@@ -47,3 +47,9 @@ def test_float64_carries_the_values_as_they_are_and_non_finite_values_survive_fl
 def test_other_dtypes_cannot_carry_float64_values(dtype):
     with pytest.raises(ValueError, match="float32 or float64"):
         parts_per_value(dtype)
+
+
+def test_a_float64_value_takes_one_float64_element_or_two_float32_ones():
+    assert parts_per_value(torch.float64) == 1
+    assert parts_per_value(torch.float32) == 2
+    assert split_wide(torch.ones(3, dtype=torch.float64), torch.float32).numel() == 6
