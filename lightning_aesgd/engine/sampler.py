@@ -322,7 +322,9 @@ class PlannedBatchSampler(Sampler[list[int]]):
         if len(step) < least:
             # A tail too short for the floors of the replicas taking part: wrap around to the epoch's start, as
             # DistributedSampler pads, so that none takes fewer samples than it may in the step all of them take.
-            step = step + order[: least - len(step)]
+            # A dataset smaller than the floors is repeated as often as it takes, as DistributedSampler repeats it.
+            missing = least - len(step)
+            step = step + (order * math.ceil(missing / len(order)))[:missing]
         counts = self._split(step, sizes)
         begin = sum(counts[: self.rank])
         mine = step[begin : begin + counts[self.rank]]

@@ -29,14 +29,12 @@ def _epoch(samplers, epoch=0):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    size=st.integers(8, 200),
+    size=st.integers(1, 200),
     sizes=st.lists(st.integers(1, 9), min_size=1, max_size=4),
     epoch=st.integers(0, 3),
 )
 def test_every_index_of_an_epoch_is_used_exactly_once_across_replicas(size, sizes, epoch):
     step_batch = sum(sizes)
-    if size < len(sizes):
-        return
     batches = _epoch(_samplers(size, step_batch, sizes), epoch)
     seen = sorted(index for rank_batches in batches for batch in rank_batches for index in batch)
     # A tail shorter than the replicas' floors (their plan, up to two samples) is padded by wrapping around (as
@@ -93,6 +91,16 @@ def test_a_tail_shorter_than_the_floors_wraps_around():
     assert [len(b[-1]) for b in batches] == [2, 2, 2, 1]
     batches = _epoch(_samplers(35, 32, [16, 16]))  # a tail of 3: one more, as DistributedSampler would pad it
     assert [len(b[-1]) for b in batches] == [2, 2]
+
+
+def test_a_dataset_smaller_than_the_floors_is_repeated_up_to_them():
+    # One sample and a floor of 4: the only step repeats it, as DistributedSampler repeats a dataset smaller than
+    # its replicas (the padding once took from the epoch's start only, too short here, and the split failed).
+    (sampler,) = [PlannedBatchSampler(1, 16, 1, 0, PlanBook([16]), seed=3, min_batch=4)]
+    assert list(sampler) == [[0, 0, 0, 0]]
+    batches = _epoch(_samplers(3, 16, [8, 8]))
+    assert [len(b[-1]) for b in batches] == [2, 2]
+    assert sorted(batches[0][0] + batches[1][0]) in ([0, 0, 1, 2], [0, 1, 1, 2], [0, 1, 2, 2])
 
 
 def test_drop_last_drops_the_incomplete_step():
