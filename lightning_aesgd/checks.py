@@ -13,6 +13,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_aesgd.core.planners import StaticPlanner
+from lightning_aesgd.engine.flat import check_stackable, trainable_parameters
 
 
 class UnsupportedSettingError(ValueError):
@@ -192,6 +193,7 @@ def check_learner_settings(engine: Any, trainer: Any, module: Any) -> None:
         )
     for optimizer in trainer.optimizers:
         _check_learner_optimizer(hint, optimizer)
+    check_stackable(trainable_parameters(module))  # before "auto" measures, where the error would be the step's
 
 
 ELEMENTWISE_OPTIMIZERS = tuple(

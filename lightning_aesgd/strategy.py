@@ -336,9 +336,13 @@ class AdaptiveElasticMixin(SharedDevices):
     def _choose_learners(self, dataloader: Any) -> None:
         """``learners_per_device="auto"``: time the training step of 1, 2, ... learners on the loader's first batch.
 
-        The step is Lightning's own (the precision's context, the module's ``training_step``), as training runs it.
+        The step is Lightning's own (the precision's context, the module's ``training_step``), on the batch as the
+        training loop hands it over: converted by the precision (``*-true`` casts floats), through the module's
+        batch-transfer hooks, on the device.
         """
-        batch = self.batch_to_device(next(iter(dataloader)))
+        batch = self._module.trainer.precision_plugin.convert_input(next(iter(dataloader)))
+        batch = self._module.on_before_batch_transfer(batch, dataloader_idx=0)
+        batch = self.batch_to_device(batch, dataloader_idx=0)
         run_step = super().training_step
         quiet = not self.is_global_zero  # every replica measures the same step: one warning is enough
         try:

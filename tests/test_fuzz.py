@@ -50,7 +50,9 @@ from lightning_aesgd import EASGD, SMA, AdaptiveElasticStrategy, ElasticAverage,
 from lightning_aesgd.core.planners import ProportionalPlanner, StaticPlanner
 from lightning_aesgd.engine.loading import inspect_train_loader
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]  # a hang fails the test
+FUZZ_EXAMPLES = int(os.environ.get("AESGD_FUZZ_EXAMPLES", 400))
+"""Cases the fuzz test fits: 400 in the suite; more for a deeper search (the timeout grows with them)."""
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150 * max(1, FUZZ_EXAMPLES // 400))]  # a hang fails the test
 
 PACKAGE_DIR = Path(lightning_aesgd.__file__).parent
 TORCH_DIR = Path(torch.__file__).parent
@@ -528,7 +530,7 @@ def _try_fit(
 
 @settings(
     # About 30 ms per example on 2 cores (a fit of a few steps, or an early error); more where a worker starts.
-    max_examples=int(os.environ.get("AESGD_FUZZ_EXAMPLES", 400)),
+    max_examples=FUZZ_EXAMPLES,
     deadline=None,
     derandomize=True,  # the same examples on every run: CI is reproducible
     database=None,

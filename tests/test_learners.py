@@ -264,6 +264,41 @@ def test_a_resumed_auto_fit_keeps_the_learners_of_its_checkpoint_without_measuri
     assert resumed.engine.learner_rates == [], "the checkpoint's choice is kept, not measured again"
 
 
+class _InputRecorder(LearnerModel):
+    """Records the batches its training step sees, which its batch-transfer hook turns into a dict first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[dict[str, Tensor]] = []
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        x, y, index = batch
+        return {"x": x, "y": y, "index": index}
+
+    def training_step(self, batch, batch_idx):
+        self.inputs.append(batch)
+        return nn.functional.mse_loss(self(batch["x"]), batch["y"])
+
+    def on_train_batch_start(self, batch, batch_idx):
+        pass
+
+
+def test_auto_times_the_step_on_the_batch_as_training_hands_it_over():
+    """Lightning's loop converts a batch for the precision and runs the batch-transfer hooks before the step: the
+    tuner's batch once skipped both (a `64-true` model met float32 inputs, and the step failed before the fit)."""
+    model = _InputRecorder()
+    strategy = _auto_strategy()
+    _fit(strategy, devices=1, model=model, max_steps=2, precision="64-true")
+    assert len(strategy.engine.learner_rates) == 2
+    assert len(model.inputs) > 2, "the tuner's steps come first"
+    assert {batch["x"].dtype for batch in model.inputs} == {torch.float64}
+
+
+def test_auto_refuses_parameters_it_cannot_stack_before_measuring():
+    with pytest.raises(ValueError, match=r"one dtype .*HINT"):
+        _fit(_auto_strategy(), devices=1, model=_InputRecorder(), max_steps=2, precision="bf16-true")
+
+
 def _saved_momenta(path) -> list[tuple[int, ...]]:
     state = torch.load(path, weights_only=False)["optimizer_states"][0]["state"]
     return [tuple(entry["momentum_buffer"].shape) for entry in state.values()]

@@ -9,6 +9,37 @@ import torch
 from torch import Tensor, nn
 
 
+def check_stackable(tensors: Sequence[Tensor]) -> None:
+    """Raise where several learners per device cannot stack ``tensors`` (a model's trainable parameters).
+
+    Stacked learners live in one bound flat buffer (:class:`FlatView`), which needs every tensor in the flat's
+    dtype (float32, or float64) on one device.
+
+    Raises:
+        ValueError: naming what stands in the way and the fix.
+    """
+    if not tensors or _bindable(tensors):
+        return
+    if any(t.is_complex() for t in tensors):
+        raise ValueError(
+            "Several learners per device cannot stack complex parameters. HINT: use learners_per_device=1 with this "
+            "model."
+        )
+    found = sorted({f"{t.dtype} on {t.device}" for t in tensors})
+    raise ValueError(
+        "Several learners per device need every parameter in one dtype (all float32, or all float64) on one "
+        f"device; this model has {', '.join(found)}. HINT: cast the model to one dtype (model.float()), or use "
+        "learners_per_device=1 with this model or precision (a '*-mixed' precision keeps float32 weights)."
+    )
+
+
+def _bindable(tensors: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` can become views of one flat buffer: one device, and the flat's dtype."""
+    parts = _real_parts(tensors)
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
+    return bool(tensors) and len({t.device for t in tensors}) == 1 and all(t.dtype == dtype for t in tensors)
+
+
 class FlatView:
     """Reads a fixed list of tensors into one flat tensor and writes a flat tensor back into them.
 
@@ -58,18 +89,8 @@ class FlatView:
         self._sizes = [t.numel() for t in parts]
         self.shapes = [t.shape for t in self.tensors]  # one model's, whatever the learners
         self._dtypes = [t.dtype for t in self.tensors]
-        if learners > 1 and bind and self.tensors and not self._bindable():
-            if any(t.is_complex() for t in self.tensors):
-                raise ValueError(
-                    "Several learners per device cannot stack complex parameters. HINT: use learners_per_device=1 "
-                    "with this model."
-                )
-            found = sorted({f"{t.dtype} on {t.device}" for t in self.tensors})
-            raise ValueError(
-                "Several learners per device need every parameter in one dtype (all float32, or all float64) on one "
-                f"device; this model has {', '.join(found)}. HINT: cast the model to one dtype (model.float()), or "
-                "use learners_per_device=1 with this model or precision (a '*-mixed' precision keeps float32 weights)."
-            )
+        if learners > 1 and bind:
+            check_stackable(self.tensors)
         self.live: Tensor | None = self._bind() if bind and self._bindable() else None
         self._blocks = self._stack() if learners > 1 and self.live is None else []
         self.showing = False  # whether the tensors show one model (show_) rather than their learners
@@ -98,8 +119,7 @@ class FlatView:
         return True
 
     def _bindable(self) -> bool:
-        devices = {t.device for t in self.tensors}
-        return bool(self.tensors) and len(devices) == 1 and all(t.dtype == self.dtype for t in self.tensors)
+        return _bindable(self.tensors)
 
     @torch.no_grad()
     def _bind(self) -> Tensor:
