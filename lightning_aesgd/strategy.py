@@ -340,7 +340,14 @@ class AdaptiveElasticMixin(SharedDevices):
         training loop hands it over: converted by the precision (``*-true`` casts floats), through the module's
         batch-transfer hooks, on the device.
         """
-        batch = self._module.trainer.precision_plugin.convert_input(next(iter(dataloader)))
+        first = next(iter(dataloader), None)
+        if first is None:
+            raise ValueError(
+                "learners_per_device='auto' times the training step on the training DataLoader's first batch, and "
+                "the DataLoader gave none (an empty dataset, or drop_last with fewer samples than one batch). HINT: "
+                "give the DataLoader at least one full batch, or set learners_per_device to a number."
+            )
+        batch = self._module.trainer.precision_plugin.convert_input(first)
         batch = self._module.on_before_batch_transfer(batch, dataloader_idx=0)
         batch = self.batch_to_device(batch, dataloader_idx=0)
         run_step = super().training_step

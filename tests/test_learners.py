@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionModel, cpu_trainer, flat_parameters
+from helpers import RegressionData, RegressionModel, cpu_trainer, flat_parameters
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from lightning_aesgd import SMA, AdaptiveElasticStrategy
 from lightning_aesgd.checks import UnsupportedSettingError
@@ -297,6 +298,13 @@ def test_auto_times_the_step_on_the_batch_as_training_hands_it_over():
 def test_auto_refuses_parameters_it_cannot_stack_before_measuring():
     with pytest.raises(ValueError, match=r"one dtype .*HINT"):
         _fit(_auto_strategy(), devices=1, model=_InputRecorder(), max_steps=2, precision="bf16-true")
+
+
+def test_auto_refuses_a_loader_without_a_batch_to_time():
+    model = _InputRecorder()
+    model.train_dataloader = lambda: DataLoader(RegressionData(3), batch_size=4, drop_last=True)
+    with pytest.raises(ValueError, match=r"gave none .*HINT"):
+        _fit(_auto_strategy(), devices=1, model=model, max_steps=2)
 
 
 def _saved_momenta(path) -> list[tuple[int, ...]]:
