@@ -88,6 +88,8 @@ def test_apportion_equal_shares_differ_by_at_most_one(problem: tuple[int, list[f
         (100, [10.0, 1.0, 1.9], 20, 40, [40, 21, 39]),
         (10, [1.0, 0.0], 1, 6, [6, 4]),  # a zero share takes leftovers once positive shares are capped
         (10, [1.0, 0.0], 1, None, [9, 1]),
+        # Raising the zero share to 2 overshoots by exactly one sample: the first replica comes back under its cap.
+        (4, [1.0, 0.0], 2, 3, [2, 2]),
         (10, [1.0, 0.0], 0, None, [10, 0]),
         (0, [1.0, 2.0], 0, None, [0, 0]),
     ],
@@ -334,3 +336,48 @@ def test_apportion_takes_numpy_integers_as_ints_and_refuses_fractional_totals() 
     assert apportion(np.int64(1000), [2.0**-60, 3.0, 1.0], min_size=np.int64(1)) == [1, 749, 250]
     with pytest.raises(TypeError, match="whole number"):
         apportion(10.5, [1.0, 1.0])
+
+
+def test_in_multiples_refuses_a_block_of_zero() -> None:
+    with pytest.raises(ValueError, match="blocks of 0"):
+        in_multiples([4, 4], 0)
+
+
+def test_in_multiples_takes_back_blocks_raised_too_many_from_the_largest_size() -> None:
+    # 1 and 1 are raised to a block of 4 each: 8 samples too many, taken back from the largest size (12 → 8).
+    assert in_multiples([1, 1, 14], 4) == [4, 4, 8]
+    # Of equally large sizes, the lower index gives a block back.
+    assert in_multiples([1, 1, 13, 13], 4) == [4, 4, 8, 12]
+
+
+def test_in_multiples_never_takes_a_replica_below_one_block() -> None:
+    # Two replicas taking part need two blocks of 4, but the plan holds one: no replica may drop to 0.
+    with pytest.raises(ValueError, match="2 replicas a multiple of 4"):
+        in_multiples([2, 2], 4)
+
+
+def test_split_by_cost_gives_each_slice_one_item_by_default() -> None:
+    # All cost sits in the first item: without a floor of one the first slice would be empty ([0, 5]).
+    assert split_by_cost([8.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0]) == [1, 4]
+
+
+def test_split_by_cost_refuses_any_negative_minimum_of_one_per_slice() -> None:
+    with pytest.raises(ValueError, match="min_size"):
+        split_by_cost([1.0, 1.0], [1.0, 1.0], [1, -1])
+
+
+def test_split_by_cost_keeps_the_minimums_whose_sum_is_exactly_the_step() -> None:
+    # Equal costs would cut at 2; a minimum of 3 for the first slice pushes the cut to 3 (4 items, minimums 3 + 1).
+    assert split_by_cost([1.0] * 4, [1.0, 1.0], [3, 1]) == [3, 1]
+
+
+def test_share_error_takes_a_replica_with_no_samples_and_refuses_a_negative_size() -> None:
+    # One sample in all, none for the second replica: each is half a step off its ideal half.
+    assert share_error([1, 0], [1.0, 1.0]) == 1.0
+    with pytest.raises(ValueError, match="positive sum"):
+        share_error([3, -1], [1.0, 1.0])
+
+
+def test_share_error_names_sequences_of_different_lengths() -> None:
+    with pytest.raises(ValueError, match="one entry per replica"):
+        share_error([1, 1], [1.0])

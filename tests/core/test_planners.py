@@ -370,3 +370,60 @@ def test_admission_looks_past_a_replica_whose_samples_round_the_step_up() -> Non
 def test_water_level_is_the_first_breakpoint_where_the_lows_already_reach_the_total() -> None:
     # Replica 0 is pinned at 5 (low = high), replica 1 sits at its low of 8 until x = 8: the sum is 13 from x = 5 on.
     assert water_level(13, [(0.0, 1.0), (0.0, 1.0)], [5, 8], [5, 20]) == 5.0
+
+
+def test_proportional_planner_rates_each_replica_at_its_current_batch() -> None:
+    # With a fixed cost the speed depends on the batch: 300 / (1 + 3) = 75 and 100 / 1 = 100 samples per second.
+    times = [StepTime(1.0, 0.01), StepTime(0.0, 0.01)]
+    assert ProportionalPlanner().plan([300, 100], times, 700) == [300, 400]
+    # A replica at 0 (back from being left out) is rated at one sample: equal speeds, equal halves.
+    assert ProportionalPlanner().plan([0, 100], _times([1.0, 1.0]), 100) == [50, 50]
+
+
+def test_water_level_is_the_first_x_where_the_bounds_whole_sum_is_reached() -> None:
+    # Replica 1 is pinned at 8 (low = high): the sum reaches 5 + 8 = 13, the highs' sum, at x = 5, not at its
+    # last breakpoint x = 8.
+    assert water_level(13, [(0.0, 1.0), (0.0, 1.0)], [0, 8], [5, 8]) == 5.0
+
+
+def test_balanced_step_time_counts_a_floor_of_one_sample_by_default() -> None:
+    # Replica 1's fixed cost alone outlasts the step: at the default floor it still takes one sample, 1000 + 1.
+    assert balanced_step_time(100, [StepTime(0.0, 1.0), StepTime(1000.0, 1.0)]) == 1001.0
+
+
+def test_admission_by_default_holds_each_replica_to_one_sample_and_a_ten_percent_margin() -> None:
+    # At a floor of one sample the slow replica's step lasts 1000 s: leaving it out shortens the step to 10 s.
+    assert admitted_replicas(10, [StepTime(0.0, 1.0), StepTime(0.0, 1000.0)]) == [True, False]
+    # Leaving out a replica whose floor lasts 107 + 1 s shortens the step to 100 s: 7.4%, under the default 10%.
+    times = [StepTime(0.0, 1.0), StepTime(107.0, 1.0)]
+    assert admitted_replicas(100, times) == [True, True]
+    assert admitted_replicas(100, times, margin=0.05) == [True, False]
+
+
+def test_admission_leaves_out_a_replica_when_the_others_caps_hold_the_step_exactly() -> None:
+    times = [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 1000.0)]
+    assert admitted_replicas(80, times, max_size=[40, 40, None]) == [True, True, False]
+
+
+def test_admission_keeps_a_replica_whose_leaving_shortens_nothing_at_zero_margin() -> None:
+    # At a floor of 0 the slow replica's share rounds to 0: the step lasts 10 s with it and without it.
+    times = [StepTime(0.0, 1.0), StepTime(1.0, 1000.0)]
+    assert admitted_replicas(10, times, min_size=0, margin=0.0) == [True, True]
+
+
+def test_additive_planner_defaults_and_its_smallest_batches() -> None:
+    planner = AdditivePlanner()  # step 32 within [32, 1024]
+    assert planner.adjust([256, 256], _times([1.0, 3.0])) == [224, 288]
+    assert planner.adjust([40, 1000], _times([0.1, 10.0])) == [32, 1024]
+    # A batch of one sample is a valid current size; no largest batch means no clamp from above.
+    assert AdditivePlanner(min_batch=1).adjust([1, 1], _times([1.0, 1.0])) == [1, 1]
+    assert AdditivePlanner(max_batch=None).adjust([1000, 1000], _times([1.0, 3.0])) == [968, 1032]
+
+
+def test_planner_bounds_keep_lists_as_tuples_and_allow_a_fixed_batch() -> None:
+    planner = BalancedPlanner(min_batch=[1, 2], max_batch=[8, None])
+    assert (planner.min_batch, planner.max_batch) == ((1, 2), (8, None))
+    assert hash(planner) == hash(BalancedPlanner(min_batch=(1, 2), max_batch=(8, None)))
+    assert ProportionalPlanner(min_batch=8, max_batch=8).plan([8, 8], _times([1.0, 3.0]), 16) == [8, 8]
+    with pytest.raises(ValueError, match="`min_batch` and `max_batch` hold values for \\[2, 3\\] replicas"):
+        ProportionalPlanner(min_batch=[1, 1], max_batch=[4, 4, 4])

@@ -1,5 +1,6 @@
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -334,6 +335,12 @@ def test_step_time_model_learns_nothing_from_sizes_within_the_minimum_spread() -
     for size in [100, 102] * 5:
         estimator.update(size, 0.02 + 1e-4 * size)
     assert estimator.fixed_samples == 0.0
+    # 100 and 108: about 4%, still under; 100 and 112: about 6%, over, and the line's 200 samples are learnt.
+    for sizes, fixed_samples in [([100, 108], 0.0), ([100, 112], 200.0)]:
+        estimator = StepTimeEstimator(smoothing=0.8)
+        for size in sizes * 5:
+            estimator.update(size, 0.02 + 1e-4 * size)
+        assert estimator.fixed_samples == pytest.approx(fixed_samples)
 
 
 def test_step_time_model_raises_a_learnt_fixed_cost_when_steps_stop_growing_with_the_batch() -> None:
@@ -353,3 +360,85 @@ def test_step_time_model_keeps_the_fixed_cost_below_95_percent_of_the_step() -> 
     model = estimator.model()
     assert model is not None
     assert model.overhead == pytest.approx(0.95 * model.seconds(estimator.mean_size))
+
+
+def test_a_fresh_and_a_restarted_speed_estimator_count_from_zero() -> None:
+    assert SpeedEstimator().state_dict() == {
+        "num_updates": 0,
+        "mean_work": 0.0,
+        "mean_seconds": 0.0,
+        "total_weight": 0.0,
+    }
+    estimator = steady_estimator(0.8, 100.0, 1.0, num_updates=3)
+    estimator.restart(50.0, 2.0)
+    assert estimator.num_updates == 1
+    assert estimator.rate == 25.0
+
+
+def test_speed_estimator_states_after_one_update_or_at_full_weight_load() -> None:
+    for smoothing, num_updates in [(0.8, 1), (0.0, 3)]:  # total weight 0.2, then exactly 1
+        state = steady_estimator(smoothing, 100.0, 1.0, num_updates).state_dict()
+        restored = SpeedEstimator(smoothing)
+        restored.load_state_dict(state)
+        assert restored.state_dict() == state
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"num_updates": 1, "mean_work": -1.0, "mean_seconds": 1.0},
+        {"num_updates": 1, "mean_work": 1.0, "mean_seconds": math.inf},
+    ],
+)
+def test_speed_estimator_rejects_a_negative_or_infinite_average(state: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="invalid"):
+        SpeedEstimator().load_state_dict(state)
+
+
+def test_step_time_estimator_keeps_exponential_moving_moments() -> None:
+    # Weight 1 − β = 0.5 for the first step: b, t, b², b·t, t² and the total weight, halved.
+    estimator = StepTimeEstimator(smoothing=0.5)
+    estimator.update(10, 2.0)
+    assert estimator.state_dict()["moments"] == [5.0, 1.0, 50.0, 10.0, 2.0, 0.5]
+
+
+def test_step_time_estimator_takes_zero_smoothing_and_refuses_a_step_of_no_time() -> None:
+    estimator = StepTimeEstimator(smoothing=0.0)  # keeps only the latest step
+    estimator.update(64, 1.0)
+    estimator.update(32, 2.0)
+    assert estimator.model() == StepTime(0.0, 2.0 / 32)
+    with pytest.raises(ValueError, match="positive size and duration"):
+        estimator.update(8, 0.0)
+
+
+def test_step_time_model_fits_a_noisy_line_by_least_squares() -> None:
+    # R² ≈ 0.99 ≥ 0.9: the fixed cost is the intercept of the weighted least-squares line through the steps (the
+    # spread bound of the no-line branch, sd(t)/sd(b) ≥ slope, would give a smaller one).
+    noise = [3e-4, -3e-4, -2e-4, 2e-4, 1e-4, -1e-4] * 3
+    steps = [(size, 0.002 + 1e-4 * size + n) for size, n in zip([10, 40, 20, 80, 30, 60] * 3, noise, strict=True)]
+    beta = 0.8
+    weights = [beta ** (len(steps) - 1 - j) for j in range(len(steps))]
+
+    def mean(f: Callable[[float, float], float]) -> float:
+        return sum(w * f(b, t) for w, (b, t) in zip(weights, steps, strict=True)) / sum(weights)
+
+    size, seconds = mean(lambda b, t: b), mean(lambda b, t: t)
+    slope = (mean(lambda b, t: b * t) - size * seconds) / (mean(lambda b, t: b * b) - size * size)
+    estimator = StepTimeEstimator(smoothing=beta)
+    for step in steps:
+        estimator.update(*step)
+    model = estimator.model()
+    assert model is not None
+    assert model.overhead == pytest.approx(seconds - slope * size, rel=1e-6)
+
+
+def test_step_time_model_without_a_line_takes_the_least_fixed_cost_the_spread_allows() -> None:
+    # From 16 to 32 samples the step got shorter (noise): no line. The per-sample part is at most |Δt|/|Δb|, so
+    # the fixed cost is at least t̄ − |Δt|/|Δb|·b̄, with b̄ and t̄ weighted 0.8 : 1.
+    estimator = StepTimeEstimator(smoothing=0.8)
+    estimator.update(16, 0.032)
+    estimator.update(32, 0.028)
+    size, seconds = (0.8 * 16 + 32) / 1.8, (0.8 * 0.032 + 0.028) / 1.8
+    model = estimator.model()
+    assert model is not None
+    assert model.overhead == pytest.approx(seconds - 0.004 / 16 * size, rel=1e-9)
