@@ -90,7 +90,8 @@ def in_multiples(sizes: Sequence[int], multiple: int, max_size: High = None) -> 
     A replica of ``k`` learners splits its batch equally among them, so its batch must be a multiple of ``k``.
     Each size is rounded down, ``⌊b_i/k⌋·k`` (at least ``k`` for a replica that takes part). The blocks of
     ``k`` left over go one each to the largest remainders (lower index on ties), skipping sizes at
-    ``max_size``; blocks taken too many (sizes raised to ``k``) come back from the largest sizes.
+    ``max_size``; any still left go to the other replicas taking part, in the same order, where they have room.
+    Blocks taken too many (sizes raised to ``k``) come back from the largest sizes.
 
     Args:
         sizes: the plan, summing to a multiple of ``multiple``.
@@ -103,6 +104,8 @@ def in_multiples(sizes: Sequence[int], multiple: int, max_size: High = None) -> 
     Example:
         >>> in_multiples([5, 7, 4], 4), in_multiples([7, 1], 2)
         ([4, 8, 4], [6, 2])
+        >>> in_multiples([5, 5, 5, 5, 4], 4, max_size=[5, 5, 5, 5, None])  # the capped remainders: the last takes it
+        [4, 4, 4, 4, 8]
     """
     total = sum(sizes)
     if multiple < 1 or total % multiple:
@@ -111,10 +114,21 @@ def in_multiples(sizes: Sequence[int], multiple: int, max_size: High = None) -> 
     rounded = [0 if size == 0 else max(multiple, size - size % multiple) for size in sizes]
     left = (total - sum(rounded)) // multiple
     by_remainder = sorted(range(len(sizes)), key=lambda i: (-(sizes[i] % multiple), i))
+
+    def has_room(i: int) -> bool:
+        return highs[i] is None or rounded[i] + multiple <= highs[i]
+
     for i in by_remainder:
-        if left > 0 and sizes[i] % multiple and (highs[i] is None or rounded[i] + multiple <= highs[i]):
+        if left > 0 and sizes[i] % multiple and has_room(i):
             rounded[i] += multiple
             left -= 1
+    while left > 0:  # the sizes with remainders are at max_size: the other replicas taking part take the rest
+        takers = [i for i in by_remainder if sizes[i] > 0 and has_room(i)][:left]
+        if not takers:
+            break
+        for i in takers:
+            rounded[i] += multiple
+        left -= len(takers)
     while left < 0:
         largest = max(range(len(rounded)), key=lambda i: (rounded[i], -i))
         if rounded[largest] <= multiple:

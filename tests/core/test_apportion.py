@@ -381,3 +381,42 @@ def test_share_error_takes_a_replica_with_no_samples_and_refuses_a_negative_size
 def test_share_error_names_sequences_of_different_lengths() -> None:
     with pytest.raises(ValueError, match="one entry per replica"):
         share_error([1, 1], [1.0])
+
+
+@pytest.mark.parametrize(
+    ("sizes", "caps", "expected"),
+    [([5, 5, 5, 5, 4], [5, 5, 5, 5, None], [4, 4, 4, 4, 8]), ([7, 4, 5], [4, None, 4], [4, 8, 4])],
+)
+def test_in_multiples_gives_blocks_the_capped_remainders_cannot_take_to_the_others(sizes, caps, expected):
+    """Equal speeds of 5 replicas at M = 24 with caps of 5 and 4 learners: the remainders' sizes are all at their
+    caps, and the block they cannot take once made the plan fail though [4, 4, 4, 4, 8] fits."""
+    assert in_multiples(sizes, 4, max_size=caps) == expected
+
+
+@given(
+    blocks=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    multiple=st.integers(1, 4),
+    extra=st.lists(st.integers(0, 3), min_size=6, max_size=6),
+    caps=st.lists(st.one_of(st.none(), st.integers(1, 30)), min_size=6, max_size=6),
+)
+def test_in_multiples_fails_only_where_no_plan_of_blocks_fits(blocks, multiple, extra, caps):
+    """For a plan within its caps: where it returns, the plan is blocks within the caps with the same total; where
+    it fails, no plan that gives each replica taking part at least one block within its cap has that total."""
+    sizes = [b * multiple + (e % multiple if b else 0) for b, e in zip(blocks, extra, strict=False)]
+    total = sum(sizes)
+    if total % multiple:
+        return
+    caps = [None if cap is None else max(cap, size) for cap, size in zip(caps, sizes, strict=False)]  # a plan
+    try:
+        plan = in_multiples(sizes, multiple, max_size=caps)
+    except ValueError:
+        room = [
+            0 if s == 0 else (total if cap is None else cap // multiple * multiple)
+            for s, cap in zip(sizes, caps, strict=True)
+        ]
+        floors = [0 if s == 0 else multiple for s in sizes]
+        assert sum(room) < total or any(r < f for r, f in zip(room, floors, strict=True)) or sum(floors) > total
+        return
+    assert sum(plan) == total
+    assert all(p % multiple == 0 and (p == 0) == (s == 0) for p, s in zip(plan, sizes, strict=True))
+    assert all(cap is None or p <= cap for p, cap in zip(plan, caps, strict=True))
