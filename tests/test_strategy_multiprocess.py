@@ -270,7 +270,11 @@ def test_large_buckets_summed_in_place_give_the_copied_sums_update_and_leave_a_n
         assert [state["excluded"] for state in states] == [1, 1], states
         assert states[0]["parameters"] == states[1]["parameters"]
     assert runs["in place"][0]["parameters"] == pytest.approx(runs["copied"][0]["parameters"], abs=1e-6)
-    assert runs["in place, gradients apart"][0]["parameters"] == runs["in place"][0]["parameters"]
+    # Gradients outside DDP's buckets live at other addresses, and vectorised kernels may then round the last bit
+    # differently on some CPUs (seen once in CI: 1 ulp), so the forms agree to float32 precision, not bit for bit.
+    assert runs["in place, gradients apart"][0]["parameters"] == pytest.approx(
+        runs["in place"][0]["parameters"], abs=1e-6
+    )
 
 
 class _CosineModel(RegressionModel):
