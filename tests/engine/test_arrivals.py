@@ -161,3 +161,70 @@ def test_a_wait_for_peers_inside_the_optimizer_step_is_not_busy_time():
     with arrivals.step(10.0, 10):
         clock.now = 1.7
     assert arrivals.arrive(1.0).busy == pytest.approx(0.2)
+
+
+def test_a_report_defaults_to_no_stop_a_finite_replica_and_no_center_norm():
+    arrivals, _ = _arrivals()
+    report = arrivals.arrive(1.0)
+    assert (report.stop, report.finite, report.center_norm, report.wait_fraction) == (0.0, 1.0, -1.0, 0.0)
+
+
+def test_pausing_twice_and_waiting_split_across_calls_inside_a_pause_leave_the_clock_paused():
+    arrivals, clock = _arrivals()
+    clock.now = 0.2
+    arrivals.pause()
+    arrivals.pause()  # a checkpoint inside validation
+    arrivals.begin_wait()  # a flush of synchronous sums at validation
+    clock.now = 0.5
+    arrivals.end_wait()
+    clock.now = 3.0
+    arrivals.resume()
+    clock.now = 3.1
+    report = arrivals.arrive(1.0)
+    assert report.active == pytest.approx(0.3)
+    arrivals.release()
+    assert arrivals.arrive(1.0).wait_fraction == 0.0  # the wait inside the pause was not the period's
+
+
+def test_a_replica_paused_at_its_arrival_reports_the_time_before_the_pause_and_no_measurement():
+    arrivals, clock = _arrivals()
+    with arrivals.step(10.0, 10):
+        clock.now = 0.4
+    arrivals.pause()
+    clock.now = 2.0
+    report = arrivals.arrive(1.0)
+    assert report.active == pytest.approx(0.4)
+    assert (report.steps, report.measured) == (0.0, False)
+
+
+def test_a_wait_for_peers_outside_the_optimizer_step_leaves_its_busy_time_whole():
+    arrivals, clock = _arrivals()
+    with arrivals.waiting():  # the previous step's delayed sums, awaited before the next step
+        clock.now = 0.5
+    with arrivals.step(10.0, 10):
+        clock.now = 0.8
+    report = arrivals.arrive(1.0)
+    assert report.busy == pytest.approx(0.3)
+    assert report.active == pytest.approx(0.3)
+
+
+def test_a_period_with_no_time_at_all_reports_no_wait_fraction():
+    arrivals, _ = _arrivals()
+    arrivals.arrive(1.0)
+    arrivals.release()  # nothing ran and nobody waited: the clock never moved
+    assert arrivals.arrive(1.0).wait_fraction == 0.0
+
+
+def test_a_period_mixing_idle_steps_with_working_ones_reports_no_steps_and_an_idle_one_reports_its_steps():
+    """An idle step (planned 0) pays no fixed cost: beside working steps it would pull their average down."""
+    arrivals, clock = _arrivals()
+    with arrivals.step(0.0, 0):
+        clock.now = 0.1
+    with arrivals.step(8.0, 8):
+        clock.now = 0.5
+    assert arrivals.arrive(1.0).steps == 0.0
+    arrivals.release()
+    for _ in range(2):
+        with arrivals.step(0.0, 0):
+            clock.now += 0.1
+    assert arrivals.arrive(1.0).steps == 2.0

@@ -264,6 +264,37 @@ def test_the_host_timeline_reads_its_clock_at_once():
     assert timeline.seconds(start, end) == 1.5
 
 
+def test_a_span_is_read_only_once_both_its_stamps_are_readable():
+    """Stamps of two streams: the device may pass a span's end before its start (recorded on the other stream)."""
+    device = ScriptedDevice()
+    end = device.stamp()
+    device.now = 0.5
+    start = device.stamp()  # on another stream, which has not reached it yet
+    device.reached = 1
+    ledger = SpanLedger(device)
+    ledger.add("busy", start, end)
+    assert (ledger.total("busy"), ledger.complete) == (0.0, False)
+
+
+def test_discarding_an_account_forgets_its_unread_spans_and_keeps_the_others():
+    device = ScriptedDevice()
+    ledger = SpanLedger(device)
+    for account, seconds in (("active", 0.5), ("busy", 0.25)):
+        start = device.stamp()
+        device.now += seconds
+        ledger.add(account, start, device.stamp())
+    ledger.discard("active")  # before the device reached any of them
+    ledger.settle()
+    assert (ledger.total("active"), ledger.total("busy")) == (0.0, 0.25)
+
+
+def test_the_host_timeline_reads_perf_counter_by_default():
+    timeline = HostTimeline()
+    start = timeline.stamp()
+    assert isinstance(start, float)
+    assert timeline.seconds(start, timeline.stamp()) >= 0.0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is missing")
 def test_the_cuda_timeline_needs_cuda():
     with pytest.raises(ValueError, match="CUDA is not available"):

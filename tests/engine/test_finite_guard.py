@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_aesgd.engine import finite_guard
-from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, renormalised
+from lightning_aesgd.engine.finite_guard import Exclusions, flags_of, guarded, guarded_in_place, renormalised
 from lightning_aesgd.engine.gradients import GradientSum, gradient_sum_hook
 
 
@@ -176,3 +176,69 @@ def _guarded_sums(rank: int, world_size: int, init_file: str, delay: int) -> Non
 @pytest.mark.parametrize("delay", [0, 1])  # both: the delayed one once deadlocked at teardown (see above)
 def test_through_ddp_a_nan_replica_leaves_the_mean_gradient_of_the_others_samples(tmp_path, delay):
     mp.start_processes(_guarded_sums, args=(2, str(tmp_path / "pg"), delay), nprocs=2, join=True, start_method="fork")
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_a_rider_travels_after_the_flags_whether_or_not_the_buffer_is_finite(on_host, monkeypatch):
+    monkeypatch.setattr(finite_guard, "_on_host", lambda tensor: on_host)
+    rider = torch.tensor([7.0, 8.0, 9.0])
+    assert guarded(torch.tensor([1.0, 2.0]), 0.25, rider).tolist() == [1.0, 2.0, 0.25, 0.0, 7.0, 8.0, 9.0]
+    assert guarded(torch.tensor([math.nan, 2.0]), 0.25, rider).tolist() == [0.0, 0.0, 0.0, 1.0, 7.0, 8.0, 9.0]
+
+
+def test_a_bucket_guarded_in_place_keeps_its_values_when_finite_and_is_zeroed_otherwise():
+    finite = torch.tensor([1.0, 2.0])
+    assert guarded_in_place(finite, 0.25).tolist() == [0.25, 0.0]
+    assert finite.tolist() == [1.0, 2.0]
+    infinite = torch.tensor([1.0, -math.inf])
+    assert guarded_in_place(infinite, 0.25).tolist() == [0.0, 1.0]
+    assert infinite.tolist() == [0.0, 0.0]
+
+
+def test_a_sum_of_in_place_guarded_buckets_is_renormalised_by_its_flags_summed_apart():
+    buffers = [torch.tensor([0.25, 0.25]), torch.tensor([math.nan, 1.0]), torch.tensor([1.5, 1.5])]
+    flags = [guarded_in_place(buffer, share) for buffer, share in zip(buffers, (0.25, 0.25, 0.5), strict=True)]
+    result = renormalised(_sum(buffers), _sum(flags))
+    torch.testing.assert_close(result, torch.tensor([(0.25 + 1.5) / 0.75] * 2))
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_with_no_replica_left_out_the_sum_is_not_rescaled_whatever_the_shares_add_up_to(on_host, monkeypatch):
+    """Rounded shares need not add up to exactly 1: the sum is DDP's, bit for bit, not divided by them."""
+    monkeypatch.setattr(finite_guard, "_on_host", lambda tensor: on_host)
+    summed = guarded(torch.tensor([1.0, 3.0]), 0.5)  # a lone replica's share, as if half the step were missing
+    assert renormalised(summed).tolist() == [1.0, 3.0]
+
+
+def test_the_first_step_without_a_finite_replica_starts_a_run_of_one():
+    exclusions = Exclusions()
+    exclusions.add_step([torch.tensor([0.0, 2.0])], world_size=2)
+    assert exclusions.read() == (2, 1)
+
+
+def test_a_step_without_buckets_counts_nothing():
+    exclusions = Exclusions()
+    exclusions.add_step([], world_size=2)
+    assert exclusions.read() == (0, 0)
+
+
+def test_the_most_left_out_of_any_bucket_counts_on_the_host():
+    exclusions = Exclusions()
+    exclusions.add_step([torch.tensor([0.5, 1.0]), torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], world_size=3)
+    assert exclusions.read() == (2, 0)
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_exclusion_counts_survive_a_state_dict_round_trip(on_host, monkeypatch):
+    """A replica that missed some sums takes its peers' counts, and then counts alike again."""
+    monkeypatch.setattr(finite_guard, "_on_host", lambda tensor: on_host)
+    exclusions, every = Exclusions(), torch.tensor([0.0, 2.0])
+    for _ in range(3):
+        exclusions.add_step([every], world_size=2)
+    state = exclusions.state_dict()
+    assert (state["counts"] is None) == on_host
+    copy = Exclusions()
+    copy.load_state_dict(state, torch.device("cpu"))
+    for counts in (exclusions, copy):
+        counts.add_step([every], world_size=2)
+        assert counts.read() == (8, 4)

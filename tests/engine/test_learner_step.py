@@ -18,7 +18,13 @@ from torch import Tensor, nn
 
 from lightning_aesgd.core.merge import SMA, ElasticAverage
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
-from lightning_aesgd.engine.flat import FlatView, floating_buffers, trainable_parameters
+from lightning_aesgd.engine.flat import (
+    FlatView,
+    floating_buffers,
+    module_device,
+    optimizer_state_tensors,
+    trainable_parameters,
+)
 from lightning_aesgd.engine.learner_tuning import LearnerTuning, fits_in_memory, measure_learners, tune_learners
 from lightning_aesgd.engine.learners import LearnerStep, LearnerStepError, learner_rows
 
@@ -292,6 +298,75 @@ def test_buffers_of_several_dtypes_are_each_shown_in_their_own():
     torch.testing.assert_close(tensors[1], torch.tensor([2.0, 3.0, 4.0], dtype=torch.float16))
     view.restack_()
     assert [(t.shape, t.dtype) for t in tensors] == [((2, 2), torch.float32), ((2, 3), torch.float16)]
+
+
+def test_an_unbound_view_of_one_learner_reads_and_writes_its_tensors_in_order():
+    tensors = [torch.zeros(2, 2), torch.zeros(3, dtype=torch.float16)]
+    view = FlatView(tensors)
+    view.write_(torch.arange(7.0))
+    torch.testing.assert_close(tensors[0], torch.tensor([[0.0, 1.0], [2.0, 3.0]]))
+    expected = torch.arange(7.0)
+    for values in (view.read(), view.read_into(torch.empty(7)), view.learner_mean()):
+        torch.testing.assert_close(values, expected)
+    with pytest.raises(ValueError, match="cannot fill 7 elements"):
+        view.write_(torch.zeros(6))
+
+
+def test_a_bound_views_current_values_are_its_live_buffer_and_rows_write_each_learner():
+    tensors = [torch.zeros(2), torch.zeros(1)]
+    view = FlatView(tensors, bind=True, learners=2)
+    assert view.current() is view.live
+    view.write_(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+    torch.testing.assert_close(tensors[0], torch.tensor([[1.0, 2.0], [4.0, 5.0]]))
+    stacked = FlatView([torch.zeros(2), torch.zeros(1, dtype=torch.float16)], learners=2)  # unbound: blocks
+    stacked.write_(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+    torch.testing.assert_close(stacked.read(), torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+
+
+def test_a_complex_tensor_is_viewed_as_its_real_pairs():
+    tensor = torch.tensor([1 + 2j, 3 - 4j])
+    view = FlatView([tensor])
+    assert view.numel == 4
+    torch.testing.assert_close(view.read(), torch.tensor([1.0, 2.0, 3.0, -4.0]))
+    view.write_(torch.tensor([5.0, 6.0, 7.0, 8.0]))
+    torch.testing.assert_close(tensor, torch.tensor([5 + 6j, 7 + 8j]))
+
+
+def test_a_view_follows_tensors_assigned_anew_where_their_layout_is_the_same():
+    """A module's buffer assigned anew (an EMA): an unbound view of one learner follows it; others cannot."""
+    old, new = [torch.zeros(2), torch.zeros(3)], [torch.ones(2), torch.ones(3)]
+    view = FlatView(old)
+    assert view.follow(old)
+    assert not view.follow(old[:1])  # fewer tensors
+    assert not view.follow([torch.ones(2), torch.ones(4)])  # another shape
+    assert not view.follow([torch.ones(2), torch.ones(3, dtype=torch.float64)])  # another dtype
+    assert view.follow(new)
+    assert all(viewed is tensor for viewed, tensor in zip(view.tensors, new, strict=True))
+    torch.testing.assert_close(view.read(), torch.ones(5))
+    bound = FlatView([torch.zeros(2)], bind=True)
+    assert bound.follow(bound.tensors)  # its own tensors: nothing to follow
+    assert not bound.follow([torch.ones(2)])  # bound: it owns the storage
+    assert not FlatView([torch.zeros(2)], learners=2).follow([torch.ones(2)])  # learners: stacked blocks
+
+
+def test_a_view_of_meta_tensors_lives_on_their_device_and_a_module_of_no_tensors_on_the_cpu():
+    view = FlatView([torch.zeros(3, device="meta")])
+    assert view.device.type == "meta"
+    assert view.read().device.type == "meta"
+    assert module_device(nn.ReLU()) == torch.device("cpu")
+
+
+def test_only_per_parameter_moments_of_an_optimizer_are_merged():
+    """Adam's moments have their parameter's shape and are merged; its step count and a user's note are not."""
+    weight = nn.Parameter(torch.ones(2, 2))
+    optimizer = torch.optim.Adam([weight])
+    weight.grad = torch.ones(2, 2)
+    optimizer.step()
+    optimizer.state[weight]["note"] = 3
+    assert set(map(id, optimizer_state_tensors(optimizer))) == {
+        id(optimizer.state[weight]["exp_avg"]),
+        id(optimizer.state[weight]["exp_avg_sq"]),
+    }
 
 
 def test_learners_need_a_bindable_model():

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from lightning_aesgd.engine.sampler import PlanBook, PlanLagError, PlannedBatchSampler
+from lightning_aesgd.engine.sampler import PlanBook, PlanLagError, PlannedBatchSampler, SharedPermutation
 
 
 def _samplers(size, step_batch, sizes, *, costs=None, drop_last=False, shuffle=True):
@@ -194,3 +194,72 @@ def test_invalid_configurations_fail_with_a_hint():
         PlannedBatchSampler(10, 2, 4, 0, PlanBook([1, 1, 0, 0]))
     with pytest.raises(ValueError, match="costs"):
         PlannedBatchSampler(10, 4, 2, 0, PlanBook([2, 2]), costs=torch.ones(3))
+
+
+def test_a_plan_scheduled_ahead_leaves_the_steps_before_it_on_the_initial_plan():
+    """A plan scheduled before any step is drawn takes effect at its step only; the book counts as revised."""
+    book = PlanBook([4, 4])
+    assert not book.revised
+    book.schedule(2, [6, 2])
+    assert book.revised
+    assert [book.sizes_at(step) for step in range(4)] == [(4, 4), (4, 4), (6, 2), (6, 2)]
+    assert book.latest == (6, 2)
+
+
+def test_a_new_loader_may_be_given_a_plan_from_step_0_again():
+    """After the tuner's rewind (forget_served), plans for the first steps are no longer refused as late."""
+    book = PlanBook([4, 4])
+    book.sizes_at(5)
+    with pytest.raises(PlanLagError):
+        book.schedule(0, [2, 6])
+    book.forget_served()
+    book.schedule(0, [2, 6])
+    assert book.sizes_at(0) == (2, 6)
+
+
+def test_default_seeds_draw_torch_distributed_samplers_order():
+    """Without a seed, the shared permutation and the batch sampler draw DistributedSampler's default order."""
+    reference = DistributedSampler(range(40), num_replicas=1, rank=0, shuffle=True)
+    permutation = SharedPermutation(40)
+    assert len(permutation) == 40
+    assert list(permutation) == list(reference)
+    (batch,) = PlannedBatchSampler(40, 40, 1, 0, PlanBook([40]))
+    assert batch == list(reference)
+
+
+def test_a_trainer_driven_sampler_draws_the_loops_epoch_not_the_one_it_is_handed():
+    sampler = PlannedBatchSampler(40, 8, 1, 0, PlanBook([8]), seed=3)
+    sampler.sampler.loop_epoch = lambda: 4
+    sampler.set_epoch(5)
+    assert sampler.epoch == 4
+    assert sampler.step_key(sampler.epoch, 0) == 4 * len(sampler)
+
+
+def test_drop_last_needs_one_full_step_of_samples():
+    with pytest.raises(ValueError, match="drop_last"):
+        PlannedBatchSampler(11, 12, 2, 0, PlanBook([6, 6]), drop_last=True)
+    (sampler,) = _samplers(12, 12, [6, 6], drop_last=True)[:1]
+    assert len(sampler) == 1
+    assert [len(batch) for batch in sampler] == [6]
+
+
+def test_a_fresh_sampler_has_completed_no_step():
+    (sampler,) = _samplers(40, 4, [4])
+    assert sampler.state_dict() == {"epoch": 0, "steps_done": 0, "step_batch_size": 4}
+
+
+def test_resuming_one_step_into_an_epoch_with_other_step_sizes_fails():
+    (sampler,) = _samplers(40, 8, [4, 4])[:1]
+    with pytest.raises(ValueError, match="step_batch_size=4"):
+        sampler.load_state_dict({"epoch": 1, "steps_done": 1, "step_batch_size": 4})
+
+
+def test_the_records_of_a_short_last_step_count_its_apportioned_size_as_planned():
+    """A full step records the plan's sizes; the tail of 8 split 6:3:2:1 records [3, 2, 2, 1] (its split)."""
+    samplers = _samplers(56, 12, [6, 3, 2, 1])
+    for rank, sampler in enumerate(samplers):
+        list(sampler)
+        full = sampler.pop_record(sampler.step_key(0, 3))
+        tail = sampler.pop_record(sampler.step_key(0, 4))
+        assert (full.planned, full.step_samples) == ([6, 3, 2, 1][rank], 12)
+        assert (tail.planned, tail.num_samples, tail.step_samples) == ([3, 2, 2, 1][rank], [3, 2, 2, 1][rank], 8)

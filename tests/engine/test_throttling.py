@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from lightning_aesgd.engine import throttling
 from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.throttling import ThrottleMeter, cpu_stat_path, throttled_seconds
 
@@ -72,3 +76,79 @@ def test_without_a_throttle_waits_stay_waits():
     clock.now = 0.5
     arrivals.end_wait()
     assert arrivals.arrive(1.0).active == pytest.approx(0.0)
+
+
+def test_time_frozen_while_peers_wait_at_the_sync_point_counts_in_the_next_period():
+    clock, frozen = Clock(), Frozen()
+    arrivals = ArrivalClock(clock=clock, throttle=frozen)
+    arrivals.attach(torch.device("cpu"))
+    clock.now = 0.5
+    arrivals.arrive(1.0)
+    clock.now, frozen.seconds = 0.9, 0.25  # frozen for 0.25 s of the 0.4 s at the sync point
+    arrivals.release()
+    clock.now = 1.0
+    assert arrivals.arrive(1.0).active == pytest.approx(0.1 + 0.25)
+
+
+def test_a_colon_in_the_group_path_is_part_of_the_path_and_a_v2_line_needs_a_v2_root(tmp_path):
+    assert cpu_stat_path("0::/jobs/a:b\n3:cpu:/c:d\n", tmp_path) == tmp_path / "cpu" / "c:d" / "cpu.stat"
+    # A hybrid host lists the unified hierarchy (0::) too: without a v2 root its cpu group is v1's.
+    assert cpu_stat_path("0::/\n3:cpu,cpuacct:/replica_1\n", tmp_path) == tmp_path / "cpu" / "replica_1" / "cpu.stat"
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    assert cpu_stat_path("0::/jobs/a:b\n", tmp_path) == tmp_path / "jobs" / "a:b" / "cpu.stat"
+
+
+def _cgroup(tmp_path, monkeypatch, proc_cgroup: str) -> tuple[Path, Clock]:
+    """A scripted ``/proc/self/cgroup`` and an empty cgroup root; the meter's monotonic clock is scripted too."""
+    proc = tmp_path / "proc_self_cgroup"
+    proc.write_text(proc_cgroup)
+    monkeypatch.setattr(throttling, "Path", lambda path: proc if path == "/proc/self/cgroup" else Path(path))
+    clock = Clock()
+    monkeypatch.setattr(throttling, "time", SimpleNamespace(monotonic=clock))
+    root = tmp_path / "root"
+    root.mkdir()
+    return root, clock
+
+
+def test_a_v1_group_reads_its_throttled_time_while_it_has_a_quota(tmp_path, monkeypatch):
+    root, clock = _cgroup(tmp_path, monkeypatch, "0::/\n3:cpu,cpuacct:/replica_1\n")
+    group = root / "cpu" / "replica_1"
+    group.mkdir(parents=True)
+    (group / "cpu.stat").write_text("nr_periods 10\nthrottled_time 2500000000\n")
+    (group / "cpu.cfs_quota_us").write_text("50000\n")
+    meter = ThrottleMeter(root)
+    assert meter() == 2.5
+    (group / "cpu.cfs_quota_us").write_text("-1\n")  # the quota lifted
+    clock.now = 1.0
+    assert meter() == 0.0
+
+
+def test_a_v2_group_reads_its_throttled_time_while_it_has_a_quota_and_is_looked_up_again_each_second(
+    tmp_path, monkeypatch
+):
+    root, clock = _cgroup(tmp_path, monkeypatch, "0::/jobs/replica_2\n")
+    (root / "cgroup.controllers").write_text("cpu io\n")
+    group = root / "jobs" / "replica_2"
+    group.mkdir(parents=True)
+    (group / "cpu.stat").write_text("usage_usec 9\nthrottled_usec 1500000\n")
+    (group / "cpu.max").write_text("50000 100000\n")
+    meter = ThrottleMeter(root)
+    assert meter() == 1.5
+    (group / "cpu.stat").write_text("usage_usec 9\nthrottled_usec 2000000\n")  # the counts are read every time
+    (group / "cpu.max").write_text("max 100000\n")  # the quota lifted: seen at the next look-up of the group
+    clock.now = 0.9
+    assert meter() == 2.0
+    clock.now = 1.0
+    assert meter() == 0.0
+
+
+def test_a_group_without_a_cpu_controller_or_a_readable_cpu_stat_reads_no_frozen_time(tmp_path, monkeypatch):
+    root, clock = _cgroup(tmp_path, monkeypatch, "0::/\n")  # a v2 line, but no v2 root: no cpu group at all
+    meter = ThrottleMeter(root)
+    assert meter() == 0.0
+    (root / "cgroup.controllers").write_text("cpu io\n")
+    (root / "cpu.max").write_text("50000 100000\n")
+    clock.now = 1.0
+    assert meter() == 0.0  # a quota, but no cpu.stat
+    (root / "cpu.stat").write_text("throttled_usec garbled\n")
+    assert meter() == 0.0
