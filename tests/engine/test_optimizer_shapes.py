@@ -77,3 +77,26 @@ def test_a_resumed_state_is_fitted_to_the_parameters_or_dropped_with_a_warning(c
         fit_optimizer_state(other)
     assert not other.state
     assert "does not fit a parameter of shape (3, 2): the optimizer starts afresh" in caplog.text
+
+
+def test_a_state_one_dimension_short_of_another_shape_fits_no_parameter():
+    assert fitted_state({"exp_avg": torch.zeros(3)}, torch.Size([2, 4])) is None
+
+
+def test_a_checkpoint_keeps_the_state_of_a_parameter_it_cannot_fit_as_it_is():
+    layer, optimizer = _stacked_adam(learners=3)
+    shapes = {id(layer.weight): torch.Size([5, 7]), id(layer.bias): torch.Size([2])}  # the weight fits no way
+    live = optimizer.state_dict()
+    saved = one_model_state(live, optimizer, shapes)
+    assert saved["state"][0] is live["state"][0]
+    assert saved["state"][1]["exp_avg"].shape == (2,)
+
+
+def test_fitting_skips_parameters_without_state():
+    frozen, trained = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([frozen, trained], lr=0.1, momentum=0.9)
+    trained.grad = torch.ones(3)
+    optimizer.step()
+    fit_optimizer_state(optimizer)
+    assert frozen not in optimizer.state
+    assert optimizer.state[trained]["momentum_buffer"].shape == (3,)

@@ -12,7 +12,8 @@ from lightning_aesgd.core.apportion import share_error
 from lightning_aesgd.core.merge import ElasticAverage
 from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.core.sensing import PeriodReport
-from lightning_aesgd.engine.admission import MIN_PROBE_INTERVAL
+from lightning_aesgd.core.speed import StepTime
+from lightning_aesgd.engine.admission import LOCKSTEP_PROBE_REPORTS, MIN_PROBE_INTERVAL, Admission, probe_interval
 from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.model_merge import TrainingAlone
 from lightning_aesgd.engine.plan_loop import HISTORY_LENGTH, PlanLoop, PlanRecord
@@ -550,3 +551,56 @@ def test_a_new_fit_after_a_rewound_one_takes_plans_for_its_early_steps():
     assert plans.plan_book_for(16, 2, lag=2) is book
     book.schedule(2, [12, 4])  # refused as late (step 29 served) before the new fit forgot the old one's steps
     assert book.sizes_at(2) == (12, 4)
+
+
+_ONE_SLOW = [StepTime(0.0, 1.0), StepTime(0.0, 1.0), StepTime(0.0, 50.0)]
+
+
+def test_a_left_out_replica_waits_for_its_probe_then_is_probed_then_waits_the_budgets_interval():
+    """Admission with its defaults: the first probe comes MIN_PROBE_INTERVAL steps after the verdict, and holds."""
+    admission, floors, caps = Admission(), [4] * 3, [None] * 3
+    assert admission.decide(3, _ONE_SLOW, [40, 40, 40], floors, caps, lag=2) == [True, True, False]
+    assert admission.probe_at == {2: 3 + MIN_PROBE_INTERVAL}
+    assert admission.decide(10, _ONE_SLOW, [60, 60, 0], floors, caps, lag=2) == [True, True, False]
+    assert admission.probe_at == {2: 3 + MIN_PROBE_INTERVAL}  # not put off by a verdict before it is due
+    assert admission.decide(3 + MIN_PROBE_INTERVAL, _ONE_SLOW, [60, 60, 0], floors, caps, lag=2) == [True] * 3
+    assert (admission.probe_at, admission.probed) == ({}, {2})
+    # Measured as slow again: the next probe comes after the interval that keeps probes within the budget.
+    assert admission.decide(60, _ONE_SLOW, [58, 58, 4], floors, caps, lag=2) == [True, True, False]
+    holds = LOCKSTEP_PROBE_REPORTS * (2 + 1)
+    interval = probe_interval(120, _ONE_SLOW, [True, True, False], 2, floors, caps, holds)
+    assert interval > MIN_PROBE_INTERVAL
+    assert admission.probe_at == {2: 60 + interval}
+    # Fast again, and judged to help: its pending probe is dropped.
+    assert admission.decide(70, [StepTime(0.0, 1.0)] * 3, [60, 60, 0], floors, caps, lag=2) == [True] * 3
+    assert admission.probe_at == {}
+
+
+def test_a_left_out_replica_without_a_scheduled_probe_is_not_probed_but_given_one():
+    """A checkpoint that predates the probe schedule: the replica stays out and its probe is planned."""
+    admission = Admission()
+    assert admission.decide(10, _ONE_SLOW, [60, 60, 0], [4] * 3, [None] * 3, lag=2) == [True, True, False]
+    assert admission.probe_at == {2: 10 + MIN_PROBE_INTERVAL}
+
+
+def test_missing_probes_are_scheduled_only_for_left_out_replicas_without_one():
+    admission = Admission()
+    admission.probe_at = {3: 20}
+    admission.schedule_missing_probes([4, 0, 1, 0], step=10)
+    assert admission.probe_at == {1: 10 + MIN_PROBE_INTERVAL, 3: 20}
+
+
+def test_the_next_probe_is_the_earliest_among_the_replicas_still_left_out():
+    admission = Admission()
+    admission.probe_at = {1: 90, 2: 70, 3: 40}
+    assert admission.next_probe([4, 0, 0, 4]) == 70  # replica 3's plan gives it work again
+    assert admission.next_probe([4, 4, 4, 4]) is None
+
+
+def test_a_replica_is_left_out_only_where_that_shortens_the_step_by_more_than_a_tenth():
+    """Replica 2's step takes 60 s more than the others' (its batch at the floor of 4): with it the balanced step of
+    120 samples takes 64 s, without it 60 s, a tenth shorter only from an extra 66.7 s on."""
+    fast = [StepTime(0.0, 1.0), StepTime(0.0, 1.0)]
+    decide = Admission().decide
+    assert decide(3, [*fast, StepTime(60.0, 1.0)], [40, 40, 40], [4] * 3, [None] * 3, lag=2) == [True] * 3
+    assert decide(3, [*fast, StepTime(80.0, 1.0)], [40, 40, 40], [4] * 3, [None] * 3, lag=2) == [True, True, False]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 
+import pytest
 import torch
 from helpers import FakeCommunicator
 
 from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.engine import report_exchange
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
-from lightning_aesgd.engine.report_exchange import ReportExchange
+from lightning_aesgd.engine.report_exchange import ReportExchange, _step_seconds
 
 STEP_BATCH = 64
 
@@ -168,3 +170,68 @@ def test_one_replica_alone_sums_its_report_without_a_collective():
     ((rows, _),) = list(exchange.received(keep=0, waiting=nullcontext))
     assert comm.calls == []
     assert [PeriodReport.from_row(each).work for each in rows] == [0.0, 0.0, 16.0]
+
+
+def test_a_report_that_measured_exactly_lag_plus_one_steps_lets_a_settled_plan_space_reports_out():
+    exchange, plans = ReportExchange(), _plans(lag=2)
+    rows = [PeriodReport(0.5, work=96.0, planned=96.0, steps=3.0, active=0.015).as_row() for _ in range(2)]
+    for step in range(0, 30, 3):
+        plans.receive(rows, step)
+    exchange.space_out(plans)
+    assert exchange.due(100, plans)
+    assert not any(exchange.due(step, plans) for step in range(101, 124))
+
+
+def test_a_new_exchange_and_a_new_fit_start_with_no_report_received():
+    """``every`` 0: no report received yet; ``latest`` 0: none launched. A step that does not report says so."""
+    exchange, plans = ReportExchange(), _plans(lag=2)
+    blank = {"next_report": 0, "every": 0, "latest": 0}
+    assert exchange.state_dict() == blank
+    assert exchange.due(0, plans) is True
+    assert exchange.due(1, plans) is False
+    exchange.load_state_dict({"next_report": 30, "every": 24, "latest": 6})
+    exchange.start()
+    assert exchange.state_dict() == blank
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """The tensors read to the host by the exchange; a ``meta`` tensor reads as sevens (it holds no numbers)."""
+    reads = []
+
+    def to_host(tensor):
+        reads.append(tensor.device.type)
+        return [7.0] * tensor.numel() if tensor.is_meta else tensor.reshape(-1).tolist()
+
+    monkeypatch.setattr(report_exchange, "to_host", to_host)
+    return reads
+
+
+def test_numbers_beside_the_reports_come_with_them_in_one_host_read_where_they_share_a_device(host_reads):
+    exchange, comm = ReportExchange(), FakeCommunicator(world_size=1, rank=0)
+    row = PeriodReport(1.0, work=16.0, steps=1.0).as_row()
+    exchange.launch(row, comm, torch.device("cpu"))
+    ((rows, counts),) = list(exchange.received(0, nullcontext, beside=lambda: torch.tensor([3, 1])))
+    assert rows == [row]
+    assert counts == [3.0, 1.0]
+    assert host_reads == ["cpu"]
+    exchange.launch(row, comm, torch.device("cpu"))
+    ((rows, counts),) = list(exchange.received(0, nullcontext))  # nothing beside them
+    assert (rows, counts) == ([row], None)
+
+
+def test_numbers_beside_the_reports_on_another_device_are_read_on_their_own(host_reads):
+    exchange, comm = ReportExchange(), FakeCommunicator(world_size=1, rank=0)
+    row = PeriodReport(1.0, work=16.0, steps=1.0).as_row()
+    exchange.launch(row, comm, torch.device("cpu"))
+    ((rows, counts),) = list(exchange.received(0, nullcontext, beside=lambda: torch.zeros(2, device="meta")))
+    assert rows == [row]
+    assert counts == [7.0, 7.0]
+    assert host_reads == ["cpu", "meta"]
+
+
+def test_the_longest_measured_step_ignores_periods_that_measured_no_step():
+    assert _step_seconds([]) == 0.0
+    assert _step_seconds([PeriodReport(0.0, steps=0.0, active=1.0)]) == 0.0
+    reports = [PeriodReport(1.0, steps=1.0, active=0.5), PeriodReport(1.0, steps=4.0, active=0.4)]
+    assert _step_seconds(reports) == 0.5

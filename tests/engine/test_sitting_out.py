@@ -502,3 +502,123 @@ def test_only_the_named_planners_that_leave_replicas_out_let_them_sit_out():
     assert loop.sitting_out_between(start, start + SEGMENT) == frozenset()
     loop.settings = replace(named, planner=StaticPlanner())
     assert loop.sitting_out_between(start, start + SEGMENT) == frozenset()
+
+
+def test_replicas_may_sit_out_from_the_step_after_ddps_second_forward_and_not_before():
+    """DDP's reducer rebuilds its buckets at its second forward, a broadcast among every rank: two steps in lockstep."""
+    sitting = SittingOut(SEGMENT)
+    sitting.start(_World(3, 0), enabled=True)
+    sitting.stepped()
+    assert sitting.enter(0, _Plans(), lambda source, absent: None) == frozenset()
+    assert sitting.absent == frozenset()  # one step taken: the second forward is still to come
+    sitting.start(_World(3, 0), enabled=True)
+    sitting.stepped()
+    sitting.stepped()
+    sitting.enter(0, _Plans(), lambda source, absent: None)
+    assert sitting.absent == {2}
+
+
+def test_a_segment_of_one_step_is_allowed():
+    assert SittingOut(1).segment_steps == 1
+
+
+def test_a_world_of_several_replicas_lets_them_sit_out_and_a_world_of_one_does_not():
+    sitting = SittingOut(SEGMENT)
+    assert sitting.present == []  # no fit: nobody takes part
+    assert sitting.segment == (0, 0)
+    sitting.start(_World(3, 0), enabled=True)
+    assert sitting.enabled is True
+    assert sitting.present == [0, 1, 2]
+    assert sitting.segment == (0, 0)  # no segment entered yet
+    sitting.start(_World(1, 0), enabled=True)  # a world of one, even one that makes subgroups
+    assert sitting.enabled is False
+    assert sitting.starts_segment(0) is False
+
+
+def test_entering_mid_segment_or_twice_at_its_first_step_changes_nothing():
+    plans, handoffs = _Plans(), []
+    sitting = SittingOut(SEGMENT)
+    sitting.start(_World(3, 0), enabled=True)
+    for _ in range(LOCKSTEP_STEPS):
+        sitting.stepped()
+    sitting.enter(SEGMENT, plans, lambda source, absent: handoffs.append(absent))
+    assert not sitting.starts_segment(SEGMENT)  # entered already
+    sitting.stepped()
+    plans.out = frozenset()  # what a new choice would say, were one made
+    assert sitting.enter(SEGMENT + 1, plans, lambda source, absent: handoffs.append(absent)) == frozenset()
+    assert sitting.absent == {2}
+    assert sitting.segment == (SEGMENT, 2 * SEGMENT)
+    assert handoffs == []
+
+
+def test_stopping_closes_the_subgroups_of_the_fit():
+    closed = []
+
+    class _Group(FakeCommunicator):
+        def close(self):
+            closed.append(self)
+
+    class _ClosingWorld(_World):
+        def subgroup(self, members):
+            return _Group(len(members), 0)
+
+    sitting = SittingOut(SEGMENT)
+    sitting.start(_ClosingWorld(3, 0), enabled=True)
+    for _ in range(LOCKSTEP_STEPS):
+        sitting.stepped()
+    sitting.enter(0, _Plans(), lambda source, absent: None)
+    group = sitting.comm
+    sitting.stop()
+    assert closed == [group]
+    assert sitting.segment == (0, 0)
+    assert sitting.present == []
+
+
+def test_a_segment_that_takes_exactly_half_the_timeout_still_lets_a_replica_sit_out():
+    sitting = SittingOut(SEGMENT, max_wait=8.0)
+    sitting.start(_World(3, 0), enabled=True)
+    for _ in range(LOCKSTEP_STEPS):
+        sitting.stepped()
+    sitting.enter(0, _Plans(step_seconds=0.25), lambda source, absent: None)  # 16 steps of 0.25 s: 4 s, not more
+    assert sitting.absent == {2}
+
+
+class _Recording(FakeCommunicator):
+    """A world that records the storage of every tensor it broadcasts."""
+
+    def __init__(self, world_size: int = 2, rank: int = 0) -> None:
+        super().__init__(world_size, rank)
+        self.pointers: list[int] = []
+
+    def broadcast_(self, tensor, src=0):
+        super().broadcast_(tensor, src)
+        self.pointers.append(tensor.data_ptr())
+
+
+def test_a_lone_contiguous_tensor_travels_in_place_and_a_lone_strided_one_through_a_buffer(monkeypatch):
+    monkeypatch.setattr("lightning_aesgd.engine.handoff.CHUNK_BYTES", 64)
+    large, world = torch.zeros(40), _Recording()
+    broadcast_tensors(world, [large], src=0)
+    assert world.pointers == [large.data_ptr()]  # no copy of it
+    mine = [torch.zeros(3, 2).t()]  # a transposed view: not contiguous
+    broadcast_tensors(_Filling(2, 1, tensors=[torch.arange(6.0)]), mine, src=0)
+    assert mine[0].tolist() == torch.arange(6.0).view(2, 3).tolist()
+
+
+def test_tensors_that_fill_a_chunk_exactly_travel_together(monkeypatch):
+    monkeypatch.setattr("lightning_aesgd.engine.handoff.CHUNK_BYTES", 64)  # 16 floats
+    world = FakeCommunicator(world_size=2)
+    broadcast_tensors(world, [torch.zeros(8), torch.zeros(8)], src=0)
+    assert world.calls == ["broadcast_"]
+
+
+def test_a_replica_that_took_part_receives_the_optimizer_state_into_its_own_tensors():
+    source, sender = _adam(seed=1), _Filling(3, 0)
+    broadcast_optimizer_state(sender, source, src=0, device=torch.device("cpu"))
+    present = _adam(seed=2)  # the same shapes, other values
+    moment = present.state_dict()["state"][0]["exp_avg"]
+    receiver = _Filling(3, 1, sender.tensors_sent, sender.objects)
+    state = broadcast_optimizer_state(receiver, present, 0, torch.device("cpu"))
+    assert receiver.objects == [None]  # a receiver offers nothing of its own to the broadcast
+    assert torch.equal(moment, source.state_dict()["state"][0]["exp_avg"])  # filled in place
+    assert state["state"][0]["exp_avg"].data_ptr() == moment.data_ptr()
