@@ -6,17 +6,22 @@ import dataclasses
 import inspect
 import subprocess
 import sys
+import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_aesgd import SMA, AdaptiveElasticStrategy, ElasticAverage, InverseTimeDecay
 from lightning_aesgd.core.planners import ProportionalPlanner
 from lightning_aesgd.emulation import SlowdownProfile
 from lightning_aesgd.engine.gradient_sync import GradientSync
 from lightning_aesgd.engine.model_merge import ModelMerge
-from lightning_aesgd.settings import MERGE_OPTIONS, StrategySettings
+from lightning_aesgd.settings import MERGE_OPTIONS, StrategySettings, check_launch
 from lightning_aesgd.strategy import AdaptiveElasticMixin
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_aesgd"
@@ -157,6 +162,23 @@ def test_every_merge_option_given_with_gradient_sync_is_named_at_once():
         StrategySettings(period=4, merge_rule=SMA(alpha=0.1), lr_scaling=True)
 
 
+class _Incomparable(ElasticAverage):
+    """A merge rule whose comparison raises (as one holding an array would)."""
+
+    def __eq__(self, other):
+        raise TypeError("no equality")
+
+    __ne__ = __eq__
+    __hash__ = ElasticAverage.__hash__
+
+
+def test_a_merge_rule_that_cannot_be_compared_with_the_default_is_given():
+    settings = StrategySettings(sync="models", merge_rule=_Incomparable())
+    assert settings.merge_options_given() == ["merge_rule"]
+    with pytest.raises(ValueError, match=r"\['merge_rule'\] configure model merging"):
+        StrategySettings(sync="gradients", merge_rule=_Incomparable())
+
+
 def test_merge_options_at_their_defaults_are_not_given():
     # Compared with the dataclass's own defaults: stating one explicitly is not configuring model merging.
     defaults = {field.name: field.default for field in dataclasses.fields(StrategySettings) if field.init}
@@ -190,6 +212,34 @@ def test_ddp_options_are_those_of_gradient_sync_only():
         StrategySettings(sync="gradients", gradient_as_bucket_view=False).ddp_options()["gradient_as_bucket_view"]
         is False
     )
+
+
+def test_ddp_takes_the_options_of_gradient_sync_under_this_torchs_current_names():
+    """The test above takes either name of the per-forward broadcast; DDP itself takes this torch's own without a
+    deprecation (torch 2.13's old ``broadcast_buffers=False`` would warn, and skip the broadcast at wrapping too)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ddp = DistributedDataParallel(nn.Linear(2, 2), **StrategySettings().ddp_options())
+    finally:
+        dist.destroy_process_group()
+    assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+    assert (ddp.find_unused_parameters, ddp.gradient_as_bucket_view) == (False, True)
+
+
+def test_the_merge_rules_own_options_given_to_the_strategy_are_named_as_the_rules():
+    with pytest.raises(
+        TypeError, match=r"takes no \['alpha', 'momentum'\]: they belong to the merge rule\. HINT: pass "
+    ):
+        AdaptiveElasticStrategy(sync="models", alpha=0.5, momentum=0.9, perod=2)
+
+
+def test_a_timeout_of_zero_is_refused_as_one_below_zero_and_any_positive_one_is_taken():
+    with pytest.raises(ValueError, match=r"every collective would fail at once.*HINT"):
+        check_launch(timedelta(0), "popen")
+    check_launch(timedelta(microseconds=1), "popen")
+    check_launch(None, "spawn")
 
 
 def test_gradient_as_bucket_view_is_the_strategys_own_switch():

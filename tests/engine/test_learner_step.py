@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_aesgd.core.merge import SMA, ElasticAverage
+from lightning_aesgd.engine import learner_tuning
 from lightning_aesgd.engine.averager import ElasticAverager, MergeSettings
 from lightning_aesgd.engine.flat import (
     FlatView,
@@ -522,10 +524,77 @@ def test_learners_fit_a_device_with_room_left_for_their_optimizer_state():
     assert not fits_in_memory(peak_bytes=10 * gib, parameter_bytes=gib, learners=3, total_bytes=16 * gib)
 
 
+def test_learners_that_fill_exactly_the_share_of_memory_they_may_use_fit():
+    # 5 + 2·2·1 = 9 = 0.9·10 bytes: at the limit, not over it.
+    assert fits_in_memory(peak_bytes=5, parameter_bytes=1, learners=2, total_bytes=10)
+    assert not fits_in_memory(peak_bytes=6, parameter_bytes=1, learners=2, total_bytes=10)
+
+
+def test_one_learner_at_most_and_no_gain_asked_are_a_valid_tuning():
+    tuning = LearnerTuning(max_learners=1, min_gain=0.0)
+    assert tune_learners(lambda k: 100.0, FakeCommunicator(world_size=1), tuning) == (1, [100.0])
+
+
+def test_one_replica_whose_learners_do_not_fit_ends_the_search_though_its_peer_measured_a_rate():
+    measured: list[int] = []
+
+    def measure(learners: int) -> float:
+        measured.append(learners)
+        return 100.0 if learners == 1 else 0.0  # two learners do not fit here
+
+    comm = FakeCommunicator(world_size=2, peers_sum=lambda t: torch.tensor([150.0, 0.0, 0.0], dtype=t.dtype))
+    kept, job = tune_learners(measure, comm, LearnerTuning(max_learners=4, min_gain=0.1))
+    assert (kept, job, measured) == (1, [250.0, 0.0], [1, 2])
+
+
+def test_a_slow_rate_is_a_rate_not_a_failure():
+    # Below one sample per second (a large model on a slow device), learners still pay.
+    assert tune_learners(lambda k: 0.5 * k, FakeCommunicator(world_size=1), LearnerTuning(max_learners=2)) == (
+        2,
+        [0.5, 1.0],
+    )
+
+
+def test_a_measurement_times_the_steps_after_the_first_and_counts_every_learners_rows(monkeypatch):
+    """With each step one second of a scripted clock, the untimed first step left out: learners·rows per second."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(learner_tuning, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    net = Net()
+    indices: list[int] = []
+
+    def one_second_step(batch, batch_idx):
+        clock.now += 1.0
+        indices.append(batch_idx)
+        return net.training_step(batch, batch_idx)
+
+    assert measure_learners(net, one_second_step, _batch(8, seed=0), 1, repeats=2) == 8.0
+    assert measure_learners(net, one_second_step, _batch(8, seed=0), 2, repeats=3) == 16.0
+    assert set(indices) == {0}, "the step is timed as the first of an epoch"
+
+
+def test_measuring_a_module_without_a_log_method_leaves_it_without_one():
+    net = nn.Sequential(nn.Linear(3, 1))
+
+    def step(batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(net(x), y)
+
+    assert measure_learners(net, step, _batch(8, seed=0), 1, repeats=1) > 0
+    assert not hasattr(net, "log")
+
+
+def test_each_learner_is_measured_on_the_whole_batch_and_a_scalar_in_it_is_kept_as_it_is():
+    x, y = _batch(4, seed=0)
+    scale = torch.tensor(2.0)
+    repeated = learner_tuning._repeated({"x": x, "y": y, "scale": scale, "name": "b"}, 3)
+    assert torch.equal(repeated["x"], torch.cat([x, x, x]))
+    assert torch.equal(repeated["y"], torch.cat([y, y, y]))
+    assert repeated["scale"].shape == ()
+    assert repeated["name"] == "b"
+
+
 def test_learners_on_a_shared_gpu_fit_what_this_process_holds_and_what_is_free(monkeypatch):
     # Replicas on one 80 GiB GPU: this one holds 5 GiB and 10 GiB are free; the device's total is not its own.
-    from lightning_aesgd.engine import learner_tuning
-
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 4 * gib)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 80 * gib))

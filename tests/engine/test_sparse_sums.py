@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import FakeCommunicator
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -65,11 +66,37 @@ def test_more_rows_or_replicas_never_turn_densifying_back_into_gathering(sizes, 
         assert sparse_sum_method(**more) == "densify"
 
 
+@pytest.mark.parametrize(
+    ("sizes", "method"),
+    [
+        ({"rows": 1, "row_width": 1, "sparse_dim": 1, "numel": 2, "element_size": 8, "world_size": 1}, "gather"),
+        ({"rows": 1, "row_width": 1, "sparse_dim": 2, "numel": 3, "element_size": 8, "world_size": 1}, "gather"),
+        ({"rows": 1, "row_width": 1, "sparse_dim": 2, "numel": 2, "element_size": 8, "world_size": 1}, "densify"),
+        ({"rows": 2, "row_width": 3, "sparse_dim": 1, "numel": 20, "element_size": 4, "world_size": 2}, "gather"),
+    ],
+    ids=["tie", "tie-two-sparse-dims", "indices-tip-it", "tie-two-replicas"],
+)
+def test_a_gradient_gathers_where_gathering_is_not_dearer_to_the_byte(sizes, method):
+    """At equal bytes received the rows are gathered; 8 bytes more per row of indices make them densify."""
+    assert sparse_sum_method(**sizes) == method
+
+
 @given(_gradient_sizes())
 def test_a_gradient_with_every_row_stored_densifies_and_one_with_none_gathers(sizes):
     every_row = sizes["numel"] // sizes["row_width"]
     assert sparse_sum_method(**{**sizes, "rows": every_row}) == "densify"
     assert sparse_sum_method(**{**sizes, "rows": 0}) == "gather"
+
+
+def test_auto_weighs_the_bytes_at_the_most_rows_any_replica_stores_and_a_named_way_is_kept():
+    """Every replica pads its rows to the longest, so one replica storing every row makes every replica densify."""
+    # One row of the 64 stored here.
+    local = torch.sparse_coo_tensor([[0]], torch.ones(1, WIDTH), (NUM_ROWS, WIDTH), check_invariants=True)
+    assert not sparse_sums.densifies(local, [1, 1], "auto")
+    assert sparse_sums.densifies(local, [1, NUM_ROWS], "auto")
+    assert sparse_sums.densifies(local, [NUM_ROWS, 1], "auto")
+    assert sparse_sums.densifies(local, [1, 1], "densify")
+    assert not sparse_sums.densifies(local, [NUM_ROWS, NUM_ROWS], "gather")
 
 
 def test_an_unknown_sparse_reduction_fails_early():
@@ -322,6 +349,58 @@ def test_an_idle_replica_with_a_finite_gradient_is_not_left_out_and_a_non_finite
     assert left_out(0.0, finite=True) == 0  # an idle step: no samples, nothing wrong
     assert left_out(0.5, finite=True) == 0
     assert left_out(0.5, finite=False) == 1
+
+
+@pytest.mark.parametrize("finite", [True, torch.tensor(True)], ids=["host-flag", "device-flag"])
+def test_the_row_exchange_tells_every_replica_the_rows_shares_and_finiteness_of_all(finite):
+    """Two replicas alike (scripted): each one's stored rows and share; a left-out one counts no rows, no share."""
+    sparse = torch.sparse_coo_tensor([[0, 2, 3]], torch.ones(3, 2), (5, 2), check_invariants=True).coalesce()
+    exchange = sparse_sums.exchange_rows(sparse, 0.25, FakeCommunicator(world_size=2), finite)
+    assert exchange == sparse_sums.RowExchange([3, 3], 0.5, 0, [True, True])
+    left_out = sparse_sums.exchange_rows(sparse, 0.25, FakeCommunicator(world_size=2), torch.tensor(False))
+    assert left_out == sparse_sums.RowExchange([0, 0], 0.0, 2, [False, False])
+
+
+def test_gathered_rows_are_padded_to_the_longest_and_cut_back_to_each_replicas_own():
+    """Rank 1 of two stores 3 rows and rank 0 one (the scripted gather hands rank 1's rows back as both)."""
+    local = torch.sparse_coo_tensor([[4, 0, 2]], torch.tensor([[1.0], [2.0], [3.0]]), (5, 1), check_invariants=True)
+    comm = FakeCommunicator(world_size=2, rank=1)
+    summed = sparse_sums.gathered_sum(local, [1, 3], comm).wait()
+    assert comm.calls == ["all_gather", "all_gather"]
+    assert (summed.size(), summed.sparse_dim(), summed._nnz()) == (local.size(), 1, 4)
+    expected = local.to_dense()
+    expected[4] += 1.0  # rank 0's one row: the first
+    torch.testing.assert_close(summed.to_dense(), expected)
+    nothing = FakeCommunicator(world_size=2)
+    assert sparse_sums.gathered_sum(sparse_sums.no_rows(local), [0, 0], nothing).wait()._nnz() == 0
+    assert nothing.calls == [], "no replica has rows: none launches the gather"
+
+
+def test_a_native_sparse_sum_is_renormalised_to_the_finite_shares_only_where_a_replica_is_left_out():
+    """Gloo's sparse all-reduce: the finite replicas' contributions over their summed share once one is left out
+    (it sends no rows), as they are where none is. Three replicas; the peers' sums are scripted."""
+    mine = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (4, 3), check_invariants=True).coalesce()
+    peers = torch.sparse_coo_tensor([[1]], torch.full((1, 3), 2.0), (4, 3), check_invariants=True).coalesce()
+
+    def native(share: float, finite: bool, peer_flags: list[float]) -> tuple[Tensor, list[float]]:
+        comm = FakeCommunicator(
+            world_size=3,
+            peers_sum=lambda t: peers.clone() if t.is_sparse else torch.tensor(peer_flags, dtype=t.dtype),
+        )
+        contribution = mine.clone() if finite else sparse_sums.no_rows(mine)
+        future, flags = sparse_sums.native_sparse_sum(contribution, share, comm, finite)
+        return future.wait().to_dense(), flags.tolist()
+
+    both = (mine + peers).to_dense()
+    summed, flags = native(0.25, True, [0.75, 0.0])  # nobody left out: the sum as it is
+    torch.testing.assert_close(summed, both)
+    assert flags == [1.0, 0.0]
+    summed, flags = native(0.25, True, [0.25, 1.0])  # a peer left out: the finite half of the step, doubled
+    torch.testing.assert_close(summed, both / 0.5)
+    assert flags == [0.5, 1.0]
+    summed, flags = native(0.5, False, [0.5, 0.0])  # this replica left out: its share does not count
+    torch.testing.assert_close(summed, peers.to_dense() / 0.5)
+    assert flags == [0.5, 1.0]
 
 
 def _leave_one_non_finite_replica_out(rank: int, world_size: int, init_file: str, method: str) -> None:
