@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import pickle
 import random
 
 import pytest
@@ -13,11 +15,18 @@ from lightning_aesgd.core.merge import ElasticAverage
 from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.core.speed import StepTime
-from lightning_aesgd.engine.admission import LOCKSTEP_PROBE_REPORTS, MIN_PROBE_INTERVAL, Admission, probe_interval
+from lightning_aesgd.engine.admission import (
+    LOCKSTEP_PROBE_REPORTS,
+    MIN_PROBE_INTERVAL,
+    SITTING_OUT_PROBE_REPORTS,
+    Admission,
+    probe_interval,
+)
 from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.model_merge import TrainingAlone
-from lightning_aesgd.engine.plan_loop import HISTORY_LENGTH, PlanLoop, PlanRecord
+from lightning_aesgd.engine.plan_loop import HISTORY_LENGTH, PlanLoop, PlanRecord, check_learner_blocks
 from lightning_aesgd.engine.plan_settings import PlanSettings
+from lightning_aesgd.engine.sampler import PlanBook
 
 STEP_BATCH = 256
 SECONDS_PER_SAMPLE = 1e-3
@@ -116,6 +125,58 @@ def test_a_mild_imbalance_waits_for_the_noise_before_the_first_plan():
     assert plans[6] != (64, 64, 64, 64)
 
 
+def test_an_imbalance_past_twice_the_fastest_is_planned_for_before_the_noise_is_known():
+    """2.5x apart: noise of a few tens of percent does not explain it, so the first plan comes at step 0."""
+    plans = _run(_group(4, planner="proportional"), lambda step: (1, 1, 1, 2.5), steps=4)
+    assert plans[:3] == [(64, 64, 64, 64)] * 3  # planned at step 0, applied after the lag of 3
+    assert plans[3][3] < 64
+
+
+def test_a_plan_loop_without_settings_plans_with_the_default_settings():
+    plans = PlanLoop()
+    assert plans.settings == PlanSettings()
+    plans.attach(2)
+    assert plans.plan_book_for(STEP_BATCH, 2, lag=1).latest == (128, 128)
+
+
+def test_a_new_fit_of_as_many_replicas_keeps_the_speed_models_and_another_count_starts_afresh():
+    replicas = _group(2)
+    _run(replicas, lambda step: (1, 3), steps=6)
+    plans = replicas[0].plans
+    learned = plans.arrival_model
+    assert learned is not None
+    plans.attach(2)
+    assert plans.arrival_model is learned
+    plans.attach(3)
+    assert plans.arrival_model is not learned
+    assert plans.arrival_model is not None
+    assert plans.arrival_model.num_replicas == 3
+
+
+def test_sitting_out_segments_set_where_probes_fall_and_how_long_they_hold_even_in_a_fresh_plan_book():
+    plans = PlanLoop(PlanSettings())
+    plans.attach(2)
+    plans.segment_steps = 8
+    plans.plan_book_for(STEP_BATCH, 2, lag=1)  # a fresh book, with a fresh admission: the segments still hold
+    assert (plans.admission.align, plans.admission.probe_reports) == (8, SITTING_OUT_PROBE_REPORTS)
+    plans.segment_steps = 0  # no replica sits out: probes may fall on any step
+    assert (plans.admission.align, plans.admission.probe_reports) == (1, LOCKSTEP_PROBE_REPORTS)
+
+
+def test_forbidding_leave_out_warns_once_and_only_where_replicas_could_have_been_left_out(caplog):
+    for leave_out, warnings in ((True, 1), (False, 0)):
+        caplog.clear()
+        plans = PlanLoop(PlanSettings(leave_out_stragglers=leave_out))
+        with caplog.at_level(logging.WARNING, logger="lightning_aesgd.engine.plan_loop"):
+            plans.forbid_leaving_out("its training step communicates")
+            plans.forbid_leaving_out("another reason")
+        assert [record.getMessage() for record in caplog.records] == [
+            "Every replica stays in the steps (leave_out_stragglers is off for this fit): its training step "
+            "communicates."
+        ] * warnings
+        assert plans.leaving_out_forbidden == "another reason"
+
+
 def test_the_stats_carry_each_replicas_latest_period_as_measured():
     replicas = _group(2)
     plans = _run(replicas, lambda step: (1, 3), steps=4, overhead=0.002)
@@ -124,6 +185,34 @@ def test_the_stats_carry_each_replicas_latest_period_as_measured():
         expected = factor * (0.002 + plans[-1][rank] * SECONDS_PER_SAMPLE)
         assert stats[rank].active_seconds == pytest.approx(expected)
         assert stats[rank].loader_seconds == 0.0  # no loader workers here
+
+
+def test_the_stats_give_each_periods_seconds_per_step_and_zeros_for_a_period_of_no_steps():
+    plans = PlanLoop(PlanSettings())
+    plans.attach(3)
+    plans.plan_book_for(255, 3, lag=2)
+    four_steps = PeriodReport(0.5, work=340.0, planned=340.0, steps=4, active=0.4, busy=0.2, loader=0.08)
+    one_step = PeriodReport(0.5, work=85.0, planned=85.0, steps=1, active=0.1, busy=0.06, loader=0.01)
+    plans.receive([four_steps.as_row(), PeriodReport(0.5, finite=0.0).as_row(), one_step.as_row()], step=0)
+    measured, idle, single = plans.stats()
+    seconds = (measured.busy_seconds, measured.active_seconds, measured.loader_seconds)
+    assert seconds == pytest.approx((0.05, 0.1, 0.02))
+    assert (single.busy_seconds, single.active_seconds, single.loader_seconds) == pytest.approx((0.06, 0.1, 0.01))
+    assert (idle.busy_seconds, idle.active_seconds, idle.loader_seconds) == (0.0, 0.0, 0.0)
+    assert (measured.finite, idle.finite) == (True, False)
+
+
+def test_equal_replicas_one_sample_apart_are_balanced_as_whole_samples_allow():
+    """255 samples: 128 and 127. One sample more on the quicker would reverse the times, so they agree exactly."""
+    plans = PlanLoop(PlanSettings())
+    plans.attach(2)
+    plans.plan_book_for(255, 2, lag=2)
+    assert plans.plan_book.latest == (128, 127)
+    for step in range(4):
+        rows = [PeriodReport(0.5, work=n, planned=n, steps=1, active=n * 1e-3).as_row() for n in (128.0, 127.0)]
+        plans.receive(rows, step)
+    assert plans.balanced_within(0.0)
+    assert plans.plan_book.latest == (128, 127)
 
 
 def test_the_models_count_a_report_of_lag_plus_one_steps_or_a_merge_period_as_one():
@@ -150,6 +239,21 @@ def test_the_dead_band_widens_where_long_reports_weigh_more():
             plans.receive([row.as_row(), row.as_row()], period * steps)
         bands.append(plans.dead_band)
     assert bands[0] < bands[1] <= 0.25
+
+
+def test_a_left_out_replicas_noise_does_not_widen_the_others_dead_band():
+    bands = []
+    for jitters in ([1.0] * 6, [1.0, 1.6, 0.7, 1.5, 0.6, 1.4]):
+        plans = PlanLoop(PlanSettings())
+        plans.attach(3)
+        plans.plan_book_for(STEP_BATCH, 3, lag=2)
+        plans.plan_book.schedule(1, [128, 128, 0])  # replica 2 is left out from step 1 on
+        for step, jitter in enumerate(jitters):
+            steady = PeriodReport(0.5, work=128.0, planned=128.0, steps=1, active=0.01 * (1 + 0.01 * (step % 2)))
+            noisy = PeriodReport(0.5, work=128.0, planned=128.0, steps=1, active=0.5 * jitter)
+            plans.receive([steady.as_row(), steady.as_row(), noisy.as_row()], step)
+        bands.append(plans.dead_band)
+    assert bands[0] == bands[1]
 
 
 def test_a_plan_is_balanced_when_its_predicted_step_times_agree():
@@ -196,6 +300,32 @@ def test_with_a_plan_lag_of_one_a_4x_slowdown_is_followed_within_3_steps(first_s
 def test_noisy_equal_replicas_keep_plans_within_5_percent_of_each_other(planner):
     plans = _run(_group(4, planner=planner), lambda step: (1, 1, 1, 1), steps=300, noise=0.15)
     assert all(max(plan) <= 1.05 * min(plan) for plan in plans[50:])
+
+
+class _Counting:
+    """A planner that counts how often it is asked (and plans as the wrapped one)."""
+
+    def __init__(self, planner) -> None:
+        self.planner, self.calls = planner, 0
+
+    def plan(self, current, step_times, total):
+        self.calls += 1
+        return self.planner.plan(current, step_times, total)
+
+
+@pytest.mark.parametrize("forbidden", [False, True], ids=["may leave out", "leaving out forbidden"])
+@pytest.mark.parametrize("noise", [0.0, 0.15])
+def test_a_named_planner_is_not_asked_while_the_plans_predicted_step_times_agree(noise, forbidden):
+    """Equal replicas: the plan in force is balanced, so no sync point pays for planning (it costs far more than
+    the check), whether or not replicas may be left out."""
+    replicas = _group(4)
+    for replica in replicas:
+        replica.plans.planner = _Counting(replica.plans.planner)
+        if forbidden:
+            replica.plans.forbid_leaving_out("a test")
+    plans = _run(replicas, lambda step: (1, 1, 1, 1), steps=30, noise=noise)
+    assert [replica.plans.planner.calls for replica in replicas] == [0] * 4
+    assert set(plans) == {(64, 64, 64, 64)}
 
 
 def test_a_4x_slowdown_is_followed_within_10_steps_through_15_percent_noise():
@@ -245,6 +375,12 @@ def test_any_replica_asking_to_stop_stops_every_replica():
     for replica in replicas:
         replica.receive(rows, step=0)
     assert all(replica.plans.stop_requested for replica in replicas)
+
+
+def test_no_replica_asking_to_stop_keeps_every_replica_training():
+    replicas = _group(2)
+    _run(replicas, lambda step: (1, 2), steps=3)
+    assert not any(replica.plans.stop_requested for replica in replicas)
 
 
 def test_without_leaving_stragglers_out_a_very_slow_replica_keeps_the_floor_batch():
@@ -333,6 +469,35 @@ def test_a_static_plan_or_a_planner_object_never_leaves_a_replica_out():
     assert all(min(plan) > 0 for plan in static + own)
 
 
+class _Scripted:
+    """A planner object whose plan the test sets."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def plan(self, current, step_times, total):
+        return list(self.sizes)
+
+
+def test_a_planner_object_is_asked_at_every_sync_point_and_its_plans_are_never_damped():
+    """Waiting for the noise, the dead band and damping (a gain below 1 after the first plan) are the named planners':
+    an object's plan is scheduled at once and applies exactly."""
+    planner = _Scripted([192, 64])
+    replicas = _group(2, planner=planner)
+    plans = _run(replicas, lambda step: (1, 1), steps=5)
+    assert plans[3:] == [(192, 64)] * 2
+    planner.sizes = [64, 192]
+    plans = _run(replicas, lambda step: (1, 1), steps=5, start=5)
+    assert plans[3:] == [(64, 192)] * 2
+
+
+def test_a_plan_equal_to_the_one_in_force_schedules_nothing():
+    """The book stays unrevised, so the first plan that moves still moves all the way from the initial split."""
+    replicas = _group(2, planner=StaticPlanner([1.0, 1.0]))
+    _run(replicas, lambda step: (1, 2), steps=5)
+    assert not replicas[0].plans.plan_book.revised
+
+
 def _step_times(plan, factors, overhead):
     return [f * (overhead + size * SECONDS_PER_SAMPLE) for size, f in zip(plan, factors, strict=True)]
 
@@ -362,6 +527,60 @@ def test_a_restored_plan_loop_continues_with_the_same_plans_and_measurements():
     assert restored.arrival_model.rates() == saved.arrival_model.rates()
     assert restored.plan_book.state_dict() == saved.plan_book.state_dict()
     assert restored.merge_weights == saved.merge_weights == [1.0, 1.0]
+
+
+def test_a_loop_that_missed_sync_points_takes_its_peers_plans_and_keeps_the_steps_its_sampler_served():
+    """The sitting-out handoff: the shared state carries the plans too, and the sampler's position stays its own."""
+    replicas = _group(2)
+    _run(replicas, lambda step: (1, 3), steps=6)
+    peer = replicas[0].plans
+    missed = Replica(2)
+    missed.plans.plan_book.sizes_at(4)  # its sampler drew steps 0 to 4 already
+    missed.plans.adopt_shared_state(pickle.loads(pickle.dumps(peer.shared_state())))
+    book = missed.plans.plan_book
+    assert book.state_dict() == peer.plan_book.state_dict() != PlanBook([128, 128]).state_dict()
+    assert book.last_served_step == 4
+    assert missed.plans.arrival_model.rates() == peer.arrival_model.rates()
+    mine, theirs = missed.plans.shared_state(), peer.shared_state()
+    for name in ("merge_weights", "next_plan", "speed_changed", "left_out_once", "restart_from", "latest_report"):
+        assert mine[name] == theirs[name], name
+
+
+def test_a_state_loaded_once_the_plan_book_exists_applies_at_once():
+    replicas = _group(2, planner="balanced")
+    _run(replicas, lambda step: (1, 3), steps=12)
+    saved = replicas[1].plans
+    (restored,) = _group(1)
+    restored.plans.attach(2)
+    restored.plans.plan_book_for(STEP_BATCH, 2, lag=3)
+    restored.plans.load_state_dict(saved.state_dict())
+    assert restored.plans.plan_book.state_dict() == saved.plan_book.state_dict()
+    assert restored.plans.arrival_model.rates() == saved.arrival_model.rates()
+
+
+def test_a_state_saved_before_any_plan_or_measurement_restores_nothing_and_fails_nothing():
+    empty = PlanLoop(PlanSettings()).state_dict()
+    assert (empty["plans"], empty["arrivals"]) == (None, None)
+    replicas = _group(2)
+    _run(replicas, lambda step: (1, 3), steps=6)
+    loop = replicas[0].plans
+    plans, rates = loop.plan_book.state_dict(), loop.arrival_model.rates()
+    loop.load_state_dict(empty)
+    assert (loop.plan_book.state_dict(), loop.arrival_model.rates()) == (plans, rates)
+
+
+def test_saved_merge_weights_for_another_number_of_replicas_are_not_taken():
+    replicas = _group(2)
+    _run(replicas, lambda step: (1, 3), steps=3)
+    loop = replicas[0].plans
+    loop.load_state_dict({**loop.state_dict(), "merge_weights": [0.2, 0.3, 0.5]})
+    assert loop.merge_weights == [1.0, 1.0]
+    loop.load_state_dict({**loop.state_dict(), "merge_weights": [0.4, 0.6]})
+    assert loop.merge_weights == [0.4, 0.6]
+    unattached = PlanLoop(PlanSettings())  # no fit attached: no replica count to check the weights against
+    unattached.load_state_dict(loop.state_dict())
+    unattached.plan_book_for(STEP_BATCH, 2, lag=3)
+    assert unattached.merge_weights == []
 
 
 def test_saved_plans_for_another_step_batch_are_replaced_by_a_fresh_plan():
@@ -408,6 +627,32 @@ def test_the_history_is_a_ring_of_typed_records_so_memory_stays_flat():
     assert latest.speeds[0] == pytest.approx(10 / 0.01)
 
 
+def test_a_loop_before_its_first_fit_answers_every_query_as_nothing_planned():
+    plans = PlanLoop(PlanSettings(plan_dead_band=0.07))
+    assert plans.next_probe() is None
+    assert plans.lone_taker(0) is None
+    assert plans.dead_band == 0.07
+    assert not plans.balanced_within(0.5)
+    assert plans.stats() == []
+    plans.attach(2)  # models, but no plan book yet
+    assert plans.dead_band == 0.07
+
+
+def test_the_slowest_step_time_is_of_the_replicas_the_latest_plan_gives_work():
+    plans = PlanLoop()
+    assert plans.slowest_step_seconds() == 0.0  # no models, no plan book yet
+    plans.attach(3)
+    assert plans.slowest_step_seconds() == 0.0  # no plan book yet
+    replicas = _group(3, max_batch=150)  # the fastest replica is capped: the other's steps stay longer
+    assert replicas[0].plans.slowest_step_seconds() == 0.0  # nothing measured yet
+    _run(replicas, lambda step: (1, 3, 50), steps=20)
+    loop = replicas[0].plans
+    seconds = loop.arrival_model.step_seconds()
+    assert loop.plan_book.latest[::2] == (150, 0)  # replica 2 is left out: its 50x slower steps do not count
+    assert seconds[1] > 1.5 * seconds[0]
+    assert loop.slowest_step_seconds() == seconds[1]
+
+
 def test_stats_describe_every_replica_as_the_latest_sync_point_saw_it():
     replicas = _group(2)
     assert replicas[0].plans.stats() == []  # nothing received yet
@@ -441,6 +686,12 @@ def test_options_that_do_not_fit_the_step_fail_when_the_plan_book_is_made(kwargs
 class _WrongTotal:
     def plan(self, current, step_times, total):
         return [total + 1 for _ in current]
+
+
+def test_a_step_that_learners_cannot_share_equally_fails_with_the_fix():
+    check_learner_blocks(256, 2, learners=2)
+    with pytest.raises(ValueError, match=r"Steps of 255 samples cannot be split equally among the 2 learners.*HINT"):
+        check_learner_blocks(255, 2, learners=2)
 
 
 def test_a_planner_object_that_returns_a_wrong_plan_fails_before_training():
@@ -518,6 +769,32 @@ def test_a_replica_left_out_soon_after_another_is_never_left_waiting_for_a_resta
         assert all(latest[rank] > 0 for rank in loop.arrival_model.restarts_pending()), (step, latest)
         left_out |= {rank for rank, size in enumerate(latest) if size == 0}
     assert left_out == {2, 3}
+
+
+def test_a_replica_left_out_before_reports_reach_its_restart_is_not_restarted_while_it_idles():
+    """Reports 8 steps apart (a merge period): the others' restart, due 3 steps after the first leaving, is still
+    ahead when the next report leaves replica 3 out too; replica 3 then idles, with nothing of it to restart."""
+    replicas = _group(4, planner="proportional")
+    loop = replicas[0].plans
+    for report in range(4):
+        _run(replicas, lambda step: (1, 1, 50, 1 if step == 0 else 50), steps=1, start=8 * report)
+        latest = loop.plan_book.latest
+        assert all(latest[rank] > 0 for rank in loop.arrival_model.restarts_pending()), (report, latest)
+    assert latest[2:] == (0, 0)
+
+
+def test_a_plan_made_while_a_probe_waits_for_its_measurement_keeps_the_probe_in():
+    """Replica 0 slows down 4x right after replica 2's probe is planned: the plan that follows at once still gives
+    the probe its batch, as replica 2 is judged on its stale model only once its probe period is reported."""
+    replicas = _group(3, planner="proportional")
+    loop, probe = replicas[0].plans, []
+    for step in range(60):
+        _run(replicas, lambda step: (4 if probe and step > probe[0] else 1, 1, 50), steps=1, start=step)
+        if 2 in loop.arrival_model.restarts_pending():
+            if not probe:
+                probe.append(step)
+            assert loop.plan_book.latest[2] > 0, step
+    assert probe
 
 
 def test_a_resumed_fit_takes_a_probe_verdict_for_no_first_leaving():
@@ -604,3 +881,19 @@ def test_a_replica_is_left_out_only_where_that_shortens_the_step_by_more_than_a_
     decide = Admission().decide
     assert decide(3, [*fast, StepTime(60.0, 1.0)], [40, 40, 40], [4] * 3, [None] * 3, lag=2) == [True] * 3
     assert decide(3, [*fast, StepTime(80.0, 1.0)], [40, 40, 40], [4] * 3, [None] * 3, lag=2) == [True, True, False]
+
+
+def test_after_the_first_plan_a_mild_change_is_followed_by_damped_moves():
+    """A replica 2x slower turns 1.85x: too little to count as a change of speed, so each plan moves its batch by
+    ``plan_gain`` of the way to the target (a gain of 1 moves all of it at once)."""
+
+    def factors_at(step):
+        return (1, 1, 1, 1.85) if step >= 30 else (1, 1, 1, 2)
+
+    moves = {}
+    for gain in (1.0, 0.5):
+        plans = _run(_group(4, planner="proportional", plan_gain=gain), factors_at, steps=50)
+        before = plans[29][3]
+        first_move = next(plan[3] for plan in plans[30:] if plan[3] != before)
+        moves[gain] = first_move - before
+    assert 0 < moves[0.5] < moves[1.0]

@@ -173,6 +173,15 @@ def test_no_replica_sits_out_where_leaving_out_is_forbidden_or_segments_are_off(
     assert loop.sitting_out_between(start, start + SEGMENT) == frozenset()
 
 
+def test_rank_zero_never_sits_out_however_slow_and_rank_one_may():
+    """Lightning's rank-zero code (loggers, callbacks that write files) always sees the model train."""
+    replicas = _sit_out_run(lambda step: (50, 50, 1), steps=2 * SEGMENT)[2]
+    loop = replicas[0].plans
+    start = 2 * SEGMENT
+    assert loop.plan_book.latest[:2] == (0, 0)  # both left out of the steps
+    assert loop.sitting_out_between(start, start + SEGMENT) == {1}
+
+
 class _World(FakeCommunicator):
     """A world of ``world_size`` replicas that makes subgroups and records them."""
 
