@@ -252,7 +252,7 @@ def test_a_replica_that_turns_nan_is_left_out_and_every_replica_ends_finite(tmp_
 
 def test_large_buckets_summed_in_place_give_the_copied_sums_update_and_leave_a_nan_replica_out(tmp_path, monkeypatch):
     """A large host bucket is summed in place, its flags and the reports in a small all-reduce beside it: the same
-    update, exclusions and plans as the guarded copy's, with the gradients in DDP's buckets (the default) or
+    update and exclusions as the guarded copy's, with the gradients in DDP's buckets (the default) or
     copied to and from them. Every bucket counts as large here (the forked replicas inherit the threshold); the
     reports ride with the flags of the last bucket."""
     runs = {}
@@ -261,7 +261,11 @@ def test_large_buckets_summed_in_place_give_the_copied_sums_update_and_leave_a_n
         monkeypatch.setattr(gradients, "IN_PLACE_MIN_ELEMENTS", threshold)
         directory = tmp_path / form.replace(" ", "_").replace(",", "")
         directory.mkdir()
-        strategy = AdaptiveElasticStrategy(start_method="fork", timeout=TIMEOUT, gradient_as_bucket_view=in_buckets)
+        # The equal split throughout: plans follow measured speeds, which differ from run to run on a loaded machine
+        # (seen in CI), and another split is another update. Here only the ways of summing may differ.
+        strategy = AdaptiveElasticStrategy(
+            start_method="fork", timeout=TIMEOUT, gradient_as_bucket_view=in_buckets, planner="static"
+        )
         pl.seed_everything(7)
         cpu_trainer(strategy, max_steps=20, callbacks=[_FinalState(directory)]).fit(_NaNOnRankOne())
         runs[form] = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(2)]
