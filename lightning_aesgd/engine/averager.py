@@ -274,7 +274,8 @@ class ElasticAverager:
         the others waiting in it. Buffers that changed in number, shape or dtype are merged no more (the view keeps
         their old tensors, the same size on every replica) and named in a warning.
         """
-        now = [owner._buffers[name] for owner, name in self._buffer_slots]  # a dict lookup each: merges stay cheap
+        # A dict lookup each, so merges stay cheap; `.get`: a buffer deleted since (`del module.buf`) reads as gone.
+        now = [owner._buffers.get(name) for owner, name in self._buffer_slots]
         if self.buffers and not self.buffers.follow([b for b in now if b is not None]) and not self._told_of_buffers:
             self._told_of_buffers = True
             warnings.warn(

@@ -9,7 +9,7 @@ import torch
 from helpers import FakeCommunicator
 from torch import nn
 
-from lightning_aesgd.core.merge import SMA, ElasticAverage
+from lightning_aesgd.core.merge import EASGD, SMA, ElasticAverage
 from lightning_aesgd.engine.averager import (
     ElasticAverager,
     MergeSettings,
@@ -96,6 +96,19 @@ def test_buffers_that_change_shape_are_named_in_a_warning_and_merges_go_on_witho
     model = _model(1.0)
     averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(), merge_buffers=True))
     model[1].running_mean = torch.zeros(3)  # a replica raising here would leave its peers waiting in the merge
+    with pytest.warns(UserWarning, match="HINT: register every buffer before the fit"):
+        averager.merge(weight=1.0)
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))  # the parameters still merge
+
+
+@pytest.mark.parametrize("change", ["deleted", "set to None"])
+def test_a_buffer_deleted_or_set_to_none_is_named_in_a_warning_and_merges_go_on_without_it(change):
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(), merge_buffers=True))
+    if change == "deleted":
+        del model[1].running_var  # a KeyError here would leave the peers waiting in the merge's collective
+    else:
+        model[1].running_var = None
     with pytest.warns(UserWarning, match="HINT: register every buffer before the fit"):
         averager.merge(weight=1.0)
     torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))  # the parameters still merge
@@ -301,3 +314,207 @@ def test_the_moment_count_check_is_exact_at_counts_whose_squares_overflow_64_bit
     one_fewer = FakeCommunicator(world_size=8, peers_max=lambda t: torch.tensor([4_000_000_000, -3_999_999_999]))
     with pytest.raises(MomentLayoutError, match="between 3999999999 and 4000000000"):
         _check_same_moment_count(one_fewer, 3_999_999_999)
+
+
+def test_a_rule_that_never_pulls_is_named_in_a_warning_at_the_line_that_built_the_settings():
+    with pytest.warns(UserWarning, match="never pulls the replicas together") as record:
+        MergeSettings(ElasticAverage(alpha=0.0))
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MergeSettings(ElasticAverage(alpha=1.0))
+        MergeSettings(EASGD(beta=1.0))
+
+
+def test_an_unknown_optimizer_state_mode_fails_when_the_settings_are_built():
+    with pytest.raises(ValueError, match=r"Unknown optimizer_state 'average_all'.*HINT"):
+        MergeSettings(ElasticAverage(), optimizer_state="average_all")
+
+
+def test_the_overshoot_warning_points_at_the_line_that_built_the_averager():
+    with pytest.warns(UserWarning, match=r"α·n > 1") as record:
+        ElasticAverager(nn.Linear(2, 1), FakeCommunicator(world_size=4), MergeSettings(SMA(alpha=0.3)))
+    assert record[0].filename == __file__
+
+
+def test_merges_warn_of_nothing_while_the_trainable_parameters_stay_as_they_were():
+    model = _model(1.0)
+    model[0].bias.requires_grad_(False)  # frozen from the start and still frozen: nothing changed
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        averager.merge(weight=1.0)
+        averager.global_model()
+
+
+def test_only_rank_zero_warns_of_parameters_that_became_trainable():
+    model = _model(1.0)
+    model[0].bias.requires_grad_(False)
+    averager = ElasticAverager(model, FakeCommunicator(world_size=2, rank=1), MergeSettings(ElasticAverage()))
+    model[0].bias.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        averager.merge(weight=1.0)
+
+
+def test_an_elastic_average_merges_the_models_after_the_local_step():
+    """The rule needs no snapshot: a `before_local_step` call keeps none, and the post-step models merge."""
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage(alpha=1.0)))
+    averager.before_local_step()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(5.0)  # the local step moves the replica
+    assert averager.after_local_step(num_samples=1)
+    averager.merge(weight=1.0)
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), (5.0 + 3.0) / 2))
+
+
+def test_the_updates_weight_counts_each_local_step_once():
+    averager = ElasticAverager(
+        _model(1.0), LocalCommunicator(), MergeSettings(ElasticAverage(), weights="updates", period=5)
+    )
+    for samples in (3, 5, 7):
+        averager.after_local_step(num_samples=samples)
+    assert averager.own_weight() == 3
+    averager.take_back_step(num_samples=7)
+    assert averager.own_weight() == 2
+
+
+def test_a_skipped_merge_leaves_the_last_weight_until_new_work_is_done():
+    averager = ElasticAverager(_model(1.0), LocalCommunicator(), MergeSettings(ElasticAverage(), period=5))
+    averager.merge(weight=6.0)
+    for _ in range(2):
+        averager.after_local_step(num_samples=4)
+        averager.take_back_step(num_samples=4)  # the GradScaler skipped the step
+    assert averager.own_weight() == 0.0
+    averager.skip_merge()
+    assert averager.own_weight() == 6.0
+    averager.after_local_step(num_samples=5)
+    assert averager.own_weight() == 5
+
+
+def test_the_weight_less_skipped_steps_is_the_last_weight_without_an_update_since_the_merge():
+    averager = ElasticAverager(_model(1.0), LocalCommunicator(), MergeSettings(ElasticAverage()))
+    averager.merge(weight=6.0)
+    none_skipped = torch.zeros((), dtype=torch.float64)
+    assert float(averager.own_weight_less(none_skipped, none_skipped)) == 6.0
+
+
+def test_kept_optimizer_moments_stay_local_and_add_no_collective():
+    model = _model(1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    momentum = optimizer.state[model[0].weight]["momentum_buffer"].clone()
+    comm = _peer(value=3.0, weight=1.0)  # a peer whose moments differ
+    ElasticAverager(model, comm, MergeSettings(ElasticAverage(), optimizer_state="keep")).merge(1.0, optimizer)
+    torch.testing.assert_close(optimizer.state[model[0].weight]["momentum_buffer"], momentum)
+    assert comm.calls == ["all_reduce_sum_"]
+
+
+def test_averaged_optimizer_moments_take_the_weighted_mean_with_the_peers():
+    model = _model(1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    momentum = optimizer.state[model[0].weight]["momentum_buffer"].clone()
+    comm = _peer(value=3.0, weight=1.0)  # a peer holding 3.0 in every moment, as many as here
+    ElasticAverager(model, comm, MergeSettings(ElasticAverage(), optimizer_state="average")).merge(1.0, optimizer)
+    torch.testing.assert_close(optimizer.state[model[0].weight]["momentum_buffer"], (momentum + 3.0) / 2)
+
+
+def test_swapped_in_tells_whether_the_module_holds_the_global_model():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage()))
+    assert not averager.swapped_in
+    averager.swap_out()  # nothing swapped in: nothing to restore
+    torch.testing.assert_close(model[0].weight, torch.ones(2, 2))
+    averager.swap_in_global_model()
+    assert averager.swapped_in
+    averager.swap_out()
+    assert not averager.swapped_in
+
+
+def test_a_second_swap_in_keeps_the_replica_to_restore_and_makes_no_collective():
+    model = _model(1.0)
+    comm = _peer(3.0, 1.0)
+    averager = ElasticAverager(model, comm, MergeSettings(ElasticAverage()))
+    averager.swap_in_global_model()
+    averager.swap_in_global_model()
+    assert comm.calls == ["all_reduce_sum_"]
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))
+    averager.swap_out()
+    torch.testing.assert_close(model[0].weight, torch.ones(2, 2))
+
+
+def test_adopting_while_swapped_in_keeps_the_shown_global_model_without_another_collective():
+    model = _model(1.0)
+    comm = _peer(3.0, 1.0)
+    averager = ElasticAverager(model, comm, MergeSettings(ElasticAverage()))
+    averager.swap_in_global_model()
+    averager.adopt_global_model()
+    assert comm.calls == ["all_reduce_sum_"]
+    assert not averager.swapped_in
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))
+
+
+def test_swap_out_gives_every_learner_its_buffers_back():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage()), learners=2)
+    averager.swap_in_global_model()
+    torch.testing.assert_close(model[1].running_mean, torch.full((2,), 2.0))
+    averager.swap_out()
+    torch.testing.assert_close(model[1].running_mean, torch.ones(2, 2))  # a row per learner
+
+
+def test_restore_from_writes_the_center_and_clears_the_optimizer_state():
+    model = _model(1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    averager = ElasticAverager(model, LocalCommunicator(), MergeSettings(ElasticAverage()))
+    center = torch.full((averager.params.numel,), 7.0)
+    averager.restore_from(center, optimizer)
+    assert not optimizer.state
+    torch.testing.assert_close(averager.params.read(), center)
+    averager.restore_from(center - 1.0, None)  # no optimizer: the parameters alone
+    torch.testing.assert_close(averager.params.read(), center - 1.0)
+
+
+@pytest.mark.parametrize("learners", [1, 2])
+def test_adopting_the_global_model_drops_gradients_only_of_stacked_learners(learners):
+    model = _model(1.0)
+    averager = ElasticAverager(model, FakeCommunicator(world_size=1), MergeSettings(ElasticAverage()), learners)
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    averager.adopt_global_model()
+    assert (model[0].weight.grad is None) == (learners > 1)
+
+
+@pytest.mark.parametrize("learners", [1, 2])
+def test_one_model_shapes_name_the_stacked_parameters_only_with_several_learners(learners):
+    model = _model(1.0)
+    averager = ElasticAverager(model, FakeCommunicator(world_size=1), MergeSettings(ElasticAverage()), learners)
+    one_model = [(2, 2), (2,), (2,), (2,)]  # the linear layer's weight and bias, the batch norm's
+    expected = dict(zip(map(id, model.parameters()), one_model, strict=True)) if learners > 1 else {}
+    assert averager.one_model_shapes() == expected
+
+
+def test_unstack_leaves_one_model_the_mean_of_the_learners():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage()), learners=2)
+    with torch.no_grad():
+        averager.params.live[0].add_(2.0)  # learner 0 holds 3.0, learner 1 holds 1.0
+    averager.unstack()
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.0))  # local: the peer is not asked
+    torch.testing.assert_close(model[1].running_mean, torch.ones(2))
+
+
+def test_unstack_keeps_a_global_model_shown_already():
+    model = _model(1.0)
+    averager = ElasticAverager(model, _peer(3.0, 1.0), MergeSettings(ElasticAverage()), learners=2)
+    with torch.no_grad():
+        averager.params.live[0].add_(2.0)  # the learners' mean is 2.0; with the peer's 3.0 the global model 2.5
+    averager.swap_in_global_model()
+    averager.unstack()
+    torch.testing.assert_close(model[0].weight, torch.full((2, 2), 2.5))
