@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_aesgd.engine import gradients
 from lightning_aesgd.engine.comm import LocalCommunicator
 from lightning_aesgd.engine.gradients import (
     GradientSum,
@@ -516,3 +517,278 @@ def test_a_sum_that_cannot_be_launched_fails_the_carried_table_too():
     assert carried[0].done()  # failed, not left for a waiter to hang on
     with pytest.raises(RuntimeError, match="aborted"):
         carried[0].wait()
+
+
+def test_only_the_last_bucket_reports_the_arrival():
+    arrivals: list[bool] = []
+    reduce = GradientSum(comm=FakeCommunicator(world_size=2), on_last_bucket=lambda: arrivals.append(True))
+    params = _params()
+    reduce.begin_step()
+    reduce.reduce(FakeBucket([params[1]], [torch.ones(3)], last=False)).wait()
+    assert arrivals == []
+    reduce.reduce(FakeBucket([params[0]], [torch.ones(2, 2)], position=1)).wait()
+    assert arrivals == [True]
+
+
+def test_until_a_share_is_set_the_replicas_gradient_counts_whole():
+    """The default share is 1: with its peer left out, the sum is renormalised by 1/1 and stays this gradient."""
+
+    def peers_sum(contribution: torch.Tensor) -> torch.Tensor:  # a peer left out: zeros, share 0, one flag
+        return torch.cat([torch.zeros_like(contribution[:-2]), torch.tensor([0.0, 1.0])])
+
+    reduce = GradientSum(comm=FakeCommunicator(world_size=2, peers_sum=peers_sum))
+    reduce.begin_step()
+    summed = reduce.reduce(FakeBucket(_params(), _grads(3.0))).wait()
+    reduce.end_step()
+    torch.testing.assert_close(summed, torch.full((7,), 3.0))
+    assert reduce.exclusions.read() == (1, 0)
+
+
+def test_a_delayed_unguarded_sum_runs_on_a_copy_that_the_next_backward_leaves_alone():
+    """Under a GradScaler the sum is DDP's own, but a delayed one outlives the bucket that DDP refills."""
+    sums = DeferredSums()
+    reduce = GradientSum(delay=1, comm=sums)
+    reduce.guard = False
+    params = _params()
+    bucket = FakeBucket(params, _grads(2.0))
+    reduce.begin_step()
+    reduce.reduce(bucket).wait()
+    reduce.end_step()
+    bucket.flat.fill_(9.0)  # the next backward
+    sums.complete()
+    pending = reduce.take_pending()
+    torch.testing.assert_close(torch.cat([pending[id(p)] for p in params]), torch.full((7,), 2.0))
+
+
+def test_alone_a_delayed_dense_sum_keeps_the_bucket_as_it_was_without_a_communicator():
+    """A lone replica's delayed sum is a copy of its bucket (no collective, none made) that the next backward,
+    refilling the bucket, leaves alone."""
+    reduce = GradientSum(delay=1)
+    reduce.alone = True
+    params = _params()
+    bucket = FakeBucket(params, _grads(2.0))
+    reduce.begin_step()
+    reduce.reduce(bucket).wait()
+    reduce.end_step()
+    bucket.flat.fill_(9.0)  # the next backward
+    pending = reduce.take_pending()
+    torch.testing.assert_close(torch.cat([pending[id(p)] for p in params]), torch.full((7,), 2.0))
+    assert reduce.comm is None
+    assert reduce.exclusions.read() == (0, 0)
+
+
+@pytest.mark.parametrize("method", ["gather", "densify"])
+def test_a_sparse_sum_without_the_guard_lets_a_non_finite_gradient_through(method):
+    """Under a GradScaler a NaN embedding gradient must reach the gathered or densified sum, as a dense one does."""
+    grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.tensor([[float("nan"), 1.0], [2.0, 3.0]]), (5, 2))
+    reduce = GradientSum(comm=FakeCommunicator(world_size=2), sparse_reduction=method)
+    reduce.guard = False
+    reduce.begin_step()
+    summed = reduce.reduce(SparseBucket(nn.Parameter(torch.zeros(5, 2)), grad)).wait().to_dense()
+    reduce.end_step()
+    assert torch.isnan(summed[1, 0])
+    torch.testing.assert_close(summed[3], torch.tensor([4.0, 6.0]))
+    assert reduce.exclusions.read() == (0, 0)
+
+
+def test_a_delayed_steps_sums_are_compensated_once_whatever_the_number_of_buckets():
+    """The momentum parameter in the second of two buckets gets (1 + μ)·Ĝ_{t−1}, not that compensated again."""
+    params = _params()
+    reduce = GradientSum(delay=1, comm=FakeCommunicator(world_size=1))
+    reduce.read_momentum(_optimizer(params))  # μ = 0.9 for params[0]
+    returned = []
+    for value in (2.0, 3.0):
+        reduce.begin_step()
+        reduce.reduce(FakeBucket([params[1]], [torch.full((3,), value)], last=False)).wait()
+        returned.append(reduce.reduce(FakeBucket([params[0]], [torch.full((2, 2), value)], position=1)).wait())
+        reduce.end_step()
+    torch.testing.assert_close(returned[1], torch.full((4,), 1.9 * 2.0))
+
+
+# --- large host buckets summed in place (IN_PLACE_MIN_ELEMENTS) -----------------------------------------------
+
+
+def _in_place_sum(monkeypatch, comm, delay: int = 0) -> GradientSum:
+    """A sum that takes the 7 elements of ``_params()`` for a large bucket (exactly the threshold)."""
+    monkeypatch.setattr(gradients, "IN_PLACE_MIN_ELEMENTS", 7)
+    reduce = GradientSum(delay=delay, comm=comm)
+    reduce.sums_in_place = True
+    return reduce
+
+
+def test_a_large_synchronous_host_bucket_is_summed_in_place_with_its_flags_beside_it(monkeypatch):
+    comm = FakeCommunicator(world_size=2)
+    reduce = _in_place_sum(monkeypatch, comm)
+    reduce.share = 0.5
+    bucket = FakeBucket(_params(), _grads(1.5))
+    reduce.begin_step()
+    summed = reduce.reduce(bucket).wait()
+    reduce.end_step()
+    assert summed.data_ptr() == bucket.flat.data_ptr()  # no copy
+    torch.testing.assert_close(summed, torch.full((7,), 3.0))
+    assert comm.calls == ["all_reduce_sum_async"] * 2  # the bucket, then its flags
+    assert reduce.exclusions.read() == (0, 0)
+
+
+def test_a_large_delayed_bucket_is_summed_on_a_copy_with_its_flags(monkeypatch):
+    """A delayed sum outlives the bucket: never in place, whatever its size."""
+    comm = FakeCommunicator(world_size=2)
+    reduce = _in_place_sum(monkeypatch, comm, delay=1)
+    params = _params()
+    bucket = FakeBucket(params, _grads(1.5))
+    reduce.begin_step()
+    reduce.reduce(bucket).wait()
+    reduce.end_step()
+    torch.testing.assert_close(bucket.flat, torch.full((7,), 1.5))
+    assert comm.calls == ["all_reduce_sum_async"]
+    pending = reduce.take_pending()
+    torch.testing.assert_close(torch.cat([pending[id(p)] for p in params]), torch.full((7,), 3.0))
+
+
+def test_a_large_bucket_summed_in_place_is_renormalised_by_the_flags_summed_beside_it(monkeypatch):
+    """Replica 0 (share ¼, weighted gradient 1) and a peer (share ¼, weighted gradient 2) with a third left out:
+    (1 + 2) / (¼ + ¼) = 6, one exclusion."""
+
+    def peers_sum(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == 2:  # the flags
+            return torch.tensor([0.25, 1.0])
+        return torch.full_like(tensor, 2.0)
+
+    reduce = _in_place_sum(monkeypatch, FakeCommunicator(world_size=3, peers_sum=peers_sum))
+    reduce.share = 0.25
+    reduce.begin_step()
+    summed = reduce.reduce(FakeBucket(_params(), _grads(1.0))).wait()
+    reduce.end_step()
+    torch.testing.assert_close(summed, torch.full((7,), 6.0))
+    assert reduce.exclusions.read() == (1, 0)
+
+
+def test_a_large_bucket_summed_in_place_carries_the_table_with_its_flags(monkeypatch):
+    comm = FakeCommunicator(world_size=2)
+    reduce, carried = _in_place_sum(monkeypatch, comm), []
+    table = torch.tensor([[1.0 / 3.0, 12345.678901234]], dtype=torch.float64)
+    _carrying(reduce, table, carried)
+    reduce.begin_step()
+    summed = reduce.reduce(FakeBucket(_params(), _grads(0.5))).wait()
+    reduce.end_step()
+    torch.testing.assert_close(summed, torch.full((7,), 1.0))
+    (future,) = carried
+    assert future.done()  # set by the sum itself: a waiter never hangs
+    torch.testing.assert_close(future.wait(), 2 * table, rtol=1e-13, atol=0)
+    assert comm.calls == ["all_reduce_sum_async"] * 2
+
+
+@pytest.mark.parametrize("carrying", [True, False])
+def test_a_large_bucket_that_cannot_be_launched_in_place_fails_the_carried_table_too(monkeypatch, carrying):
+    """The communicator's error reaches the caller, and any table's waiter, rather than leaving it to hang."""
+
+    class Unlaunchable(FakeCommunicator):
+        def all_reduce_sum_async(self, tensor: torch.Tensor) -> torch.futures.Future:
+            raise RuntimeError("the communicator was aborted")
+
+    reduce, carried = _in_place_sum(monkeypatch, Unlaunchable(world_size=2)), []
+    if carrying:
+        _carrying(reduce, torch.ones(2, 3, dtype=torch.float64), carried)
+    reduce.begin_step()
+    with pytest.raises(RuntimeError, match="aborted"):
+        reduce.reduce(FakeBucket(_params(), _grads(1.0)))
+    if carrying:
+        assert carried[0].done()
+        with pytest.raises(RuntimeError, match="aborted"):
+            carried[0].wait()
+
+
+@pytest.mark.parametrize("carrying", [True, False])
+def test_a_peer_failing_a_sum_in_place_fails_the_carried_table_too(monkeypatch, carrying):
+    class Failing(FakeCommunicator):
+        def all_reduce_sum_async(self, tensor: torch.Tensor) -> torch.futures.Future:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_exception(RuntimeError("a peer is gone"))
+            return future
+
+    reduce, carried = _in_place_sum(monkeypatch, Failing(world_size=2)), []
+    if carrying:
+        _carrying(reduce, torch.ones(2, 3, dtype=torch.float64), carried)
+    reduce.begin_step()
+    with pytest.raises(RuntimeError, match="gone"):
+        reduce.reduce(FakeBucket(_params(), _grads(1.0))).wait()
+    if carrying:
+        assert carried[0].done()
+        with pytest.raises(RuntimeError, match="gone"):
+            carried[0].wait()
+
+
+# --- gradients into the parameters, and checkpoints of the pending ones --------------------------------------
+
+
+def test_apply_gradients_gives_a_sparse_sum_as_it_is():
+    param = nn.Parameter(torch.zeros(5, 2))
+    grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 2), (5, 2))
+    apply_gradients([param], {id(param): grad})
+    assert param.grad is grad
+
+
+def test_apply_gradients_reads_a_complex_parameters_real_pairs():
+    """A complex gradient lies in the bucket as its real pairs (torch.view_as_real), interleaved."""
+    param = nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))
+    grad = torch.tensor([[1 + 2j, 3 + 4j], [5 + 6j, 7 + 8j]], dtype=torch.complex64)
+    apply_gradients([param], {id(param): torch.view_as_real(grad).reshape(-1)})
+    torch.testing.assert_close(param.grad, grad)
+
+
+def test_apply_gradients_lays_a_strided_parameters_sum_out_contiguously():
+    """A parameter with gaps between its elements (a view) has its gradient in the bucket in row-major order."""
+    param = nn.Parameter(torch.zeros(3, 4)[:, :2])
+    grad = torch.arange(6.0).reshape(3, 2)
+    apply_gradients([param], {id(param): grad.reshape(-1)})
+    torch.testing.assert_close(param.grad, grad)
+
+
+def test_apply_gradients_keeps_a_permuted_layout_whatever_the_stride_of_a_dimension_of_size_one():
+    """A size-one dimension's stride says nothing about the layout: a transposed parameter stays transposed."""
+    param = nn.Parameter(torch.empty_strided((2, 1, 3), (1, 100, 2)))
+    grad = torch.arange(6.0).reshape(2, 1, 3)
+    in_bucket = grad.permute(2, 1, 0).reshape(-1)  # the parameter's memory order: the first dimension fastest
+    apply_gradients([param], {id(param): in_bucket})
+    torch.testing.assert_close(param.grad, grad)
+
+
+def test_a_delayed_sum_splits_a_complex_parameters_real_pairs_from_its_neighbours():
+    complex_param, real_param = nn.Parameter(torch.zeros(2, dtype=torch.complex64)), nn.Parameter(torch.zeros(3))
+    grad = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64)
+    reduce = GradientSum(delay=1, comm=FakeCommunicator(world_size=1))
+    reduce.begin_step()
+    bucket = FakeBucket([complex_param, real_param], [torch.view_as_real(grad), torch.full((3,), 5.0)])
+    reduce.reduce(bucket).wait()
+    reduce.end_step()
+    pending = reduce.take_pending()
+    apply_gradients([complex_param, real_param], pending)
+    torch.testing.assert_close(complex_param.grad, grad)
+    torch.testing.assert_close(real_param.grad, torch.full((3,), 5.0))
+
+
+def test_pending_to_list_stores_none_for_parameters_without_a_sum_and_nothing_without_pending():
+    params = _params()
+    assert pending_to_list(params, None) is None
+    saved = pending_to_list(params, {id(params[1]): torch.ones(3)})
+    assert saved[0] is None
+    torch.testing.assert_close(saved[1], torch.ones(3))
+    restored = pending_from_list(params, saved)
+    assert list(restored) == [id(params[1])]
+
+
+def test_pending_from_list_refuses_a_checkpoint_of_another_number_of_parameters():
+    with pytest.raises(ValueError, match="1 parameters, the model has 2"):
+        pending_from_list(_params(), [torch.ones(4)])
+
+
+def test_a_skipped_update_without_a_closure_or_a_scheduler_leaves_the_class_step_in_place():
+    param = nn.Parameter(torch.ones(1))
+    param.grad = torch.ones(1)
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    with update_skipped(optimizer):
+        assert optimizer.step() is None
+    assert "step" not in vars(optimizer)
+    torch.testing.assert_close(param.detach(), torch.ones(1))
+    optimizer.step()
+    torch.testing.assert_close(param.detach(), torch.zeros(1))
