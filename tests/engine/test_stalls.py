@@ -538,3 +538,129 @@ def test_a_stalled_replica_fails_the_job_with_its_rank_and_does_not_outlive_it(t
     if not _gone(pid):
         os.kill(pid, signal.SIGKILL)
         pytest.fail("the stalled replica outlived the job")
+
+
+# --- audit additions: boundaries and the small parts around the roll call ---------------------------------------
+
+
+def test_a_replica_arriving_the_moment_another_gave_up_is_not_late():
+    assert RollCall(waited={0: 1.0}, arrived={0: 100.0, 1: 101.0}).late == {}
+
+
+def test_lateness_is_rounded_to_the_millisecond():
+    assert RollCall(waited={0: 1.0}, arrived={0: 100.0, 1: 103.0004}).late == {1: 3.0}
+
+
+def test_without_an_answer_that_says_when_it_gave_up_no_replica_is_late():
+    assert RollCall(waited={}, arrived={0: 100.0, 1: 130.0}).late == {}
+    assert RollCall(waited={1: 4.5}, arrived={0: 100.0}).late == {}  # replica 1's answer carried no arrival
+
+
+def test_a_replica_found_absent_stays_absent_though_it_answers_while_the_roll_call_waits_for_another(beating):
+    store = dist.HashStore()
+    store.set(alive_key(1), GONE)  # replica 1 said it is gone: absent at once
+    beating(store, 2).enter("an earlier collective")  # replica 2 lives but never arrives
+    threading.Timer(0.2, store.set, args=("call/1", "0.300 100.000")).start()
+    roll = roll_call(store, "call", rank=0, world_size=3, waited=1.0, stale_after=5.0, patience=0.6)
+    assert roll is not None
+    assert roll.absent == (1,)
+    assert roll.stalled == (2,)
+    assert roll.waited == {0: 1.0}
+
+
+def test_the_error_keeps_the_first_line_of_the_backends_words_cut_to_300_characters():
+    error = _error(None, cause="x" * 400 + "\nthe second line")
+    assert f"Backend: {'x' * 300}\n" in str(error)
+    assert "the second line" not in str(error)
+
+
+def test_an_error_without_the_backends_words_still_says_what_is_known():
+    error = _error(RollCall(waited={0: 1.0}, arrived={0: 100.0}, absent=(1,)), cause="")
+    assert not error.timed_out
+    assert "Backend: \nHINT: look at what replica(s) [1] were doing" in str(error)
+
+
+def test_a_where_said_first_stays_when_a_later_collective_names_another():
+    error = _error(None).during("the gradient sum of global step 3").during("the merge after global step 3")
+    assert error.where == "the gradient sum of global step 3"
+    assert "during the gradient sum of global step 3 " in str(error)
+    assert "the merge" not in str(error)
+
+
+def test_the_stalled_error_measures_the_wait_on_its_clock_and_knows_nothing_without_a_store():
+    error = stalls.stalled_error(
+        RuntimeError(GLOO_RESET), "broadcast #2", "call", rank=1, world_size=2, started=10.0, clock=lambda: 12.5
+    )
+    assert error.waited == 2.5
+    assert error.roll is None
+    assert (error.collective, error.rank, error.world_size) == ("broadcast #2", 1, 2)
+    assert "Replica 1's broadcast #2 lost a peer's connection after waiting 2.5 s" in str(error)
+
+
+def test_a_heartbeat_stopped_without_gone_leaves_its_last_stamp_for_the_roll_call_to_find_stale(beating):
+    store = dist.HashStore()
+    heartbeat = beating(store, 4)
+    deadline = time.monotonic() + 2
+    while not store.check([alive_key(4)]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    heartbeat.stop()
+    assert not heartbeat._thread.is_alive()
+    assert store.get(alive_key(4)).decode() != GONE
+
+
+class _UnclonableStore:
+    """A store that cannot give a connection of its own: the heartbeat writes to it as it is."""
+
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+
+def test_a_heartbeat_beats_into_a_store_that_cannot_clone_itself(beating):
+    store = _UnclonableStore()
+    heartbeat = beating(store, 2)
+    deadline = time.monotonic() + 2
+    while alive_key(2) not in store.values and time.monotonic() < deadline:
+        time.sleep(0.01)
+    heartbeat.stop(gone=True)
+    assert store.values[alive_key(2)] == GONE
+
+
+def test_the_exit_hook_is_registered_once_and_says_gone_only_for_this_processs_heartbeat(monkeypatch):
+    registered = []
+    monkeypatch.setattr(stalls, "_exit_registered", False)
+    monkeypatch.setattr(stalls.atexit, "register", registered.append)
+    store = dist.HashStore()
+    keep_alive(store, 0)
+    try:
+        keep_alive(store, 1)
+        assert registered == [stalls._say_gone]
+        stalls._heartbeat.pid = -1  # as a forked child sees its parent's heartbeat
+        stalls._say_gone()
+        assert not stalls._heartbeat._stopping.is_set(), "a forked child leaves its parent's heartbeat beating"
+        assert store.get(alive_key(1)).decode() != GONE
+        stalls._heartbeat.pid = os.getpid()
+        stalls._say_gone()
+        assert store.get(alive_key(1)).decode() == GONE
+    finally:
+        stop_heartbeat()  # no heartbeat left for the next test in this process
+
+
+def test_without_a_heartbeat_entering_stopping_and_exiting_do_nothing():
+    stop_heartbeat()
+    assert stalls._heartbeat is None
+    stalls.entering("call")
+    stop_heartbeat(gone=True)
+    stalls._say_gone()
+    assert stalls._heartbeat is None
+
+
+def test_what_the_replica_is_doing_is_known_within_and_restored_after():
+    assert stalls.now_doing() is None
+    with stalls.doing("the merge after global step 3"):
+        with stalls.doing("the gradient sum of global step 4", step_key="aesgd/roll_call/0/step_4"):
+            assert stalls.now_doing() == stalls.Doing("the gradient sum of global step 4", "aesgd/roll_call/0/step_4")
+        assert stalls.now_doing() == stalls.Doing("the merge after global step 3")
+    assert stalls.now_doing() is None
