@@ -5,7 +5,11 @@ Two real gloo processes (forked) against Lightning's own DDPStrategy on the same
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
+import logging
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -13,14 +17,29 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers import RegressionModel, cpu_trainer, flat_parameters, no_report_on_its_own
+from helpers import (
+    FakeCommunicator,
+    RegressionData,
+    RegressionModel,
+    cpu_trainer,
+    flat_parameters,
+    no_report_on_its_own,
+)
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
+from test_gradients import FakeBucket
+from test_sitting_out import _Filling, _World
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from lightning_aesgd import AdaptiveElasticStrategy, ElasticAverage, SlowdownCallback
 from lightning_aesgd.checks import UnsupportedSettingError, check_gradient_settings
-from lightning_aesgd.engine import report_exchange
+from lightning_aesgd.engine import report_exchange, stalls
+from lightning_aesgd.engine.comm import LocalCommunicator, ReplicaStalledError
+from lightning_aesgd.engine.gradient_sync import GradientSync, _judge_exclusions
+from lightning_aesgd.engine.gradients import gradient_sum_hook
+from lightning_aesgd.engine.pipeline import TrainerHooks
+from lightning_aesgd.engine.plan_settings import PlanSettings
 
 TIMEOUT = timedelta(seconds=90)
 
@@ -414,3 +433,327 @@ def test_replicas_on_different_device_types_evaluate_rank_zeros_parameters(tmp_p
     )
     rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
     assert (rank0 == rank1) == share_parameters  # without sharing, the nudges stay on rank one
+
+
+# --- one process, driven directly: a lone replica, or one of a fake world -------------------------------------
+
+
+def _lone(
+    delay: int = 0, momentum: float = 0.0, comm: Any = None, **options: Any
+) -> tuple[GradientSync, nn.Parameter, torch.optim.SGD, DataLoader]:
+    """A lone replica's engine (or, with ``comm``, one of its world) over a two-element weight trained by SGD at
+    rate 1, and its planned loader."""
+    weight = nn.Parameter(torch.zeros(2))
+    module = nn.Module()
+    module.weight = weight
+    engine = GradientSync(PlanSettings(), delay=delay, **{"compensate_momentum": False} | options)
+    engine.start(module, comm or LocalCommunicator(), torch.device("cpu"))
+    loader = engine.training_loader(DataLoader(RegressionData(64), batch_size=4))
+    return engine, weight, torch.optim.SGD([weight], lr=1.0, momentum=momentum), loader
+
+
+def _powers_of_two(index: int) -> list[float]:
+    return [2.0**index, 0.0]
+
+
+def _run(
+    engine: GradientSync,
+    weight: nn.Parameter,
+    optimizer: Any,
+    loader: DataLoader,
+    steps: range,
+    flush_after: tuple[int, ...] = (),
+    record: list[tuple[Any, int]] | None = None,
+    slopes: Any = _powers_of_two,
+) -> list[float]:
+    """Step k's loss is linear in the weight, its gradient ``slopes(k)`` (times ``loss_weight``), by default 2**k on
+    the first element: each update's rate and the sum it applies show in the first element, given after every step.
+    ``record`` gets each step's output and the number of reports its plans have received."""
+    moved = []
+    for index, _ in itertools.islice(enumerate(loader), steps.start, steps.stop):
+        engine.begin_step(0, index, index)
+
+        def closure(index: int = index) -> Tensor:
+            optimizer.zero_grad()
+            loss = (weight * torch.tensor(slopes(index))).sum().mul(engine.loss_weight)
+            loss.backward()
+            if engine.wraps_model(engine._comm().world_size):  # DDP's reducer: the bucket's sum is the gradient
+                weight.grad.copy_(gradient_sum_hook(engine.reduce, FakeBucket([weight], [weight.grad])).wait())
+            return loss.detach()
+
+        output = engine.optimizer_step(optimizer, lambda c=closure: optimizer.step(engine.after_backward_of(c)))
+        if index in flush_after:
+            engine.flush()
+        moved.append(weight[0].item())
+        if record is not None:
+            record.append((output, len(engine.plans.history)))
+    return moved
+
+
+def test_a_new_engine_has_counted_nothing_and_weighs_its_gradient_whole():
+    engine = GradientSync(PlanSettings(), delay=0)
+    assert (engine.sync_count, engine.exclusion_count, engine.sat_out_steps) == (0, 0, 0)
+    assert engine.loss_weight == 1.0
+
+
+def test_only_a_job_of_several_replicas_or_a_delayed_sum_needs_ddps_reducer():
+    assert not GradientSync(PlanSettings(), delay=0).wraps_model(1)
+    assert GradientSync(PlanSettings(), delay=0).wraps_model(2)
+    assert GradientSync(PlanSettings(), delay=1).wraps_model(1)
+
+
+def test_a_lone_replica_applies_each_steps_whole_gradient_at_once_and_counts_its_sums():
+    engine, weight, optimizer, loader = _lone()
+    assert _run(engine, weight, optimizer, loader, range(4)) == [-1.0, -3.0, -7.0, -15.0]
+    assert engine.loss_weight == 1.0
+    assert (engine.sync_count, engine.exclusion_count) == (4, 0)
+    engine.finish()
+    assert weight[0].item() == -15.0
+
+
+def test_a_delayed_sum_is_applied_by_the_next_step_and_the_last_by_the_end_of_fit_stale_ones_at_the_scaled_rate():
+    """Step 0 applies nothing, step 1 its fresh sum (1), steps 2 and 3 stale ones at half the rate (2, 4) and the end
+    of fit the last, stale too (8)."""
+    engine, weight, optimizer, loader = _lone(delay=1, delay_lr_scale=0.5)
+    assert _run(engine, weight, optimizer, loader, range(4)) == [0.0, -1.0, -2.0, -4.0]
+    engine.finish()
+    assert weight[0].item() == -8.0
+    assert engine.sync_count == 4
+
+
+def test_after_a_flush_the_next_step_applies_nothing_and_the_one_after_a_fresh_sum_at_the_full_rate():
+    """The flush after step 2 applies its stale sum (4 at half the rate); step 3 applies nothing, step 4 step 3's sum
+    (8, fresh); the end of fit step 4's (16 at half the rate)."""
+    engine, weight, optimizer, loader = _lone(delay=1, delay_lr_scale=0.5)
+    moved = _run(engine, weight, optimizer, loader, range(5), flush_after=(2,))
+    assert moved == [0.0, -1.0, -4.0, -4.0, -12.0]
+    engine.finish()
+    assert weight[0].item() == -20.0
+
+
+def test_the_warm_up_steps_apply_their_own_sums_and_the_first_delayed_sum_is_fresh():
+    engine, weight, optimizer, loader = _lone(delay=1, delay_warmup=2, delay_lr_scale=0.5)
+    assert _run(engine, weight, optimizer, loader, range(5)) == [-1.0, -3.0, -3.0, -7.0, -11.0]
+    engine.finish()
+    assert weight[0].item() == -19.0
+
+
+@pytest.mark.parametrize(
+    ("warmup", "forget", "expected"),
+    [(0, None, -32.0), (2, None, -35.0), (2, "delayed_gradients_stale", -33.0), (0, "applied_gradients", -32.0)],
+)
+def test_a_checkpoint_resumes_the_held_sum_at_its_own_rate_and_one_of_unknown_staleness_counts_as_stale(
+    warmup, forget, expected
+):
+    """Saved after step 2, the held sum (4) is stale without a warm-up and fresh after a warm-up of 2 steps: resumed
+    into a new engine, the run ends as the uninterrupted one, or (saved before staleness was) with it at half rate.
+    A checkpoint without the latest applied sum (no momentum to compensate here) resumes as well."""
+    engine, weight, optimizer, loader = _lone(delay=1, delay_warmup=warmup, delay_lr_scale=0.5)
+    _run(engine, weight, optimizer, loader, range(3))
+    state, saved_weight = engine.training_state(optimizer), weight.detach().clone()
+    assert state["shared"]["delayed_gradients_stale"] is (warmup == 0)
+    _run(engine, weight, optimizer, loader, range(3, 6))
+    engine.finish()
+    assert weight[0].item() == (-32.0 if warmup == 0 else -35.0)
+    if forget is not None:
+        del state["shared"][forget]
+    resumed, resumed_weight, resumed_optimizer, resumed_loader = _lone(delay=1, delay_warmup=warmup, delay_lr_scale=0.5)
+    resumed.load_training_state(state, resumed_optimizer, torch.device("cpu"))
+    with torch.no_grad():
+        resumed_weight.copy_(saved_weight)
+    _run(resumed, resumed_weight, resumed_optimizer, resumed_loader, range(3, 6))
+    resumed.finish()
+    assert resumed_weight[0].item() == expected
+
+
+def test_a_momentum_compensated_run_resumes_with_the_latest_applied_sum_as_if_uninterrupted():
+    """Spike compensation subtracts μ times the latest applied sum from the next: the checkpoint's, after resuming."""
+    engine, weight, optimizer, loader = _lone(delay=1, momentum=0.5, compensate_momentum=True)
+    _run(engine, weight, optimizer, loader, range(3))
+    state = engine.training_state(optimizer)
+    saved = weight.detach().clone(), copy.deepcopy(optimizer.state_dict())
+    _run(engine, weight, optimizer, loader, range(3, 5))
+    engine.finish()
+    resumed, resumed_weight, resumed_optimizer, resumed_loader = _lone(delay=1, momentum=0.5, compensate_momentum=True)
+    resumed_optimizer.load_state_dict(saved[1])
+    resumed.load_training_state(state, resumed_optimizer, torch.device("cpu"))
+    with torch.no_grad():
+        resumed_weight.copy_(saved[0])
+    _run(resumed, resumed_weight, resumed_optimizer, resumed_loader, range(3, 5))
+    resumed.finish()
+    assert resumed_weight.tolist() == weight.tolist()
+
+
+def test_a_checkpoints_delayed_sum_is_ignored_with_a_warning_by_a_synchronous_run(caplog):
+    delayed, weight, optimizer, loader = _lone(delay=1)
+    _run(delayed, weight, optimizer, loader, range(2))
+    state = delayed.training_state(optimizer)
+    engine, weight, optimizer, loader = _lone()
+    with caplog.at_level(logging.WARNING, logger="lightning_aesgd.engine.gradient_sync"):
+        engine.load_training_state(state, optimizer, torch.device("cpu"))
+    assert "sync without delay does not apply" in caplog.text
+    assert engine.reduce.peek_pending() is None
+    assert _run(engine, weight, optimizer, loader, range(1)) == [-1.0]
+
+
+def test_a_flush_before_any_step_keeps_the_resumed_sum_for_the_first_step():
+    """Validation before the first step of a resumed fit: no optimizer yet, so the held sum waits for step one."""
+    delayed, weight, optimizer, loader = _lone(delay=1)
+    _run(delayed, weight, optimizer, loader, range(2))
+    state = delayed.training_state(optimizer)  # holds step 1's sum, 2
+    engine, weight, optimizer, loader = _lone(delay=1)
+    engine.load_training_state(state, optimizer, torch.device("cpu"))
+    engine.flush()
+    assert weight.tolist() == [0.0, 0.0]
+    assert _run(engine, weight, optimizer, loader, range(2, 3)) == [-2.0]
+
+
+class _EnabledScaler:
+    def is_enabled(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("delay", "hooks", "allowed"),
+    [
+        (0, TrainerHooks(), True),
+        (1, TrainerHooks(), False),
+        (0, TrainerHooks(reducer_meets_every_step=True), False),
+        (0, TrainerHooks(grad_scaler=_EnabledScaler()), False),
+    ],
+)
+def test_replicas_sit_out_only_where_no_state_outlives_a_step_and_the_reducer_does_not_meet_every_rank(
+    delay, hooks, allowed
+):
+    """Not with a delayed sum in flight or a grad scaler's scale, nor where DDP's reducer talks to every replica in
+    each step (find_unused_parameters), where the plans keep every replica in the steps."""
+    engine = GradientSync(PlanSettings(), delay=delay)
+    engine.start(nn.Linear(2, 1), _World(3, 0), torch.device("cpu"), hooks)
+    assert engine.sitting.enabled is allowed
+    assert engine.plans.segment_steps == (engine.sitting.segment_steps if allowed else 0)
+    assert engine.plans.segment_steps != 0 or not allowed
+    assert (engine.plans.leaving_out_forbidden is not None) is hooks.reducer_meets_every_step
+
+
+@pytest.mark.parametrize(("delay", "received"), [(0, [1, 1, 1, 2, 2, 2]), (1, [0, 0, 0, 1, 1, 1])])
+def test_a_lone_replicas_reports_reach_its_plans_at_once_or_with_the_next_exchange_and_the_step_gives_the_loss(
+    delay, received
+):
+    """Steps 0 and 3 report (every lag + 1 = 3 steps): synchronous sums take each report in its own step, delayed
+    ones the previous exchange's at the next, and the end of fit the last. Each step returns its closure's loss."""
+    engine, weight, optimizer, loader = _lone(delay=delay)
+    record: list[tuple[Any, int]] = []
+    _run(engine, weight, optimizer, loader, range(6), record=record)
+    assert [count for _, count in record] == received
+    assert all(isinstance(output, Tensor) for output, _ in record)
+    engine.finish()
+    assert len(engine.plans.history) == 2
+
+
+@pytest.mark.parametrize("share_parameters", [False, True])
+def test_evaluation_and_checkpoints_give_a_replica_rank_zeros_buffers_and_across_device_types_its_parameters(
+    share_parameters,
+):
+    """Rank one's BatchNorm takes rank zero's running statistics (one broadcast per dtype), and its weight and bias
+    too where replicas run on different device types."""
+    module = nn.BatchNorm1d(2)
+    floats = torch.arange(8.0 if share_parameters else 4.0)  # running mean and variance, then weight and bias
+    world = _Filling(2, 1, tensors=[floats, torch.tensor(9), floats, torch.tensor(9)])
+    engine = GradientSync(PlanSettings(), delay=0)
+    engine.start(module, world, torch.device("cpu"), TrainerHooks(mixed_device_types=share_parameters))
+    engine.begin_evaluation()
+    shared = [module.running_mean, module.running_var, *([module.weight, module.bias] if share_parameters else [])]
+    assert torch.cat([tensor.detach() for tensor in shared]).tolist() == floats.tolist()
+    assert module.num_batches_tracked.item() == 9
+    assert module.weight.tolist() == ([4.0, 5.0] if share_parameters else [1.0, 1.0])
+    engine.end_evaluation()
+    state = engine.global_model_state(module)
+    assert state["running_var"].tolist() == [2.0, 3.0]
+    assert state["running_var"] is not module.running_var
+
+
+def test_replicas_left_out_of_sums_are_logged_by_rank_zero_once_there_are_any(caplog):
+    with caplog.at_level(logging.WARNING, logger="lightning_aesgd.engine.gradient_sync"):
+        _judge_exclusions(2, 0, 7, logs=False)
+        _judge_exclusions(0, 0, 7, logs=True)
+        assert caplog.text == ""
+        _judge_exclusions(2, 0, 7, logs=True)
+    assert "2 replica step(s) had non-finite gradients before global step 7" in caplog.text
+
+
+def test_a_lone_replicas_non_finite_delayed_sum_reaches_its_update_unguarded_as_under_ddp():
+    """Alone, the sum is the replica's own gradient: no finiteness pass leaves it out, nothing counts as excluded."""
+    engine, weight, optimizer, loader = _lone(delay=1)
+    moved = _run(engine, weight, optimizer, loader, range(2), slopes=lambda index: [1.0 if index else math.nan, 0.0])
+    assert moved[0] == 0.0
+    assert math.isnan(moved[1])
+    assert engine.exclusion_count == 0
+
+
+def _raising(error: RuntimeError, doing: list[Any]) -> Any:
+    def run_step() -> None:
+        doing.append(stalls.now_doing())
+        raise error
+
+    return run_step
+
+
+def test_a_peer_failing_a_steps_sums_names_the_step_and_any_other_error_passes_as_it_is():
+    engine, _weight, optimizer, loader = _lone()
+    batches = iter(loader)
+    lost = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv")
+    stalled = ReplicaStalledError(collective="all-reduce #3", rank=0, world_size=1, waited=1.0, roll=None, cause="x")
+    doing: list[Any] = []
+    for step, error in enumerate([RuntimeError("Tensors must be contiguous"), stalled, lost]):
+        next(batches)
+        engine.begin_step(0, step, step)
+        with pytest.raises(RuntimeError) as raised:
+            engine.optimizer_step(optimizer, _raising(error, doing))
+        if error is lost:
+            assert isinstance(raised.value, ReplicaStalledError)
+            assert raised.value.__cause__ is lost
+            assert "the gradient sum of global step 2" in str(raised.value)
+        else:
+            assert raised.value is error
+    assert engine.sync_count == 0
+    # A stall while the sums run names the step, under the roll call's key for it (the same on every replica).
+    assert [(task.where, task.step_key) for task in doing] == [
+        (f"the gradient sum of global step {step}", stalls.roll_call_key(f"step_{step}")) for step in range(3)
+    ]
+
+
+def test_a_step_without_the_planned_loader_fails_with_a_hint():
+    module, engine = nn.Linear(2, 1), GradientSync(PlanSettings(), delay=0)
+    engine.start(module, LocalCommunicator(), torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"needs the training loader to be a torch DataLoader.*HINT: return a"):
+        engine.optimizer_step(torch.optim.SGD(module.parameters(), lr=1.0), lambda: None)
+
+
+def _not_finite_at_step_one(index: int) -> list[float]:
+    return [math.nan if index == 1 else 1.0, 0.0]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_replica_weighs_its_gradient_by_its_share_and_a_step_without_a_finite_replica_is_skipped_and_counted(
+    caplog, rank
+):
+    """Two replicas alike (the fake's peer), half the step's samples each: the sum of their weighted gradients is the
+    step's mean gradient. At step 1 both are NaN: no update, and the next reports (step 3) count two exclusions,
+    which rank zero logs."""
+    engine, weight, optimizer, loader = _lone(comm=FakeCommunicator(2, rank))
+    with caplog.at_level(logging.WARNING, logger="lightning_aesgd.engine.gradient_sync"):
+        moved = _run(engine, weight, optimizer, loader, range(4), slopes=_not_finite_at_step_one)
+    assert engine.loss_weight == 0.5
+    assert moved == [-1.0, -1.0, -2.0, -3.0]
+    assert engine.exclusion_count == 2
+    logged = "2 replica step(s) had non-finite gradients before global step 3"
+    assert (logged in caplog.text) is (rank == 0)
+
+
+def test_the_reports_ride_in_the_last_buckets_sum_where_ddps_reducer_runs_the_sums(monkeypatch):
+    """Two replicas, synchronous sums: the reports of steps 0 and 3 need no all-reduce of their own."""
+    monkeypatch.setattr(report_exchange, "_summed", no_report_on_its_own)
+    engine, weight, optimizer, loader = _lone(comm=FakeCommunicator(2, 0))
+    record: list[tuple[Any, int]] = []
+    _run(engine, weight, optimizer, loader, range(4), record=record)
+    assert [count for _, count in record] == [1, 1, 1, 2]
