@@ -544,20 +544,25 @@ def test_until_a_share_is_set_the_replicas_gradient_counts_whole():
     assert reduce.exclusions.read() == (1, 0)
 
 
-def test_a_delayed_unguarded_sum_runs_on_a_copy_that_the_next_backward_leaves_alone():
-    """Under a GradScaler the sum is DDP's own, but a delayed one outlives the bucket that DDP refills."""
-    sums = DeferredSums()
-    reduce = GradientSum(delay=1, comm=sums)
-    reduce.guard = False
+def _delayed_sum_of_a_refilled_bucket(reduce: GradientSum, settle=lambda: None) -> torch.Tensor:
+    """One delayed step's sum of a bucket of 2s, taken after the next backward refilled the bucket with 9s."""
     params = _params()
     bucket = FakeBucket(params, _grads(2.0))
     reduce.begin_step()
     reduce.reduce(bucket).wait()
     reduce.end_step()
     bucket.flat.fill_(9.0)  # the next backward
-    sums.complete()
+    settle()
     pending = reduce.take_pending()
-    torch.testing.assert_close(torch.cat([pending[id(p)] for p in params]), torch.full((7,), 2.0))
+    return torch.cat([pending[id(p)] for p in params])
+
+
+def test_a_delayed_unguarded_sum_runs_on_a_copy_that_the_next_backward_leaves_alone():
+    """Under a GradScaler the sum is DDP's own, but a delayed one outlives the bucket that DDP refills."""
+    sums = DeferredSums()
+    reduce = GradientSum(delay=1, comm=sums)
+    reduce.guard = False
+    torch.testing.assert_close(_delayed_sum_of_a_refilled_bucket(reduce, sums.complete), torch.full((7,), 2.0))
 
 
 def test_alone_a_delayed_dense_sum_keeps_the_bucket_as_it_was_without_a_communicator():
@@ -565,14 +570,9 @@ def test_alone_a_delayed_dense_sum_keeps_the_bucket_as_it_was_without_a_communic
     refilling the bucket, leaves alone."""
     reduce = GradientSum(delay=1)
     reduce.alone = True
-    params = _params()
-    bucket = FakeBucket(params, _grads(2.0))
-    reduce.begin_step()
-    reduce.reduce(bucket).wait()
-    reduce.end_step()
-    bucket.flat.fill_(9.0)  # the next backward
-    pending = reduce.take_pending()
-    torch.testing.assert_close(torch.cat([pending[id(p)] for p in params]), torch.full((7,), 2.0))
+    torch.testing.assert_close(_delayed_sum_of_a_refilled_bucket(reduce), torch.full((7,), 2.0))
+    assert reduce.comm is None
+    assert reduce.exclusions.read() == (0, 0)
     assert reduce.comm is None
     assert reduce.exclusions.read() == (0, 0)
 
