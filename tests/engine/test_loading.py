@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from helpers import RegressionData
-from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    WeightedRandomSampler,
+)
 
 from lightning_aesgd.engine import loading
 from lightning_aesgd.engine.loading import (
+    IdleBatch,
     LoaderClock,
     PlannedDataLoader,
     TimedLoading,
+    TrainLoaderFacts,
     build_planned_loader,
     check_sample_costs,
     check_step_fits,
     check_step_options,
     inspect_train_loader,
+    is_idle,
     prefetch_depth,
     resolve_sample_costs,
 )
@@ -204,3 +217,176 @@ def test_sample_costs_are_checked_at_construction_and_against_the_dataset():
             check_sample_costs(spec)
     with pytest.raises(ValueError, match=r"shape \(1,\) for a dataset of 10 samples.*HINT"):
         resolve_sample_costs(lambda dataset: [1.0], RegressionData(10))
+
+
+def test_the_loader_clock_remembers_1024_steps_and_then_reuses_their_slots():
+    clock = LoaderClock()
+    clock.record(1024 + 3, 2.0)  # a ring of 1024: step 1027 takes step 3's slot
+    assert clock.read(3) == 2.0
+    small = LoaderClock(slots=4)
+    small.record(5, 1.5)
+    assert (small.read(5), small.read(1)) == (1.5, 0.0)  # the slot is shared and cleared by the first read
+
+
+def test_an_idle_batch_is_empty_and_shows_its_name():
+    assert len(IdleBatch()) == 0
+    assert repr(IdleBatch()) == "IdleBatch()"
+
+
+def test_only_a_lone_idle_batch_one_level_deep_in_a_dict_list_or_tuple_is_idle():
+    assert is_idle([IdleBatch()])
+    assert is_idle((IdleBatch(),))
+    assert not is_idle([IdleBatch(), IdleBatch()])
+    assert not is_idle({"main": IdleBatch(), "extra": torch.zeros(1)})
+    assert not is_idle([[IdleBatch()]])  # deeper than Lightning puts a loader's batch
+    assert not is_idle({IdleBatch()})  # a set is not a container of loaders' batches
+    assert not is_idle(None)
+    assert not is_idle(torch.zeros(1))
+
+
+def test_a_replica_left_out_of_a_step_gets_an_idle_batch_without_fetching_or_collating():
+    fetched = []
+
+    class Data:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            fetched.append(index)
+            return index
+
+    def collate(samples):
+        raise AssertionError("collated an empty batch")
+
+    clock = LoaderClock()
+    clock.record(2, 1.0)
+    got = TimedLoading(Data(), collate, clock).__getitems__(StepIndices([], 2))
+    assert len(got) == 1
+    assert isinstance(got[0], IdleBatch)
+    assert fetched == []
+    assert clock.read(2) == 1.0  # no time recorded over the step's earlier one
+
+
+def test_a_dataset_that_fetches_whole_batches_is_asked_once_per_batch():
+    asked = []
+
+    class Data:
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            raise AssertionError("fetched one sample at a time")
+
+        def __getitems__(self, indices):
+            asked.append(list(indices))
+            return [10 * i for i in indices]
+
+    timed = TimedLoading(Data(), sum, LoaderClock())
+    assert timed.__getitems__(StepIndices([1, 2, 5], 0)) == [80]
+    assert asked == [[1, 2, 5]]
+
+
+def test_the_timed_wrapper_reads_the_users_dataset_and_keeps_its_own_fields():
+    data = RegressionData(6)
+    timed = TimedLoading(data, list, LoaderClock(), workers=2)
+    assert len(timed) == 6
+    assert timed.sample_costs is data.sample_costs
+    timed.workers = 3  # the wrapper's own field stays on the wrapper
+    assert timed.workers == 3
+    assert not hasattr(data, "workers")
+    copy = pickle.loads(pickle.dumps(timed))  # how a spawned worker gets it
+    assert (len(copy), copy.workers) == (6, 3)
+    torch.testing.assert_close(copy[2][0], data[2][0])
+
+
+def test_the_rebuilt_loaders_state_is_its_samplers_position():
+    rebuilt = _build(DataLoader(RegressionData(40), batch_size=4))
+    assert rebuilt.state_dict() == {"epoch": 0, "steps_done": 0, "step_batch_size": 8}
+    rebuilt.load_state_dict({"epoch": 3, "steps_done": 2})
+    list(rebuilt)
+    assert rebuilt.state_dict() == rebuilt.batch_sampler.state_dict()
+    assert rebuilt.state_dict()["epoch"] == 3
+
+
+def test_step_options_of_one_or_more_or_none_pass():
+    check_step_options(None, None)
+    check_step_options(1, 1)
+    check_step_options(4, 2)
+
+
+def test_one_worker_keeps_its_prefetch_factor_and_the_depth_counts_the_fetchers_batch():
+    rebuilt = _build(DataLoader(RegressionData(40), batch_size=4, num_workers=1, prefetch_factor=4))
+    assert rebuilt.prefetch_factor == 4
+    assert prefetch_depth(rebuilt) == 1 * 4 + 1
+    assert prefetch_depth(_build(DataLoader(RegressionData(40), batch_size=4))) == 1  # only the fetcher's batch
+
+
+def test_a_loader_already_in_order_is_rebuilt_without_a_warning(recwarn):
+    loader = DataLoader(RegressionData(40), batch_size=4, num_workers=1)
+    facts = inspect_train_loader(loader)
+    rebuilt = build_planned_loader(loader, facts, num_replicas=2, rank=0, plan_book=PlanBook([5, 3]), step_batch_size=8)
+    assert rebuilt.in_order is True
+    assert [str(warning.message) for warning in recwarn if "in_order" in str(warning.message)] == []
+
+
+def test_the_out_of_order_warning_points_at_the_line_that_built_the_loader():
+    loader = DataLoader(RegressionData(40), batch_size=4, num_workers=1, in_order=False)
+    facts = inspect_train_loader(loader)
+    with pytest.warns(UserWarning, match="in_order=False") as record:
+        build_planned_loader(loader, facts, num_replicas=2, rank=0, plan_book=PlanBook([5, 3]), step_batch_size=8)
+    assert [warning.filename for warning in record] == [__file__]
+
+
+@pytest.mark.parametrize(("shuffle", "seed"), [(True, 7), (False, 0)])
+def test_lightnings_distributed_sampler_is_read_as_its_shuffle_and_seed(shuffle, seed):
+    data = RegressionData(40)
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=shuffle, seed=seed)
+    facts = inspect_train_loader(DataLoader(data, batch_size=1, sampler=sampler))
+    assert facts == TrainLoaderFacts(40, 1, shuffle, seed)
+
+
+def test_a_shuffled_loader_takes_lightnings_global_seed_and_a_sequential_one_seed_zero(monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert inspect_train_loader(DataLoader(RegressionData(40), batch_size=4, shuffle=True)).seed == 0
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    assert inspect_train_loader(DataLoader(RegressionData(40), batch_size=4, shuffle=True)).seed == 7
+    facts = inspect_train_loader(DataLoader(RegressionData(40), batch_size=4))
+    assert facts == TrainLoaderFacts(40, 4, False, 0)
+
+
+def test_a_random_sampler_of_another_length_than_the_dataset_is_refused():
+    loader = DataLoader(RegressionData(16), batch_size=2, sampler=RandomSampler(range(8)))
+    with pytest.raises(TypeError, match=r"RandomSampler draws 8 indices of a dataset of 16 samples.*HINT"):
+        inspect_train_loader(loader)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_users_plain_batch_sampler_is_read_as_its_batch_size_and_order(shuffle):
+    data = RegressionData(10)
+    order = RandomSampler(data) if shuffle else SequentialSampler(data)
+    facts = inspect_train_loader(DataLoader(data, batch_sampler=BatchSampler(order, batch_size=3, drop_last=False)))
+    assert (facts.dataset_size, facts.batch_size, facts.shuffle) == (10, 3, shuffle)
+    dropping = DataLoader(data, batch_sampler=BatchSampler(order, batch_size=3, drop_last=True))
+    with pytest.raises(TypeError, match=r"drop_last=True.*HINT: pass batch_size=3"):
+        inspect_train_loader(dropping)
+
+
+def test_zero_sample_costs_are_allowed_and_infinite_ones_refused():
+    data = RegressionData(4)
+    torch.testing.assert_close(
+        resolve_sample_costs(lambda d: [0.0, 0.5, 0.0, 2.0], data),
+        torch.tensor([0.0, 0.5, 0.0, 2.0], dtype=torch.float64),
+    )
+    with pytest.raises(ValueError, match="finite"):
+        resolve_sample_costs(lambda d: [1.0, float("inf"), 1.0, 1.0], data)
+
+
+def test_an_unknown_sample_costs_option_is_refused_when_resolved_too():
+    with pytest.raises(ValueError, match=r"Unknown sample_costs 'bogus'.*HINT"):
+        resolve_sample_costs("bogus", RegressionData(4))
+
+
+def test_indices_without_a_step_are_fetched_and_collated_but_not_timed():
+    clock = LoaderClock()
+    assert TimedLoading(list(range(10, 20)), sum, clock).__getitems__([1, 2]) == [23]
+    assert clock.seconds.count_nonzero() == 0
