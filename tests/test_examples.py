@@ -23,13 +23,15 @@ SUMMARY = "adaptive_elastic: replicas at the end of fit"
 NUMBER = r"(\d+\.\d+)"
 
 
-def run_example(name: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run ``examples/<name> --max-steps 2`` in ``cwd``; returns the exit code and stdout + stderr.
+def run_example(
+    name: str, cwd: Path, timeout: float, env: dict[str, str] | None = None, steps: int = 2
+) -> tuple[int, str]:
+    """Run ``examples/<name> --max-steps <steps>`` in ``cwd``; returns the exit code and stdout + stderr.
 
     The example and every process it starts share a new session, so a run over ``timeout`` is killed whole.
     """
     environment = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES} | (env or {})
-    command = [sys.executable, str(EXAMPLES / name), "--max-steps", "2"]
+    command = [sys.executable, str(EXAMPLES / name), "--max-steps", str(steps)]
     with subprocess.Popen(
         command,
         cwd=cwd,
@@ -48,9 +50,9 @@ def run_example(name: str, cwd: Path, timeout: float, env: dict[str, str] | None
     return process.returncode, output
 
 
-def run_ok(name: str, cwd: Path, timeout: float) -> str:
+def run_ok(name: str, cwd: Path, timeout: float, steps: int = 2) -> str:
     """Run an example and return its output, failing the test with the output's end if it exits non-zero."""
-    code, output = run_example(name, cwd, timeout)
+    code, output = run_example(name, cwd, timeout, steps=steps)
     assert code == 0, f"{name} exited with {code}; its output ends with:\n{output[-4000:]}"
     return output
 
@@ -79,7 +81,8 @@ def test_existing_project_gains_the_strategy_with_one_argument(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_plain_python_tests_the_merged_model_and_logs_telemetry(tmp_path):
-    output = run_ok("plain_python.py", tmp_path, timeout=110)
+    # Merges at steps 0 and 2: the first holds no whole step yet, the second steps 0 and 1 (speeds, balance).
+    output = run_ok("plain_python.py", tmp_path, timeout=110, steps=3)
     assert SUMMARY in output
     p_at_1, p_at_5 = metric(rf"test P@1 = {NUMBER}, P@5 = {NUMBER}", output)
     # Two Adagrad steps already rank a true label first for far more rows than chance (500 labels).

@@ -40,19 +40,20 @@ __all__ = ["ArrivalModel", "PeriodReport", "batch_floor", "check_plan_damping", 
 
 @dataclass(frozen=True)
 class PeriodReport:
-    """What one replica reports at a merge about the period that ends there.
+    """What one replica reports at a sync point about its period: the whole steps it completed since its last report.
 
     Attributes:
         merge_weight: the replica's merge weight for this merge.
         work: samples (or cost units) processed in the period.
         planned: planned batch sizes summed over the period's steps.
-        steps: local steps the report measures; 0 when the period was interrupted (validation, a new epoch,
-            a checkpoint) and measures nothing.
-        active: wall seconds from the release of the previous merge to the arrival at this one.
+        steps: local steps the report measures; 0 when it measures nothing (no whole step since the last report,
+            or idle steps beside working ones).
+        active: wall seconds of the period's steps, each from its beginning to the next step's, less the time
+            blocked on peers.
         loader: seconds the replica's data loader spent producing the period's batches (in its worker
             processes, where it has them).
         busy: seconds inside the optimizer step (forward, backward, update), for telemetry.
-        wait_fraction: share of the previous period's wall time spent inside the merge.
+        wait_fraction: share of the period's wall time spent blocked on peers.
         stop: 1 when the replica was asked to stop (SIGTERM): every replica stops after this merge.
         finite: 0 when the replica's model was not finite at this merge: it is left out and restored.
         center_norm: the L2 norm of the merged model after the previous merge, as this replica computed it, for

@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 NON_FINITE_STEPS_LIMIT = 10
 """Consecutive steps without any finite replica after which training stops (each such step applies no update)."""
 
+BUCKET_REBUILD_STEP = 1
+"""The step of a fit (counted from 0) in whose forward DDP's reducer rebuilds its gradient buckets: a broadcast that
+holds every replica until the slowest arrives, waiting the arrival clock cannot tell from the replica's own work,
+so that no report measures that step."""
+
 T = TypeVar("T")
 
 
@@ -79,6 +84,7 @@ class GradientSync(StepPipeline):
         **step_options: Unpack[StepOptions],
     ) -> None:
         super().__init__(planning, **step_options)
+        self.arrivals.unmeasured_step = BUCKET_REBUILD_STEP
         self.reduce = GradientSum(
             delay,
             on_last_bucket=self._arrive,
@@ -306,7 +312,6 @@ class GradientSync(StepPipeline):
             # In the last bucket's sum where it can (over the same replicas): no collective of the report's own.
             carrier = self.reduce.carry if self._hooked and self.reduce.comm is step_comm else None
             self.reports.launch(report.as_row(), step_comm, self._device, world.rank, world.world_size, carrier)
-            self.arrivals.continue_after_arrival()
         if not self.reduce.delay and not self.reduce.alone:
             self.arrivals.begin_wait()  # DDP's reducer now waits for the slowest replica's buckets
 
@@ -351,7 +356,7 @@ class GradientSync(StepPipeline):
             caught_up = self.sitting.enter(self._step_key, self.plans, self._handoff)
         self.reduce.comm = self._step_comm()
         if self._comm().rank in caught_up:
-            self.arrivals.new_epoch()  # its idle steps are no training period
+            self.arrivals.restart()  # its idle steps trained nothing
 
     @property
     def sits_out(self) -> bool:  # noqa: D102

@@ -352,12 +352,10 @@ class StepPipeline(ABC):
         if self.sampler is not None:
             self._step_key = self.sampler.step_key(epoch, batch_idx)
         self._global_step = global_step
-        if batch_idx == 0 or self._first_step:
-            # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch
-            # included (checkpoint restore, first fetch): not a training period.
-            self.arrivals.new_epoch()
-            self._first_step = False
-        self.arrivals.resume()  # after whatever paused the clock (validation, a checkpoint)
+        # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch included
+        # (checkpoint restore, first fetch): the step before it is no training step's time.
+        self.arrivals.begin_step(new_epoch=batch_idx == 0 or self._first_step)
+        self._first_step = False
 
     def _scheduled_lr_factor(self) -> float:
         """The learning-rate schedule's factor for this step (1 without a schedule)."""
@@ -432,7 +430,7 @@ class StepPipeline(ABC):
     def _receive(self, rows: list[list[float]], released: bool = True) -> None:
         """Take every replica's reports from the sync point: release this replica, then plan.
 
-        ``released=False``: the replica already works on (:meth:`~.ArrivalClock.continue_after_arrival`).
+        ``released=False``: the replica worked on from its arrival (overlapped synchronisation).
         """
         if released:
             self.arrivals.release()

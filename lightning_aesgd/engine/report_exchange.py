@@ -35,19 +35,26 @@ class ReportExchange:
 
     def __init__(self) -> None:
         self._in_flight: list[torch.futures.Future[Tensor]] = []
-        self._next_report = 0  # the global step of the next report (the first step of a fit reports)
+        self._next_report: int | None = None  # the global step of the next report (None: the fit's second step)
         self._every = 0  # steps between reports, from the latest reports (0: none received yet)
         self._latest = 0  # the global step of the latest report launched
 
     def start(self) -> None:
-        """A fit begins: its first step reports, and nothing of an earlier fit is in flight."""
-        self._in_flight, self._next_report, self._every, self._latest = [], 0, 0, 0
+        """A fit begins: its second step reports, and nothing of an earlier fit is in flight.
+
+        Not its first: a report carries the whole steps completed before it
+        (:class:`~lightning_aesgd.engine.arrivals.ArrivalClock`), and none is at the first step's sync point, so the
+        first plan would wait ``lag + 1`` steps more for a report that measures something.
+        """
+        self._in_flight, self._next_report, self._every, self._latest = [], None, 0, 0
 
     def due(self, global_step: int, plans: PlanLoop) -> bool:
         """Whether this step reports; if so, the next report is scheduled ``lag + 1`` steps or more later.
 
         :meth:`space_out` may bring it sooner for a probe, where replicas sit out.
         """
+        if self._next_report is None:
+            self._next_report = global_step + 1
         if global_step < self._next_report:
             return False
         self._next_report = global_step + max(self._every, plans.lag + 1)
@@ -100,14 +107,16 @@ class ReportExchange:
             rows = [numbers[start : start + width] for start in range(0, cells, width)]
             yield rows, None if extra is None else numbers[cells:]
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | None]:
         """When the next report is due (for a replica that missed some): nothing in flight is included."""
         return {"next_report": self._next_report, "every": self._every, "latest": self._latest}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | None]) -> None:
         """Take what :meth:`state_dict` returned."""
-        self._next_report, self._every = int(state["next_report"]), int(state["every"])
-        self._latest = int(state["latest"])  # a handoff's state, within one fit: never from an older version
+        next_report = state["next_report"]
+        self._next_report = None if next_report is None else int(next_report)
+        self._every = int(state["every"] or 0)
+        self._latest = int(state["latest"] or 0)  # a handoff's state, within one fit: never from an older version
 
     def space_out(self, plans: PlanLoop, key_offset: int = 0) -> None:
         """Set the steps to the next report from the reports just received.
@@ -118,8 +127,8 @@ class ReportExchange:
         ``lag + 1`` until the plan is settled, then about a quarter second's worth (more for hundreds of replicas:
         :func:`~lightning_aesgd.core.schedule.report_seconds`). Settled: the plan's predicted
         step times agree within :data:`SETTLED_SPREAD` (the plan loop's smoothed models, so timing noise on equal
-        devices does not count), and every report measured at least ``lag + 1`` steps (the first step of a fit, or
-        of an epoch, leaves out the hooks and data loading around it).
+        devices does not count), and every report measured at least ``lag + 1`` steps (the reports after an epoch's
+        start, or a fit's, hold fewer: the step running into the epoch and the fit's second step are not measured).
         """
         shortest = plans.lag + 1
         reports = [report for rank, report in enumerate(plans.latest_reports) if rank not in plans.held_out]
@@ -129,7 +138,8 @@ class ReportExchange:
         # A shorter interval counts from the latest report, not from the one after it: the report that starts a
         # probe (or a new plan) was scheduled at the settled plan's interval, and the probe held every step at the
         # probed replica's pace until a second such interval had passed (about 30 steps instead of lag + 1).
-        self._next_report = min(self._next_report, self._latest + self._every)
+        soonest = self._latest + self._every
+        self._next_report = soonest if self._next_report is None else min(self._next_report, soonest)
         # A probe is planned from the reports at its step, where a replica sitting out comes back: a report falls
         # there, so that the probe and its verdict fit in the short segment it comes back for (engine.sitting_out),
         # sooner than lag + 1 steps after the latest if need be.

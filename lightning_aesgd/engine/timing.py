@@ -162,10 +162,11 @@ class SpanLedger:
             self.timeline.wait(end)
         self.fold()
 
-    def discard(self, account: str) -> None:
-        """Forget the spans of ``account``, read or not."""
-        self._totals.pop(account, None)
-        self._pending = deque(span for span in self._pending if span[0] != account)
+    def absorb(self, later: SpanLedger) -> None:
+        """Take over the spans of ``later``, a ledger of the same timeline whose spans all follow this one's."""
+        for account, seconds in later._totals.items():
+            self._totals[account] = self._totals.get(account, 0.0) + seconds
+        self._pending.extend(later._pending)
 
     def total(self, account: str) -> float:
         """Seconds of the spans of ``account`` read so far."""

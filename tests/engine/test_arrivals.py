@@ -1,4 +1,4 @@
-"""The arrival clock on a scripted host clock: what a period's report measures, and what it leaves out."""
+"""The arrival clock on a scripted host clock: what a report of whole steps measures, and what it leaves out."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from lightning_aesgd.engine.arrivals import ArrivalClock
 
 
 class Clock:
-    """A scripted wall clock: arrivals and releases happen when the test says."""
+    """A scripted wall clock: steps begin, arrive and are released when the test says."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -18,19 +18,30 @@ class Clock:
         return self.now
 
 
-def _arrivals() -> tuple[ArrivalClock, Clock]:
+def _fit_start(unmeasured_step: int | None = None) -> tuple[ArrivalClock, Clock]:
+    """A clock attached for a fit whose first step begins now, as the engine begins it (a new epoch)."""
     clock = Clock()
-    arrivals = ArrivalClock(clock=clock)
-    arrivals.attach(torch.device("cpu"))  # the fit's first step begins now
+    arrivals = ArrivalClock(clock=clock, unmeasured_step=unmeasured_step)
+    arrivals.attach(torch.device("cpu"))
+    arrivals.begin_step(new_epoch=True)
     return arrivals, clock
 
 
-def test_a_period_reports_its_work_steps_loader_time_and_active_time():
+def _arrivals() -> tuple[ArrivalClock, Clock]:
+    """A clock at the beginning of a fit's second step, the first having taken no time (nothing to report)."""
+    arrivals, clock = _fit_start()
+    arrivals.begin_step()
+    return arrivals, clock
+
+
+def test_a_report_carries_the_whole_steps_before_it_with_their_work_loader_time_and_active_time():
     arrivals, clock = _arrivals()
     for size in (10, 6):
         with arrivals.step(float(size), planned=size + 1, loader_seconds=0.05):
             clock.now += 0.2  # inside the optimizer step: busy
-        clock.now += 0.1  # hooks and data loading between steps
+        clock.now += 0.1  # the hooks after the step, the next batch's fetch
+        arrivals.begin_step()
+    clock.now += 0.3  # the running step's forward and backward: its report is the next
     report = arrivals.arrive(0.5)
     assert (report.work, report.planned, report.steps, report.merge_weight) == (16.0, 18.0, 2.0, 0.5)
     assert report.loader == pytest.approx(0.1)
@@ -38,21 +49,56 @@ def test_a_period_reports_its_work_steps_loader_time_and_active_time():
     assert report.active == pytest.approx(0.6)
 
 
-def test_an_interrupted_period_reports_no_measurement_and_an_empty_one_restarts():
+def test_each_step_is_timed_with_its_own_batch_from_its_beginning_to_the_next_steps():
+    """The slowness after a step's sync point (its update, an ``on_train_batch_end`` hook) is that step's: where it
+    grows with the batch, a period from one sync point to the next would pair the old batch's tail with the new
+    batch at a plan change, and read the difference as a fixed cost per step."""
+    arrivals, clock = _arrivals()
+    reports = []
+    for size in (10, 40, 40):
+        with arrivals.step(float(size), size):
+            clock.now += 0.01 * size  # forward and backward: 0.01 s per sample
+            reports.append(arrivals.arrive(1.0))  # the sync point, mid-step
+            arrivals.release()
+        clock.now += 0.05 * size  # the hook after the step: 0.05 s per sample
+        arrivals.begin_step()
+    assert [(report.work, report.steps) for report in reports] == [(0.0, 0.0), (10.0, 1.0), (40.0, 1.0)]
+    assert reports[1].active == pytest.approx(0.6)
+    assert reports[2].active == pytest.approx(2.4)
+
+
+def test_a_fits_first_step_is_reported_at_its_second_and_its_unmeasured_step_by_no_report():
+    """DDP's reducer rebuilds its buckets in a fit's second forward, a broadcast that waits for the slowest."""
+    arrivals, clock = _fit_start(unmeasured_step=1)
+    assert arrivals.arrive(1.0).steps == 0.0  # nothing whole yet
+    with arrivals.step(10.0, 10):
+        clock.now = 0.4
+    arrivals.begin_step()
+    clock.now = 0.5
+    first = arrivals.arrive(1.0)
+    assert (first.work, first.steps, first.active) == (10.0, 1.0, pytest.approx(0.4))
+    with arrivals.step(12.0, 12):
+        clock.now = 3.0  # the bucket rebuild held this replica for the slowest
+    arrivals.begin_step()
+    with arrivals.step(14.0, 14):
+        clock.now = 3.5
+    arrivals.begin_step()
+    third = arrivals.arrive(1.0)
+    assert (third.work, third.steps, third.active) == (14.0, 1.0, pytest.approx(0.5))
+
+
+def test_the_step_running_into_a_new_epoch_is_not_reported_and_those_before_it_are():
     arrivals, clock = _arrivals()
     with arrivals.step(10.0, 10):
-        pass
-    clock.now = 1.0
-    arrivals.new_epoch()  # e.g. validation ran
-    clock.now = 1.5
+        clock.now = 0.2
+    arrivals.begin_step()
+    with arrivals.step(8.0, 8):
+        clock.now = 0.4
+    clock.now = 3.0  # the epoch-end hooks, the loader's workers starting again
+    arrivals.begin_step(new_epoch=True)
+    clock.now = 3.1
     report = arrivals.arrive(1.0)
-    assert report.steps == 0
-    assert not report.measured
-    arrivals.release()
-    clock.now = 2.0
-    arrivals.new_epoch()  # nothing ran since the release: the period restarts its clock
-    clock.now = 2.25
-    assert arrivals.arrive(1.0).active == pytest.approx(0.25)
+    assert (report.work, report.steps, report.active) == (10.0, 1.0, pytest.approx(0.2))
 
 
 def test_a_pause_keeps_the_time_before_it_and_skips_the_time_during_it():
@@ -62,73 +108,121 @@ def test_a_pause_keeps_the_time_before_it_and_skips_the_time_during_it():
     clock.now = 0.3  # the step and its hooks
     arrivals.pause()  # validation
     clock.now = 5.0
-    arrivals.resume()
-    clock.now = 5.2  # the next step's data and compute
+    arrivals.begin_step()  # the next step starts the clock again
+    clock.now = 5.2
     report = arrivals.arrive(1.0)
-    assert report.measured
-    assert report.active == pytest.approx(0.5)
-    clock.now = 5.25  # waiting at the sync point for the slowest replica
+    assert (report.steps, report.active) == (1.0, pytest.approx(0.3))
+
+
+def test_a_clock_resumed_inside_a_step_counts_the_time_on_either_side_of_the_pause():
+    arrivals, clock = _arrivals()
+    with arrivals.step(10.0, 10):
+        clock.now = 0.1
+        arrivals.pause()  # a checkpoint written from a hook
+        clock.now = 2.0
+        arrivals.resume()
+        clock.now = 2.25
+    arrivals.begin_step()
+    assert arrivals.arrive(1.0).active == pytest.approx(0.35)
+
+
+def test_a_merge_after_the_update_counts_its_wait_as_waiting_and_the_hooks_after_it_as_the_steps():
+    """Model merging: the replica arrives after its update and blocks on peers until the merge releases it."""
+    arrivals, clock = _arrivals()
+    with arrivals.step(10.0, 10):
+        clock.now = 0.4
+    arrivals.arrive(1.0)
+    clock.now = 1.4  # the merge waits for the slowest replica
     arrivals.release()
-    assert arrivals.arrive(1.0).wait_fraction == pytest.approx(0.05 / 0.55)
+    clock.now = 1.5  # the hooks after the step
+    arrivals.begin_step()
+    with arrivals.step(10.0, 10):
+        clock.now = 1.9
+    report = arrivals.arrive(1.0)
+    assert (report.work, report.active) == (10.0, pytest.approx(0.5))
+    assert report.wait_fraction == pytest.approx(1.0 / 1.5)
 
 
-def test_overlapped_reports_count_work_until_arrival_and_waiting_only_inside_waits():
+def test_overlapped_reports_count_work_until_the_step_ends_and_waiting_only_inside_waits():
     """Delayed gradient sums: a replica reports at its arrival and works on (no release); only the time it blocks
     on peers (``waiting``) is left out of its active time."""
     arrivals, clock = _arrivals()
     with arrivals.step(10.0, 10):
         clock.now = 0.4  # the step's last gradient bucket is ready: arrival, mid-step
-        first = arrivals.arrive(1.0)
-        arrivals.continue_after_arrival()
-    assert (first.work, first.steps, first.active) == (10.0, 1.0, pytest.approx(0.4))
+        arrivals.arrive(1.0)
+        clock.now = 0.5  # the update
+    arrivals.begin_step()
     with arrivals.step(12.0, 12):
-        clock.now = 0.5
         with arrivals.waiting():  # the previous step's sums are not complete yet
             clock.now = 0.8
         clock.now = 1.0
-        second = arrivals.arrive(1.0)
-        arrivals.continue_after_arrival()
+        first = arrivals.arrive(1.0)
+        clock.now = 1.1
+    arrivals.begin_step()
+    assert (first.work, first.active, first.wait_fraction) == (10.0, pytest.approx(0.5), 0.0)
+    second = arrivals.arrive(1.0)
     assert (second.work, second.active) == (12.0, pytest.approx(0.3))
-    third = arrivals.arrive(1.0)
-    assert third.wait_fraction == pytest.approx(0.3 / 0.6)  # the second period: 0.3 active, 0.3 waiting
+    assert second.wait_fraction == pytest.approx(0.3 / 0.6)
 
 
 def test_waiting_inside_a_pause_leaves_the_clock_paused():
     """A flush of delayed sums at validation waits on peers while validation has the clock paused."""
     arrivals, clock = _arrivals()
-    clock.now = 0.2
+    with arrivals.step(10.0, 10):
+        clock.now = 0.2
     arrivals.pause()
     with arrivals.waiting():
         clock.now = 0.5
     clock.now = 3.0  # validation goes on
     arrivals.resume()
     clock.now = 3.1
-    assert arrivals.arrive(1.0).active == pytest.approx(0.3)
+    arrivals.begin_step()
+    report = arrivals.arrive(1.0)
+    assert (report.active, report.wait_fraction) == (pytest.approx(0.3), 0.0)
 
 
 def test_a_wait_split_across_calls_is_waiting_not_activity():
     """Synchronous gradient sums: blocked from the last bucket's arrival until the reducer releases the replica."""
     arrivals, clock = _arrivals()
-    clock.now = 0.4
-    arrivals.begin_wait()
-    clock.now = 0.9
-    arrivals.end_wait()
-    clock.now = 1.0
-    first = arrivals.arrive(1.0)
-    arrivals.continue_after_arrival()
-    assert first.active == pytest.approx(0.5)
-    assert arrivals.arrive(1.0).wait_fraction == pytest.approx(0.5 / 1.0)
+    with arrivals.step(10.0, 10):
+        clock.now = 0.4
+        arrivals.arrive(1.0)
+        arrivals.begin_wait()
+        clock.now = 0.9
+        arrivals.end_wait()
+        clock.now = 1.0
+    arrivals.begin_step()
+    report = arrivals.arrive(1.0)
+    assert report.active == pytest.approx(0.5)
+    assert report.wait_fraction == pytest.approx(0.5 / 1.0)
 
 
-def test_a_new_fit_forgets_the_periods_of_the_last():
+def test_a_new_fit_forgets_the_steps_of_the_last():
     arrivals, clock = _arrivals()
     with arrivals.step(10.0, 10):
         clock.now = 1.0
     arrivals.detach()
     arrivals.attach(torch.device("cpu"))
+    arrivals.begin_step(new_epoch=True)
     clock.now = 1.5
+    arrivals.begin_step()
     report = arrivals.arrive(1.0)
     assert (report.work, report.steps, report.active) == (0.0, 0.0, pytest.approx(0.5))
+
+
+def test_a_restart_forgets_the_steps_since_the_latest_report_and_times_from_now():
+    """A replica that sat steps out: its idle steps are no training."""
+    arrivals, clock = _arrivals()
+    for _ in range(3):
+        clock.now += 0.01
+        arrivals.begin_step()
+    clock.now = 5.0  # the handoff
+    arrivals.restart()
+    with arrivals.step(10.0, 10):
+        clock.now = 5.3
+    arrivals.begin_step()
+    report = arrivals.arrive(1.0)
+    assert (report.work, report.steps, report.active) == (10.0, 1.0, pytest.approx(0.3))
 
 
 def test_a_report_carries_the_stop_flag_finiteness_and_center_norm():
@@ -149,10 +243,10 @@ def test_a_wait_for_peers_inside_the_optimizer_step_is_not_busy_time():
         with arrivals.waiting():  # a delayed sum still in flight
             clock.now = 1.0
         clock.now = 1.1
+    arrivals.begin_step()
     report = arrivals.arrive(1.0)
     assert report.busy == pytest.approx(1.1 - 0.5 - 0.1)
     assert report.active == pytest.approx(1.1 - 0.5 - 0.1)
-    arrivals.continue_after_arrival()
     clock.now = 1.2
     arrivals.pause()  # a wait outside any step (a flush at validation) is no step's
     with arrivals.waiting():
@@ -160,6 +254,7 @@ def test_a_wait_for_peers_inside_the_optimizer_step_is_not_busy_time():
     arrivals.resume()
     with arrivals.step(10.0, 10):
         clock.now = 1.7
+    arrivals.begin_step()
     assert arrivals.arrive(1.0).busy == pytest.approx(0.2)
 
 
@@ -180,21 +275,28 @@ def test_pausing_twice_and_waiting_split_across_calls_inside_a_pause_leave_the_c
     clock.now = 3.0
     arrivals.resume()
     clock.now = 3.1
+    arrivals.begin_step()
     report = arrivals.arrive(1.0)
     assert report.active == pytest.approx(0.3)
-    arrivals.release()
-    assert arrivals.arrive(1.0).wait_fraction == 0.0  # the wait inside the pause was not the period's
+    assert report.wait_fraction == 0.0  # the wait inside the pause was not the step's
 
 
-def test_a_replica_paused_at_its_arrival_reports_the_time_before_the_pause_and_no_measurement():
+def test_a_replica_paused_at_its_arrival_reports_its_whole_steps_and_stays_paused():
     arrivals, clock = _arrivals()
     with arrivals.step(10.0, 10):
         clock.now = 0.4
+    arrivals.begin_step()
+    clock.now = 0.5
     arrivals.pause()
     clock.now = 2.0
-    report = arrivals.arrive(1.0)
-    assert report.active == pytest.approx(0.4)
-    assert (report.steps, report.measured) == (0.0, False)
+    report = arrivals.arrive(1.0)  # a merge at validation
+    assert (report.steps, report.active) == (1.0, pytest.approx(0.4))
+    clock.now = 2.5
+    arrivals.release()
+    clock.now = 2.75
+    arrivals.begin_step()
+    after = arrivals.arrive(1.0)  # the step from 0.4: 0.1 s before the pause, none during it or its merge
+    assert (after.active, after.wait_fraction) == (pytest.approx(0.1), 0.0)
 
 
 def test_a_wait_for_peers_outside_the_optimizer_step_leaves_its_busy_time_whole():
@@ -203,6 +305,7 @@ def test_a_wait_for_peers_outside_the_optimizer_step_leaves_its_busy_time_whole(
         clock.now = 0.5
     with arrivals.step(10.0, 10):
         clock.now = 0.8
+    arrivals.begin_step()
     report = arrivals.arrive(1.0)
     assert report.busy == pytest.approx(0.3)
     assert report.active == pytest.approx(0.3)
@@ -212,6 +315,7 @@ def test_a_period_with_no_time_at_all_reports_no_wait_fraction():
     arrivals, _ = _arrivals()
     arrivals.arrive(1.0)
     arrivals.release()  # nothing ran and nobody waited: the clock never moved
+    arrivals.begin_step()
     assert arrivals.arrive(1.0).wait_fraction == 0.0
 
 
@@ -220,11 +324,24 @@ def test_a_period_mixing_idle_steps_with_working_ones_reports_no_steps_and_an_id
     arrivals, clock = _arrivals()
     with arrivals.step(0.0, 0):
         clock.now = 0.1
+    arrivals.begin_step()
     with arrivals.step(8.0, 8):
         clock.now = 0.5
+    arrivals.begin_step()
     assert arrivals.arrive(1.0).steps == 0.0
-    arrivals.release()
     for _ in range(2):
         with arrivals.step(0.0, 0):
             clock.now += 0.1
+        arrivals.begin_step()
     assert arrivals.arrive(1.0).steps == 2.0
+
+
+def test_without_an_unmeasured_step_a_fits_second_step_is_reported_like_any():
+    """Model merging has no DDP reducer: its second step is its own."""
+    arrivals, clock = _fit_start()
+    arrivals.begin_step()
+    with arrivals.step(12.0, 12):
+        clock.now = 0.3
+    arrivals.begin_step()
+    report = arrivals.arrive(1.0)
+    assert (report.work, report.steps, report.active) == (12.0, 1.0, pytest.approx(0.3))

@@ -17,6 +17,7 @@ from cuda_run import run_on_cuda
 
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.arrivals import ArrivalClock
+from lightning_aesgd.engine.gradient_sync import BUCKET_REBUILD_STEP
 from lightning_aesgd.engine.timing import CudaTimeline, HostTimeline, SpanLedger, Timeline
 
 HERE = Path(__file__).resolve().parent
@@ -81,31 +82,34 @@ class Step:
     loader: float = 0.0
 
 
-def _arrivals(deferred: bool) -> tuple[ArrivalClock, Any]:
+def _arrivals(deferred: bool, unmeasured_step: int | None = BUCKET_REBUILD_STEP) -> tuple[ArrivalClock, Any]:
+    """A clock on a scripted device or host; by default it leaves out the step gradient sync leaves out."""
     if deferred:
         device = ScriptedDevice()
-        arrivals = ArrivalClock(timeline=device)
+        arrivals = ArrivalClock(timeline=device, unmeasured_step=unmeasured_step)
     else:
         device = ScriptedHost()
-        arrivals = ArrivalClock(clock=device)
+        arrivals = ArrivalClock(clock=device, unmeasured_step=unmeasured_step)
     arrivals.attach(torch.device("cpu"))
     return arrivals, device
 
 
-def _run_gradient_steps(arrivals: ArrivalClock, clock: Any, steps: list[Step]) -> tuple[list[PeriodReport], list[int]]:
-    """Drive the clock as the gradient sync does: arrival at the last bucket, release after the sums.
+def _run_gradient_steps(
+    arrivals: ArrivalClock, clock: Any, steps: list[Step], first: int = 0
+) -> tuple[list[PeriodReport], list[int]]:
+    """Drive the clock as the gradient sync does: a step begins, arrives at its last bucket, is released after the
+    sums. ``first``: the step of the fit the first of ``steps`` is (its first step begins a new epoch).
 
     Returns the reports and, per step, the blocking reads the clock made (0 on the host's clock).
     """
     reports, blocking = [], []
-    for step in steps:
+    for index, step in enumerate(steps):
         waits_before = getattr(clock, "waits", 0)
-        arrivals.resume()
+        arrivals.begin_step(new_epoch=first + index == 0)
         with arrivals.step(float(step.size), step.size, loader_seconds=step.loader):
-            clock.now += step.active  # data, forward, backward: the last bucket is ready
+            clock.now += step.active  # forward, backward: the last bucket is ready
             if step.reports:
                 reports.append(arrivals.arrive(1.0))
-                arrivals.continue_after_arrival()
             arrivals.begin_wait()
             clock.now += step.wait  # the sums wait for the slowest replica
             arrivals.end_wait()
@@ -113,15 +117,17 @@ def _run_gradient_steps(arrivals: ArrivalClock, clock: Any, steps: list[Step]) -
     return reports, blocking
 
 
-# Reports at steps 0, 2, 4 and 6: periods of steps {0}, {1, 2}, {3, 4}, {5, 6}.
+# Reports at steps 1, 3, 5 and 7, as the engine's first report falls at a fit's second step. Each carries the whole
+# steps before it, but for the fit's second: {0}, {2}, {3, 4}, {5, 6}.
 SCRIPT = [
-    Step(size=8, active=0.10, wait=0.50, reports=True, loader=0.01),
-    Step(size=9, active=0.20, wait=0.40, reports=False, loader=0.02),
-    Step(size=10, active=0.30, wait=0.30, reports=True, loader=0.03),
-    Step(size=11, active=0.40, wait=0.20, reports=False, loader=0.04),
-    Step(size=12, active=0.50, wait=0.10, reports=True, loader=0.05),
-    Step(size=13, active=0.60, wait=0.00, reports=False, loader=0.06),
-    Step(size=14, active=0.70, wait=0.05, reports=True, loader=0.07),
+    Step(size=8, active=0.10, wait=0.50, reports=False, loader=0.01),
+    Step(size=9, active=0.20, wait=0.40, reports=True, loader=0.02),
+    Step(size=10, active=0.30, wait=0.30, reports=False, loader=0.03),
+    Step(size=11, active=0.40, wait=0.20, reports=True, loader=0.04),
+    Step(size=12, active=0.50, wait=0.10, reports=False, loader=0.05),
+    Step(size=13, active=0.60, wait=0.00, reports=True, loader=0.06),
+    Step(size=14, active=0.70, wait=0.05, reports=False, loader=0.07),
+    Step(size=15, active=0.80, wait=0.05, reports=True, loader=0.08),
 ]
 
 
@@ -129,111 +135,103 @@ def _measured(report: PeriodReport) -> tuple[float, ...]:
     return tuple(getattr(report, name) for name in MEASURED_FIELDS)
 
 
-def test_a_deferred_report_carries_the_previous_completed_period():
-    arrivals, device = _arrivals(deferred=True)
-    reports, _ = _run_gradient_steps(arrivals, device, SCRIPT)
-    first, second, third = reports[:3]
-    assert first.steps == 0  # nothing has completed before a fit's first report
-    assert not first.measured
-    # The period of step 0: from the fit's start to its arrival.
-    assert (second.work, second.planned, second.steps, second.loader) == (8.0, 8.0, 1.0, pytest.approx(0.01))
-    assert second.active == pytest.approx(0.10)
-    # Steps 1 and 2, their arrivals measured from the releases before them: the waits are left out.
-    assert (third.work, third.planned, third.steps, third.loader) == (19.0, 19.0, 2.0, pytest.approx(0.05))
-    assert third.active == pytest.approx(0.20 + 0.30)
-    # Its busy time (inside the optimizer step) is that of the steps that ended in it, their waits left out.
-    assert third.busy == pytest.approx(0.10 + 0.20)
-    # Its wait: from step 0's arrival to its release, and step 1's.
-    assert third.wait_fraction == pytest.approx((0.50 + 0.40) / (0.50 + 0.40 + 0.20 + 0.30))
-
-
-def test_the_host_clock_reports_the_current_period():
+def test_the_host_clock_reports_the_whole_steps_before_the_report():
     arrivals, clock = _arrivals(deferred=False)
     reports, blocking = _run_gradient_steps(arrivals, clock, SCRIPT)
-    first, second = reports[:2]
-    assert (first.work, first.steps, first.active) == (8.0, 1.0, pytest.approx(0.10))
-    assert (second.work, second.steps, second.active) == (19.0, 2.0, pytest.approx(0.50))
-    assert second.wait_fraction == 0.0  # the period of step 0 has no wait before its arrival
-    assert reports[2].wait_fraction == pytest.approx((0.50 + 0.40) / (0.50 + 0.40 + 0.20 + 0.30))
+    first, second, third = reports[:3]
+    assert (first.work, first.planned, first.steps, first.loader) == (8.0, 8.0, 1.0, pytest.approx(0.01))
+    assert (first.active, first.wait_fraction) == (pytest.approx(0.10), pytest.approx(0.50 / 0.60))
+    assert (second.work, second.steps, second.active) == (10.0, 1.0, pytest.approx(0.30))  # not step 1's
+    # Steps 3 and 4: their own time, their waits left out of it (and out of the busy time inside the step).
+    assert (third.work, third.planned, third.steps, third.loader) == (23.0, 23.0, 2.0, pytest.approx(0.09))
+    assert (third.active, third.busy) == (pytest.approx(0.90), pytest.approx(0.90))
+    assert third.wait_fraction == pytest.approx((0.20 + 0.10) / (0.90 + 0.30))
     assert blocking == [0] * len(SCRIPT)
 
 
+def test_a_deferred_report_carries_the_steps_of_the_report_before():
+    arrivals, device = _arrivals(deferred=True)
+    reports, _ = _run_gradient_steps(arrivals, device, SCRIPT)
+    assert reports[0].steps == 0  # nothing was reported before a fit's first report
+    assert not reports[0].measured
+    assert (reports[1].work, reports[1].steps, reports[1].active) == (8.0, 1.0, pytest.approx(0.10))
+    assert (reports[3].work, reports[3].steps, reports[3].active) == (23.0, 2.0, pytest.approx(0.90))
+
+
 def test_deferred_reports_are_the_host_reports_one_report_later():
-    """Work, planned, steps, loader, busy and active of one period travel together, as do its wait fraction."""
+    """Work, planned, steps, loader, busy, active and the wait fraction of some steps travel together."""
     device_arrivals, device = _arrivals(deferred=True)
     host_arrivals, clock = _arrivals(deferred=False)
     deferred, _ = _run_gradient_steps(device_arrivals, device, SCRIPT)
     host, _ = _run_gradient_steps(host_arrivals, clock, SCRIPT)
     for late, now in zip(deferred[1:], host, strict=False):
         assert _measured(late) == pytest.approx(_measured(now))
-    # The wait fraction is always the previous period's: the deferred report's numbers are of that period.
-    assert [r.wait_fraction for r in deferred] == pytest.approx([r.wait_fraction for r in host])
+        assert late.wait_fraction == pytest.approx(now.wait_fraction)
 
 
 def test_a_report_blocks_at_most_once_and_steps_without_a_report_never():
     arrivals, device = _arrivals(deferred=True)
     _, blocking = _run_gradient_steps(arrivals, device, SCRIPT)
-    # The device never caught up on its own: every report after the first waits once, for the period it reads.
-    assert blocking == [0, 0, 1, 0, 1, 0, 1]
+    # The device never caught up on its own: every report with steps to read waits once, for the latest of them.
+    assert blocking == [0, 0, 0, 1, 0, 1, 0, 1]
 
 
 def test_a_report_does_not_block_where_the_device_has_caught_up():
     arrivals, device = _arrivals(deferred=True)
     blocking = []
-    for step in SCRIPT:
+    for index, step in enumerate(SCRIPT):
         device.catch_up()  # e.g. a loss read on the host: the device ran everything queued before it
-        blocking += _run_gradient_steps(arrivals, device, [step])[1]
+        blocking += _run_gradient_steps(arrivals, device, [step], first=index)[1]
     assert blocking == [0] * len(SCRIPT)
 
 
 def test_active_time_excludes_waiting_for_peers_on_the_device_timeline():
     """A fast replica that waits most of each step for a slow peer measures its own time, not the peer's."""
     arrivals, device = _arrivals(deferred=True)
-    steps = [Step(size=8, active=0.01, wait=0.99, reports=index % 4 == 0) for index in range(13)]
+    steps = [Step(size=8, active=0.01, wait=0.99, reports=index % 4 == 1) for index in range(14)]
     reports, _ = _run_gradient_steps(arrivals, device, steps)
-    later = [report for report in reports if report.measured][1:]  # past the fit's first period
-    assert later
-    for report in later:
+    measured = [report for report in reports if report.measured]
+    assert len(measured) == len(reports) - 1
+    for report in measured:
         assert report.active / report.steps == pytest.approx(0.01)
         assert report.wait_fraction == pytest.approx(0.99)
 
 
-def test_a_merge_wait_counts_as_waiting_of_the_period_it_ends():
-    """Under model merges a report's period ends at the merge; its wait there is read with it, a merge later."""
-    arrivals, device = _arrivals(deferred=True)
+def test_a_merge_wait_counts_as_waiting_of_the_step_it_ends():
+    """Under model merges the replica arrives after its update; the merge's wait is its step's, read with it."""
+    arrivals, device = _arrivals(deferred=True, unmeasured_step=None)
     reports = []
-    for active, wait in [(0.2, 0.6), (0.3, 0.1), (0.4, 0.0)]:
+    for index, (active, wait) in enumerate([(0.2, 0.6), (0.1, 0.1), (0.3, 0.1), (0.4, 0.0), (0.5, 0.0)]):
+        arrivals.begin_step(new_epoch=index == 0)
         with arrivals.step(8.0, 8):
             device.now += active
         reports.append(arrivals.arrive(1.0))
         device.now += wait  # the merge's all-reduce waits for the slowest replica
         arrivals.release()
-    assert reports[0].steps == 0
-    assert (reports[1].active, reports[1].wait_fraction) == (pytest.approx(0.2), pytest.approx(0.6 / 0.8))
-    assert (reports[2].active, reports[2].wait_fraction) == (pytest.approx(0.3), pytest.approx(0.1 / 0.4))
-    assert device.waits <= 2
+    # Each report reads the steps of the one before: step 0 (whole at step 1) at step 2, step 1 at step 3...
+    assert [report.steps for report in reports] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert (reports[2].active, reports[2].wait_fraction) == (pytest.approx(0.2), pytest.approx(0.6 / 0.8))
+    assert (reports[3].active, reports[3].wait_fraction) == (pytest.approx(0.1), pytest.approx(0.1 / 0.2))
+    assert (reports[4].active, reports[4].wait_fraction) == (pytest.approx(0.3), pytest.approx(0.1 / 0.4))
+    assert device.waits <= 3  # at most once for each report with steps to read
 
 
-def test_an_interrupted_period_reports_no_measurement_a_report_later():
+def test_the_step_running_into_a_new_epoch_is_not_reported():
     arrivals, device = _arrivals(deferred=True)
-    with arrivals.step(8.0, 8):
-        device.now += 0.5
-    arrivals.new_epoch()  # a new epoch
-    device.now += 0.25
-    first = arrivals.arrive(1.0)
-    arrivals.release()
-    second = arrivals.arrive(1.0)
-    assert (first.steps, second.steps) == (0.0, 0.0)
-    assert second.work == 8.0  # the period's work, unmeasured
+    _run_gradient_steps(arrivals, device, SCRIPT[:3])
+    device.now += 5.0  # the epoch-end hooks
+    arrivals.begin_step(new_epoch=True)
+    reports = [arrivals.arrive(1.0), arrivals.arrive(1.0)]
+    assert (reports[1].work, reports[1].steps, reports[1].active) == (0.0, 0.0, 0.0)  # step 2 ran into the epoch
 
 
-def test_a_new_fit_starts_without_the_previous_fits_periods():
+def test_a_new_fit_starts_without_the_previous_fits_steps():
     arrivals, device = _arrivals(deferred=True)
     _run_gradient_steps(arrivals, device, SCRIPT[:3])
     arrivals.detach()
     arrivals.attach(torch.device("cpu"))
-    reports, _ = _run_gradient_steps(arrivals, device, SCRIPT[:1])
-    assert (reports[0].steps, reports[0].work) == (0.0, 0.0)
+    reports, _ = _run_gradient_steps(arrivals, device, SCRIPT[:4])
+    assert [(report.steps, report.work) for report in reports] == [(0.0, 0.0), (1.0, 8.0)]  # its own step 0
 
 
 def test_a_span_ledger_reads_spans_as_the_device_reaches_them():
@@ -249,8 +247,6 @@ def test_a_span_ledger_reads_spans_as_the_device_reaches_them():
     assert ledger.total("busy") == 0.5
     ledger.settle()
     assert (ledger.total("busy"), ledger.complete, device.waits) == (0.75, True, 1)
-    ledger.discard("busy")
-    assert ledger.total("busy") == 0.0
 
 
 def test_the_host_timeline_reads_its_clock_at_once():
@@ -276,16 +272,21 @@ def test_a_span_is_read_only_once_both_its_stamps_are_readable():
     assert (ledger.total("busy"), ledger.complete) == (0.0, False)
 
 
-def test_discarding_an_account_forgets_its_unread_spans_and_keeps_the_others():
+def test_absorbing_a_later_ledger_adds_its_read_spans_and_reads_its_unread_ones_after_its_own():
     device = ScriptedDevice()
-    ledger = SpanLedger(device)
-    for account, seconds in (("active", 0.5), ("busy", 0.25)):
+    ledger, later = SpanLedger(device), SpanLedger(device)
+    for target, seconds in ((ledger, 0.5), (later, 0.25), (later, 0.125)):
         start = device.stamp()
         device.now += seconds
-        ledger.add(account, start, device.stamp())
-    ledger.discard("active")  # before the device reached any of them
+        target.add("active", start, device.stamp())
+    device.reached = 4  # the device is past the first two spans, not the third
+    later.fold()
+    ledger.absorb(later)
+    assert (ledger.total("active"), ledger.complete) == (0.25, False)
+    ledger.fold()
+    assert ledger.total("active") == 0.75
     ledger.settle()
-    assert (ledger.total("active"), ledger.total("busy")) == (0.0, 0.25)
+    assert (ledger.total("active"), ledger.complete, device.waits) == (0.875, True, 1)
 
 
 def test_the_host_timeline_reads_perf_counter_by_default():
@@ -362,9 +363,8 @@ def sensed_active_follows_gpu_time() -> None:
     arrivals.attach(device)
     compute, collective = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     pairs, reports, waits_in_reports = [], [], 0
-    arrivals.new_epoch()  # the fit's first step begins, as the engine's begin_step says
     for step in range(GPU_STEPS):
-        arrivals.resume()
+        arrivals.begin_step(new_epoch=step == 0)  # as the engine's begin_step says
         with arrivals.step(16.0, 16):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(compute)
@@ -372,13 +372,12 @@ def sensed_active_follows_gpu_time() -> None:
                 work = torch.tanh(work @ matrix)
             end.record(compute)
             pairs.append((start, end))
-            due = step % REPORT_EVERY == 0
+            due = step % REPORT_EVERY == 1  # the engine's first report falls at a fit's second step
             if due:
                 before = timeline.waits
                 reports.append(arrivals.arrive(1.0))
                 assert timeline.waits - before <= 1, "a report blocked the host more than once"
                 waits_in_reports += timeline.waits - before
-                arrivals.continue_after_arrival()
             arrivals.begin_wait()
             _join_a_slow_peer(compute, collective)
             arrivals.end_wait()
@@ -387,12 +386,11 @@ def sensed_active_follows_gpu_time() -> None:
     assert reports[0].steps == 0
     measured = [report for report in reports if report.measured]
     assert len(measured) == len(reports) - 1, [report.steps for report in reports]
-    covered = int(sum(report.steps for report in measured))  # the first steps: periods follow one another
+    covered = int(sum(report.steps for report in measured))  # the first steps: reports follow one another
     sensed = sum(report.active for report in measured) / covered
     gpu = sum(start.elapsed_time(end) for start, end in pairs[:covered]) / covered / 1000.0
     assert abs(sensed - gpu) <= 0.1 * gpu, f"sensed {sensed:.4f} s of activity per step, the GPU worked {gpu:.4f} s"
-    later = measured[1:]  # the first period has no wait before its arrival
-    assert all(report.wait_fraction > 0.1 for report in later), [report.wait_fraction for report in later]
+    assert all(report.wait_fraction > 0.1 for report in measured), [report.wait_fraction for report in measured]
 
 
 def cuda_stamps_are_read_without_waiting() -> None:

@@ -1,4 +1,4 @@
-"""Plans from measured speed: four replicas (arrival clock + plan loop each) exchange scripted timings."""
+"""Plans from measured speed: four replicas' plan loops exchange scripted reports of their steps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pickle
 import random
 
 import pytest
-import torch
 
 from lightning_aesgd.core.apportion import share_error
 from lightning_aesgd.core.merge import ElasticAverage
@@ -22,7 +21,6 @@ from lightning_aesgd.engine.admission import (
     Admission,
     probe_interval,
 )
-from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.model_merge import TrainingAlone
 from lightning_aesgd.engine.plan_loop import HISTORY_LENGTH, PlanLoop, PlanRecord, check_learner_blocks
 from lightning_aesgd.engine.plan_settings import PlanSettings
@@ -32,34 +30,24 @@ STEP_BATCH = 256
 SECONDS_PER_SAMPLE = 1e-3
 
 
-class Clock:
-    """A scripted wall clock: arrivals and releases happen when the test says."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Replica:
-    """One replica's arrival clock and plan loop on a scripted clock, paired as the step pipeline pairs them."""
+    """One replica's plan loop, fed what its arrival clock reports at each sync point: the step before it, whole.
+
+    The arrival clock's own accounting (whole steps, waits, pauses) is tested in ``test_arrivals.py``.
+    """
 
     def __init__(self, num_replicas: int, lag: int = 3, **settings) -> None:
-        self.clock = Clock()
-        self.arrivals = ArrivalClock(clock=self.clock)
         self.plans = PlanLoop(PlanSettings(**settings))
-        self.arrivals.attach(torch.device("cpu"))
         self.plans.attach(num_replicas)
         self.plans.plan_book_for(STEP_BATCH, num_replicas, lag=lag)
 
-    def work(self, size: int) -> None:
-        with self.arrivals.step(float(size), size):
-            pass
-
     def receive(self, rows, step: int) -> None:
-        self.arrivals.release()
         self.plans.receive(rows, step)
+
+
+def _report(size: int, seconds: float, stop: bool = False) -> list[float]:
+    """The report of one whole step of ``size`` samples that took ``seconds``, less its waits for peers."""
+    return PeriodReport(1.0, work=float(size), planned=size, steps=1.0, active=seconds, stop=float(stop)).as_row()
 
 
 def _group(num_replicas: int, lag: int = 3, **settings) -> list[Replica]:
@@ -67,27 +55,24 @@ def _group(num_replicas: int, lag: int = 3, **settings) -> list[Replica]:
 
 
 def _run(replicas, factors_at, steps, overhead=0.0, noise=0.0, seed=0, start=0):
-    """Replica i arrives fᵢ·(overhead + size·t₁) after each release (t₁ the per-sample time); a sync every step.
+    """Replica i's step takes fᵢ·(overhead + size·t₁) (t₁ the per-sample time); a report every step.
 
     With ``noise`` σ, each arrival time is multiplied by a log-normal factor ``exp(N(0, σ²))``.
 
-    Nothing is timed inside the optimizer step (the busy regions are empty): the plan loops see the replicas'
-    speeds only through their arrivals, as with slowness in data loading, hooks or CPU quotas.
+    Nothing is timed inside the optimizer step (no busy time): the plan loops see the replicas' speeds only through
+    their step times, as with slowness in data loading, hooks or CPU quotas.
     """
-    plans, now, rng = [], replicas[0].clock.now, random.Random(seed)
+    plans, rng = [], random.Random(seed)
     for step in range(start, start + steps):
         sizes = replicas[0].plans.plan_book.sizes_at(step)
         for replica in replicas[1:]:
             assert replica.plans.plan_book.sizes_at(step) == sizes  # every replica slices the step the same way
         rows = []
-        for rank, replica in enumerate(replicas):
-            replica.work(sizes[rank])
+        for rank in range(len(replicas)):
             jitter = math.exp(rng.gauss(0.0, noise)) if noise else 1.0
-            replica.clock.now = now + jitter * factors_at(step)[rank] * (overhead + sizes[rank] * SECONDS_PER_SAMPLE)
-            rows.append(replica.arrivals.arrive(merge_weight=1.0).as_row())
-        now = max(replica.clock.now for replica in replicas) + 1e-4
+            seconds = jitter * factors_at(step)[rank] * (overhead + sizes[rank] * SECONDS_PER_SAMPLE)
+            rows.append(_report(sizes[rank], seconds))
         for replica in replicas:
-            replica.clock.now = now
             replica.receive(rows, step)
         plans.append(sizes)
     return plans
@@ -371,7 +356,7 @@ def test_static_planner_never_changes_the_plan():
 
 def test_any_replica_asking_to_stop_stops_every_replica():
     replicas = _group(2)
-    rows = [replica.arrivals.arrive(1.0, stop=rank == 1).as_row() for rank, replica in enumerate(replicas)]
+    rows = [_report(64, 0.1, stop=rank == 1) for rank in range(len(replicas))]
     for replica in replicas:
         replica.receive(rows, step=0)
     assert all(replica.plans.stop_requested for replica in replicas)
@@ -617,9 +602,7 @@ def test_each_replica_keeps_its_own_batch_bounds():
 def test_the_history_is_a_ring_of_typed_records_so_memory_stays_flat():
     (replica,) = _group(1)
     for step in range(HISTORY_LENGTH + 10):
-        replica.work(10)
-        replica.clock.now += 0.01
-        replica.receive([replica.arrivals.arrive(1.0).as_row()], step)
+        replica.receive([_report(10, 0.01)], step)
     assert len(replica.plans.history) == HISTORY_LENGTH
     latest = replica.plans.history[-1]
     assert isinstance(latest, PlanRecord)

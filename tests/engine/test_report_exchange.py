@@ -30,7 +30,7 @@ def _due_steps(exchange: ReportExchange, plans: PlanLoop, steps: int) -> list[in
 
 def test_until_a_report_is_received_reports_are_due_every_lag_plus_one_steps():
     exchange, plans = ReportExchange(), _plans(lag=2)
-    assert _due_steps(exchange, plans, 10) == [0, 3, 6, 9]
+    assert _due_steps(exchange, plans, 10) == [1, 4, 7]  # from a fit's second step: its first holds no whole step
 
 
 def test_reports_travel_in_rank_order_and_the_latest_keep_stay_in_flight():
@@ -127,17 +127,17 @@ def test_an_unsettled_plan_keeps_reports_every_lag_plus_one_steps():
     exchange, plans = ReportExchange(), _plans(lag=2, planner="static")
     fast = PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.02).as_row()
     slow = PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.2).as_row()
-    plans.receive([fast, slow], 0)
+    assert _due_steps(exchange, plans, 2) == [1]
+    plans.receive([fast, slow], 1)
     exchange.space_out(plans)
-    assert _due_steps(exchange, plans, 7) == [0, 3, 6]
+    assert _due_steps(exchange, plans, 8) == [4, 7]
 
 
-def test_a_new_fit_reports_at_its_first_step_again():
+def test_a_new_fit_reports_at_its_second_step_again_wherever_it_starts():
     exchange, plans = ReportExchange(), _plans(lag=2)
-    assert exchange.due(0, plans)
-    assert not exchange.due(1, plans)
+    assert [exchange.due(step, plans) for step in range(3)] == [False, True, False]
     exchange.start()
-    assert exchange.due(0, plans)
+    assert [exchange.due(step, plans) for step in range(10, 13)] == [False, True, False]  # resumed at step 10
 
 
 def test_a_carried_table_needs_no_all_reduce_of_its_own_and_a_declined_one_gets_one():
@@ -185,10 +185,10 @@ def test_a_report_that_measured_exactly_lag_plus_one_steps_lets_a_settled_plan_s
 def test_a_new_exchange_and_a_new_fit_start_with_no_report_received():
     """``every`` 0: no report received yet; ``latest`` 0: none launched. A step that does not report says so."""
     exchange, plans = ReportExchange(), _plans(lag=2)
-    blank = {"next_report": 0, "every": 0, "latest": 0}
+    blank = {"next_report": None, "every": 0, "latest": 0}
     assert exchange.state_dict() == blank
-    assert exchange.due(0, plans) is True
-    assert exchange.due(1, plans) is False
+    assert exchange.due(0, plans) is False
+    assert exchange.due(1, plans) is True
     exchange.load_state_dict({"next_report": 30, "every": 24, "latest": 6})
     exchange.start()
     assert exchange.state_dict() == blank

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import FakeCommunicator
-from test_plan_loop import SECONDS_PER_SAMPLE, STEP_BATCH, _group
+from test_plan_loop import SECONDS_PER_SAMPLE, STEP_BATCH, _group, _report
 
 from lightning_aesgd.core.planners import StaticPlanner
 from lightning_aesgd.core.sensing import PeriodReport
@@ -87,12 +87,9 @@ def _sit_out_run(factors_at, steps, lag=3):
             replicas[rank].plans.adopt_shared_state(shared)
 
     plans, absences = [], []
-    now = 0.0
     for step in range(steps):
         if sitting.starts_segment(step):
-            for rank in sitting.enter(step, replicas[0].plans, handoff):
-                replicas[rank].clock.now = now
-                replicas[rank].arrivals.new_epoch()  # as the engine does: its idle steps are no training period
+            sitting.enter(step, replicas[0].plans, handoff)
             absent, (start, end) = sitting.absent, sitting.segment
             chosen = [replica.plans.sitting_out_between(start, end) for replica in replicas]
             assert chosen[0] == chosen[1] == chosen[2] == absent  # every rank names the same replicas
@@ -107,13 +104,9 @@ def _sit_out_run(factors_at, steps, lag=3):
             assert sizes[rank][rank] == sizes[present[0]][rank] == 0  # one sitting out takes nothing, by any book
         rows = [PeriodReport(merge_weight=0.0).as_row()] * 3
         for rank in present:
-            replica, size = replicas[rank], sizes[present[0]][rank]
-            replica.work(size)
-            replica.clock.now = now + factors_at(step)[rank] * (1e-3 + size * SECONDS_PER_SAMPLE)
-            rows[rank] = replica.arrivals.arrive(merge_weight=1.0).as_row()
-        now = max(replicas[rank].clock.now for rank in present) + 1e-4
+            size = sizes[present[0]][rank]
+            rows[rank] = _report(size, factors_at(step)[rank] * (1e-3 + size * SECONDS_PER_SAMPLE))
         for rank in present:
-            replicas[rank].clock.now = now
             replicas[rank].receive(rows, step)
         plans.append(sizes[present[0]])
         absences.append(absent)

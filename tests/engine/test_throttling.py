@@ -54,17 +54,20 @@ def test_frozen_time_inside_a_wait_is_the_replicas_own_active_time():
     clock, frozen = Clock(), Frozen()
     arrivals = ArrivalClock(clock=clock, throttle=frozen)
     arrivals.attach(torch.device("cpu"))
+    arrivals.begin_step(new_epoch=True)
     with arrivals.step(8.0, 8):
         clock.now = 0.1
         frozen.seconds = 0.02  # frozen while computing: already in the active wall time, not added again
         arrivals.begin_wait()
         clock.now, frozen.seconds = 0.5, 0.32  # 0.3 s of the 0.4 s wait frozen
         arrivals.end_wait()
+    arrivals.begin_step()
     report = arrivals.arrive(1.0)
     assert report.active == pytest.approx(0.1 + 0.3)
-    arrivals.release()  # a merge's wait: frozen there too, charged to the next period (this one is reported)
+    arrivals.release()  # a merge's wait: frozen there too, the running step's
     with arrivals.waiting():
         frozen.seconds = 0.42
+    arrivals.begin_step()
     assert arrivals.arrive(1.0).active == pytest.approx(0.1)
 
 
@@ -78,16 +81,18 @@ def test_without_a_throttle_waits_stay_waits():
     assert arrivals.arrive(1.0).active == pytest.approx(0.0)
 
 
-def test_time_frozen_while_peers_wait_at_the_sync_point_counts_in_the_next_period():
+def test_time_frozen_while_peers_wait_at_the_sync_point_counts_in_the_running_step():
     clock, frozen = Clock(), Frozen()
     arrivals = ArrivalClock(clock=clock, throttle=frozen)
     arrivals.attach(torch.device("cpu"))
+    arrivals.begin_step(new_epoch=True)
     clock.now = 0.5
     arrivals.arrive(1.0)
     clock.now, frozen.seconds = 0.9, 0.25  # frozen for 0.25 s of the 0.4 s at the sync point
     arrivals.release()
     clock.now = 1.0
-    assert arrivals.arrive(1.0).active == pytest.approx(0.1 + 0.25)
+    arrivals.begin_step()
+    assert arrivals.arrive(1.0).active == pytest.approx(0.5 + 0.1 + 0.25)
 
 
 def test_a_colon_in_the_group_path_is_part_of_the_path_and_a_v2_line_needs_a_v2_root(tmp_path):

@@ -47,7 +47,10 @@ def scripted_rows(call: int) -> list[list[float]]:
 
 
 def planner_costs(iterations: int) -> dict[str, float]:
-    """Microseconds per merge of the planning work (arrive, release, receive: models, plan, schedule), and per plan."""
+    """Microseconds per merge of the planning work, and per plan.
+
+    The planning work: a step's beginning, the arrival, the release and the receipt (models, plan, schedule).
+    """
     arrivals, plans = ArrivalClock(), PlanLoop(PlanSettings(planner="balanced", plan_dead_band=0.0))
     arrivals.attach(torch.device("cpu"))
     plans.attach(REPLICAS)
@@ -55,6 +58,7 @@ def planner_costs(iterations: int) -> dict[str, float]:
     rows = [scripted_rows(call) for call in range(2)]
 
     def exchange(iteration: int) -> None:
+        arrivals.begin_step()
         arrivals.arrive(1.0)
         arrivals.release()
         plans.receive(rows[iteration % 2], iteration * PERIOD)

@@ -1,21 +1,22 @@
 """Lockstep DDP against the real plan loop at 16 to 256 replicas, simulated: no Lightning, no processes.
 
-Replica ``i`` has a cost factor ``fᵢ`` (its speed is ``1/fᵢ``), drawn log-uniformly between 1 and the spread
-``s``, and takes ``fᵢ · c · b · εᵢₖ`` seconds for a batch of ``b`` samples at step ``k``: ``c`` is the measured
-part's 1 ms per sample at cost 1 (64 ms per 64-sample step), and ``εᵢₖ`` is per-step noise drawn from measured
-step times (:mod:`.noise`). Every step lasts as long as its slowest replica (both strategies synchronise every
-step). Lockstep DDP gives every replica ``M/n = 64`` samples. The adaptive side runs the strategy's own
+Replica ``i`` has a cost factor ``fᵢ`` (its speed is ``1/fᵢ``), drawn log-uniformly between 1 and the spread ``s``,
+and takes ``fᵢ · c · b · εᵢₖ`` seconds for a batch of ``b`` samples at step ``k``: ``c`` is the measured part's 1 ms
+per sample at cost 1 (64 ms per 64-sample step), and ``εᵢₖ`` is per-step noise drawn from measured step times
+(:mod:`.noise`). Every step lasts as long as its slowest replica (both strategies synchronise every step). Lockstep
+DDP gives every replica ``M/n = 64`` samples. The adaptive side runs the strategy's own
 :class:`~lightning_aesgd.engine.plan_loop.PlanLoop` with its default settings, and its plans apply ``LAG`` steps
 later. Reports come when the strategy's own :class:`~lightning_aesgd.engine.report_exchange.ReportExchange`
-(gradient sync, the default) has them come: every ``LAG + 1`` steps until the plan settles, then about every
-quarter second of training; each replica's :class:`~lightning_aesgd.core.sensing.PeriodReport` holds its steps
-since its previous report; a period with idle steps (batch 0) beside working ones measures nothing, as in the
-strategy. The plan loop's probes follow the strategy's segments
+(gradient sync, the default) has them come: every ``LAG + 1`` steps until the plan settles, then about every quarter
+second of training; each replica's :class:`~lightning_aesgd.core.sensing.PeriodReport` holds its whole steps since
+its previous report (not the step that reports, nor a fit's second step, in which DDP rebuilds its buckets: as the
+strategy's :class:`~lightning_aesgd.engine.arrivals.ArrivalClock` has it); a period with idle steps (batch 0) beside
+working ones measures nothing, as in the strategy. The plan loop's probes follow the strategy's segments
 (:data:`~lightning_aesgd.engine.sitting_out.SEGMENT_STEPS`). What the model leaves out is the sums without a
 left-out replica (it has no sums); no fleet the scale program draws (spreads up to 8) leaves one out. The time of
-taking the reports in (the planning cost) is added to the step that reports. It is the CPU time of the calls: on
-a shared machine their wall time also counts whatever else runs, and on a replica's own host the two agree
-(planning is one thread).
+taking the reports in (the planning cost) is added to the step that reports. It is the CPU time of the calls: on a
+shared machine their wall time also counts whatever else runs, and on a replica's own host the two agree (planning
+is one thread).
 
 Without noise, DDP's step lasts ``c·64·max f`` and the best split of ``M = 64·n`` samples lasts ``c·M / Σ 1/fᵢ``
 (every replica busy for the same time), so the speedup is at most ``Σ vᵢ / (n · min v)`` with ``vᵢ = 1/fᵢ``
@@ -33,6 +34,7 @@ import numpy as np
 
 from lightning_aesgd.bench.slowness.cases import BATCH
 from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.engine.gradient_sync import BUCKET_REBUILD_STEP
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
 from lightning_aesgd.engine.report_exchange import ReportExchange
@@ -171,19 +173,19 @@ def planned_step_times(
         sizes = book.sizes_at(step)
         seconds = costs * SECONDS_PER_SAMPLE * np.asarray(sizes) * noise[step]
         times[step] = seconds.max()
-        work, active, period_steps = work + sizes, active + seconds, period_steps + 1
-        idle += np.asarray(sizes) == 0
-        if not reports.due(step, loop):
-            continue
-        # Each replica's period: its own steps' time, the waits for peers left out; idle steps beside working ones
-        # measure nothing (an idle step pays no fixed cost), as the strategy's arrival clock reports them.
-        measured = np.where((idle > 0) & (idle < period_steps), 0, period_steps)
-        table = report_table(np.asarray(sizes) / total, work, measured, active)
-        start = clock()  # each replica wrote its own row; every rank reads the table the all-reduce returns
-        loop.receive(table.tolist(), step)
-        reports.space_out(loop)
-        planning[step] = clock() - start
-        work, active, idle, period_steps = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas), 0
+        if reports.due(step, loop):
+            # Each replica's period: its whole steps' time, the waits for peers left out; idle steps beside working
+            # ones measure nothing (an idle step pays no fixed cost), as the strategy's arrival clock reports them.
+            measured = np.where((idle > 0) & (idle < period_steps), 0, period_steps)
+            table = report_table(np.asarray(sizes) / total, work, measured, active)
+            start = clock()  # each replica wrote its own row; every rank reads the table the all-reduce returns
+            loop.receive(table.tolist(), step)
+            reports.space_out(loop)
+            planning[step] = clock() - start
+            work, active, idle, period_steps = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas), 0
+        if step != BUCKET_REBUILD_STEP:  # the step is whole once the next begins: the next report's
+            work, active, period_steps = work + sizes, active + seconds, period_steps + 1
+            idle += np.asarray(sizes) == 0
     return times, planning, sizes
 
 
