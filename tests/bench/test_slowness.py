@@ -54,6 +54,7 @@ def test_throughput_and_plans_come_from_rank_zeros_record():
     assert result.cpu_seconds_per_step == pytest.approx(0.02)
     assert result.samples_per_second == pytest.approx(2 * BATCH / 0.1)
     assert result.plan_at_check == [48, 16]  # the plan in force at step 30
+    assert result.first_plan == [48, 16]  # the first made from measurements
     assert result.smallest_batch == 14
     assert result.final_plan == [50, 14]
     assert result.step_time_balance == pytest.approx(1.08)
@@ -74,7 +75,7 @@ def test_case_figures_compare_with_ddp_and_the_ideal():
     assert result.ratio() == pytest.approx(1.8)
     assert result.efficiency("adaptive_elastic") == pytest.approx(0.9)
     assert result.plan_error() == pytest.approx(0.0)  # 48:16 is 3:1
-    row = "| hook | hook | [1, 3] | 64 | 200 | 360 | 1.80 | 1.80-1.80 | 50% | 90% | 0% | 0% | 1.04 |"
+    row = "| hook | hook | [1, 3] | 64 | 200 | 360 | 1.80 | 1.80-1.80 | 50% | 90% | – | 0% | 0% | 1.04 |"
     assert row in table([result])
     result.repeat_ratios = [1.7, 1.8, 2.1]
     assert result.ratio_range() == (1.7, 2.1)
@@ -140,6 +141,7 @@ def test_the_report_keeps_the_published_keys(tmp_path: Path):
         "workers",
         "solo_step_times",
         "repeat_ratios",
+        "first_plans",
         "balanced_plan",
         "ideal",
         "runs",
@@ -151,6 +153,7 @@ def test_the_report_keeps_the_published_keys(tmp_path: Path):
         "seconds_per_step",
         "cpu_seconds_per_step",
         "plan_at_check",
+        "first_plan",
         "smallest_batch",
         "final_plan",
         "step_time_balance",
@@ -216,3 +219,14 @@ def test_ddp_races_with_the_strategys_buffer_policy_and_equal_shared_replicas_ru
     assert ddp._ddp_kwargs["gradient_as_bucket_view"] is StrategySettings().gradient_as_bucket_view is True
     assert len(callbacks) == 1  # the step mode reaches DDP through the callback
     assert CASES["shared-cores-equal"].profile() is None
+
+
+def test_the_worst_first_plan_of_the_repeats_is_judged_against_the_balanced_split():
+    result = _hook_case()
+    result.first_plans = [[48, 16], None, [56, 8]]  # 3:1 is right; the repeat without one is skipped
+    assert result.worst_first_plan_error() == pytest.approx(0.5)  # 56:8 gives the slow replica half its share
+    assert "| 90% | 50% | 0% |" in table([result])
+    result.first_plans = [[64, 0]]  # leaves out a replica the balanced split keeps
+    assert result.worst_first_plan_error() == 1.0
+    result.first_plans = [None]
+    assert result.worst_first_plan_error() is None

@@ -35,6 +35,7 @@ class CaseResult:
     solo_step_times: list[StepTime]
     runs: dict[str, RunResult] = field(default_factory=dict)
     repeat_ratios: list[float] = field(default_factory=list)
+    first_plans: list[list[int] | None] = field(default_factory=list)  # adaptive_elastic's, one per repeat
 
     @property
     def balanced_plan(self) -> list[int]:
@@ -74,7 +75,19 @@ class CaseResult:
 
     def plan_error(self) -> float | None:
         """Largest relative share error of the plan at the check step (step 30) against :attr:`balanced_plan`."""
-        plan, target = self.runs["adaptive_elastic"].plan_at_check, self.balanced_plan
+        return self._error(self.runs["adaptive_elastic"].plan_at_check)
+
+    def worst_first_plan_error(self) -> float | None:
+        """The largest :meth:`plan_error` of the first plan made from measurements, over the repeats.
+
+        The first plan comes from one short report per replica: noise or a step measured in part (a fit's first
+        step without the hooks after its sync point) shows here, before the plan loop's averages smooth it.
+        """
+        errors = [self._error(plan) for plan in self.first_plans if plan is not None]
+        return max((error for error in errors if error is not None), default=None)
+
+    def _error(self, plan: list[int] | None) -> float | None:
+        target = self.balanced_plan
         if plan is None:
             return None
         if [size > 0 for size in plan] != [size > 0 for size in target]:
@@ -103,6 +116,7 @@ def run_case(case: Case, dataset: TensorDataset, steps: int, out: Path, repeats:
         result.runs[algorithm] = sorted(done, key=lambda run: run.samples_per_second)[len(done) // 2]
     pairs = zip(runs["ddp"], runs["adaptive_elastic"], strict=True)
     result.repeat_ratios = [adaptive.samples_per_second / ddp.samples_per_second for ddp, adaptive in pairs]
+    result.first_plans = [run.first_plan for run in runs["adaptive_elastic"]]
     return result
 
 

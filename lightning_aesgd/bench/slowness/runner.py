@@ -46,6 +46,7 @@ class RunResult:
     seconds_per_step: float
     cpu_seconds_per_step: float
     plan_at_check: list[int] | None = None
+    first_plan: list[int] | None = None  # the first plan made from measurements (None: the initial split held)
     smallest_batch: int | None = None
     final_plan: list[int] | None = None
     step_time_balance: float | None = None
@@ -123,6 +124,7 @@ def run_result(algorithm: str, record: dict[str, Any], replicas: int, steps: int
         starts, sizes = plans["starts"], plans["sizes"]
         at_check = max(i for i, start in enumerate(starts) if start <= plan_check_step(steps))
         result.plan_at_check = sizes[at_check]
+        result.first_plan = sizes[1] if len(sizes) > 1 else None
         result.smallest_batch = min(min(plan) for plan in sizes)
         result.final_plan = sizes[-1]
         result.step_time_balance = record.get("step_time_balance")
