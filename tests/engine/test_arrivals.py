@@ -34,6 +34,13 @@ def _arrivals() -> tuple[ArrivalClock, Clock]:
     return arrivals, clock
 
 
+def _whole_step(arrivals: ArrivalClock, clock: Clock, work: float, until: float) -> None:
+    """A step of ``work`` samples that runs until ``until``; the next step then begins."""
+    with arrivals.step(work, int(work)):
+        clock.now = until
+    arrivals.begin_step()
+
+
 def test_a_report_carries_the_whole_steps_before_it_with_their_work_loader_time_and_active_time():
     arrivals, clock = _arrivals()
     for size in (10, 6):
@@ -71,27 +78,21 @@ def test_a_fits_first_step_is_reported_at_its_second_and_its_unmeasured_step_by_
     """DDP's reducer rebuilds its buckets in a fit's second forward, a broadcast that waits for the slowest."""
     arrivals, clock = _fit_start(unmeasured_step=1)
     assert arrivals.arrive(1.0).steps == 0.0  # nothing whole yet
-    with arrivals.step(10.0, 10):
-        clock.now = 0.4
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 10.0, until=0.4)
     clock.now = 0.5
     first = arrivals.arrive(1.0)
     assert (first.work, first.steps, first.active) == (10.0, 1.0, pytest.approx(0.4))
     with arrivals.step(12.0, 12):
         clock.now = 3.0  # the bucket rebuild held this replica for the slowest
     arrivals.begin_step()
-    with arrivals.step(14.0, 14):
-        clock.now = 3.5
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 14.0, until=3.5)
     third = arrivals.arrive(1.0)
     assert (third.work, third.steps, third.active) == (14.0, 1.0, pytest.approx(0.5))
 
 
 def test_the_step_running_into_a_new_epoch_is_not_reported_and_those_before_it_are():
     arrivals, clock = _arrivals()
-    with arrivals.step(10.0, 10):
-        clock.now = 0.2
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 10.0, until=0.2)
     with arrivals.step(8.0, 8):
         clock.now = 0.4
     clock.now = 3.0  # the epoch-end hooks, the loader's workers starting again
@@ -218,9 +219,7 @@ def test_a_restart_forgets_the_steps_since_the_latest_report_and_times_from_now(
         arrivals.begin_step()
     clock.now = 5.0  # the handoff
     arrivals.restart()
-    with arrivals.step(10.0, 10):
-        clock.now = 5.3
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 10.0, until=5.3)
     report = arrivals.arrive(1.0)
     assert (report.work, report.steps, report.active) == (10.0, 1.0, pytest.approx(0.3))
 
@@ -252,9 +251,7 @@ def test_a_wait_for_peers_inside_the_optimizer_step_is_not_busy_time():
     with arrivals.waiting():
         clock.now = 1.5
     arrivals.resume()
-    with arrivals.step(10.0, 10):
-        clock.now = 1.7
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 10.0, until=1.7)
     assert arrivals.arrive(1.0).busy == pytest.approx(0.2)
 
 
@@ -283,9 +280,7 @@ def test_pausing_twice_and_waiting_split_across_calls_inside_a_pause_leave_the_c
 
 def test_a_replica_paused_at_its_arrival_reports_its_whole_steps_and_stays_paused():
     arrivals, clock = _arrivals()
-    with arrivals.step(10.0, 10):
-        clock.now = 0.4
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 10.0, until=0.4)
     clock.now = 0.5
     arrivals.pause()
     clock.now = 2.0
@@ -303,9 +298,7 @@ def test_a_wait_for_peers_outside_the_optimizer_step_leaves_its_busy_time_whole(
     arrivals, clock = _arrivals()
     with arrivals.waiting():  # the previous step's delayed sums, awaited before the next step
         clock.now = 0.5
-    with arrivals.step(10.0, 10):
-        clock.now = 0.8
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 10.0, until=0.8)
     report = arrivals.arrive(1.0)
     assert report.busy == pytest.approx(0.3)
     assert report.active == pytest.approx(0.3)
@@ -322,12 +315,8 @@ def test_a_period_with_no_time_at_all_reports_no_wait_fraction():
 def test_a_period_mixing_idle_steps_with_working_ones_reports_no_steps_and_an_idle_one_reports_its_steps():
     """An idle step (planned 0) pays no fixed cost: beside working steps it would pull their average down."""
     arrivals, clock = _arrivals()
-    with arrivals.step(0.0, 0):
-        clock.now = 0.1
-    arrivals.begin_step()
-    with arrivals.step(8.0, 8):
-        clock.now = 0.5
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 0.0, until=0.1)
+    _whole_step(arrivals, clock, 8.0, until=0.5)
     assert arrivals.arrive(1.0).steps == 0.0
     for _ in range(2):
         with arrivals.step(0.0, 0):
@@ -340,8 +329,6 @@ def test_without_an_unmeasured_step_a_fits_second_step_is_reported_like_any():
     """Model merging has no DDP reducer: its second step is its own."""
     arrivals, clock = _fit_start()
     arrivals.begin_step()
-    with arrivals.step(12.0, 12):
-        clock.now = 0.3
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 12.0, until=0.3)
     report = arrivals.arrive(1.0)
     assert (report.work, report.steps, report.active) == (12.0, 1.0, pytest.approx(0.3))
