@@ -88,15 +88,16 @@ class ArrivalClock:
     def begin_step(self, new_epoch: bool = False) -> None:
         """A step begins (its batch fetched): the step before it is complete. Starts the clock if paused.
 
-        The step before joins the next report, but for the fit's ``unmeasured_step`` and a step that ran into a
-        new epoch (``new_epoch``: loader workers started, epoch-end hooks ran, or the fit's first step,
-        resumed mid-epoch included, follows a checkpoint's restore).
+        The step before joins the next report, but for the fit's ``unmeasured_step``, a step that ran into a new
+        epoch (``new_epoch``: loader workers started, epoch-end hooks ran, or the fit's first step, resumed
+        mid-epoch included, follows a checkpoint's restore), and a step without an optimizer step (a replica
+        sitting out), whose time trained nothing.
         """
         now = self._timeline.stamp()
         if self._release is not None:
             self._step.spans.add(_ACTIVE, self._release, now)
         unmeasured = self.unmeasured_step is not None and self._steps_begun == self.unmeasured_step + 1
-        if not (new_epoch or unmeasured):
+        if self._step.steps and not (new_epoch or unmeasured):
             self._period.absorb(self._step)
         self._step = _Period(self._timeline)
         self._release = now
@@ -106,9 +107,10 @@ class ArrivalClock:
         """Forget the steps since the latest report, the running one's time included, and run the clock from now.
 
         For a replica that sat steps out (:mod:`~lightning_aesgd.engine.sitting_out`): its idle steps trained
-        nothing.
+        nothing. On a deferred timeline the steps of the latest report, due to be read at the next, go too: they
+        were measured before the replica sat out.
         """
-        self._step, self._period = _Period(self._timeline), _Period(self._timeline)
+        self._step, self._period, self._previous = _Period(self._timeline), _Period(self._timeline), None
         self._release = self._timeline.stamp()
 
     @contextmanager

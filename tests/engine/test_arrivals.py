@@ -205,10 +205,9 @@ def test_a_new_fit_forgets_the_steps_of_the_last():
     arrivals.detach()
     arrivals.attach(torch.device("cpu"))
     arrivals.begin_step(new_epoch=True)
-    clock.now = 1.5
-    arrivals.begin_step()
+    _whole_step(arrivals, clock, 12.0, until=1.5)
     report = arrivals.arrive(1.0)
-    assert (report.work, report.steps, report.active) == (0.0, 0.0, pytest.approx(0.5))
+    assert (report.work, report.steps, report.active) == (12.0, 1.0, pytest.approx(0.5))
 
 
 def test_a_restart_forgets_the_steps_since_the_latest_report_and_times_from_now():
@@ -263,15 +262,16 @@ def test_a_report_defaults_to_no_stop_a_finite_replica_and_no_center_norm():
 
 def test_pausing_twice_and_waiting_split_across_calls_inside_a_pause_leave_the_clock_paused():
     arrivals, clock = _arrivals()
-    clock.now = 0.2
-    arrivals.pause()
-    arrivals.pause()  # a checkpoint inside validation
-    arrivals.begin_wait()  # a flush of synchronous sums at validation
-    clock.now = 0.5
-    arrivals.end_wait()
-    clock.now = 3.0
-    arrivals.resume()
-    clock.now = 3.1
+    with arrivals.step(10.0, 10):
+        clock.now = 0.2
+        arrivals.pause()
+        arrivals.pause()  # a checkpoint inside validation
+        arrivals.begin_wait()  # a flush of synchronous sums at validation
+        clock.now = 0.5
+        arrivals.end_wait()
+        clock.now = 3.0
+        arrivals.resume()
+        clock.now = 3.1
     arrivals.begin_step()
     report = arrivals.arrive(1.0)
     assert report.active == pytest.approx(0.3)
@@ -281,7 +281,8 @@ def test_pausing_twice_and_waiting_split_across_calls_inside_a_pause_leave_the_c
 def test_a_replica_paused_at_its_arrival_reports_its_whole_steps_and_stays_paused():
     arrivals, clock = _arrivals()
     _whole_step(arrivals, clock, 10.0, until=0.4)
-    clock.now = 0.5
+    with arrivals.step(10.0, 10):
+        clock.now = 0.5
     arrivals.pause()
     clock.now = 2.0
     report = arrivals.arrive(1.0)  # a merge at validation
@@ -332,3 +333,14 @@ def test_without_an_unmeasured_step_a_fits_second_step_is_reported_like_any():
     _whole_step(arrivals, clock, 12.0, until=0.3)
     report = arrivals.arrive(1.0)
     assert (report.work, report.steps, report.active) == (12.0, 1.0, pytest.approx(0.3))
+
+
+def test_a_step_without_an_optimizer_step_is_not_reported():
+    """A replica sitting out runs Lightning's step without the strategy's optimizer step: its time trained nothing,
+    whether or not a restart follows (validation or a checkpoint may have caught it up before its segment's end)."""
+    arrivals, clock = _arrivals()
+    _whole_step(arrivals, clock, 10.0, until=0.2)
+    clock.now = 5.0  # a step sat out
+    arrivals.begin_step()
+    report = arrivals.arrive(1.0)
+    assert (report.work, report.steps, report.active) == (10.0, 1.0, pytest.approx(0.2))

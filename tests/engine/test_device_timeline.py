@@ -234,6 +234,26 @@ def test_a_new_fit_starts_without_the_previous_fits_steps():
     assert [(report.steps, report.work) for report in reports] == [(0.0, 0.0), (1.0, 8.0)]  # its own step 0
 
 
+def test_a_restart_on_a_deferred_timeline_forgets_the_steps_the_next_report_would_have_read():
+    """On a device a report reads the steps of the report before: after sitting out, those are from before it."""
+    device = ScriptedDevice()
+    arrivals = ArrivalClock(timeline=device)
+    arrivals.attach(torch.device("cpu"))
+    arrivals.begin_step(new_epoch=True)
+    for _ in range(3):  # working steps, then a report, then sitting out
+        with arrivals.step(50.0, 50):
+            device.now += 1.0
+        arrivals.begin_step()
+    arrivals.arrive(1.0)
+    device.now += 100.0
+    arrivals.restart()  # caught up
+    with arrivals.step(10.0, 10):
+        device.now += 0.1
+    arrivals.begin_step()
+    assert not arrivals.arrive(1.0).measured
+    assert arrivals.arrive(1.0).work == 10.0  # its own step, a report later
+
+
 def test_a_span_ledger_reads_spans_as_the_device_reaches_them():
     device = ScriptedDevice()
     ledger = SpanLedger(device)

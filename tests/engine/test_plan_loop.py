@@ -31,9 +31,10 @@ SECONDS_PER_SAMPLE = 1e-3
 
 
 class Replica:
-    """One replica's plan loop, fed what its arrival clock reports at each sync point: the step before it, whole.
+    """One replica's plan loop, fed scripted reports of one step each: the step of the sync point it reports at.
 
-    The arrival clock's own accounting (whole steps, waits, pauses) is tested in ``test_arrivals.py``.
+    The strategy's arrival clock reports a step whole at the next sync point, a step later; its accounting (whole
+    steps, waits, pauses) is tested in ``test_arrivals.py``.
     """
 
     def __init__(self, num_replicas: int, lag: int = 3, **settings) -> None:

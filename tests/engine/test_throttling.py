@@ -67,6 +67,8 @@ def test_frozen_time_inside_a_wait_is_the_replicas_own_active_time():
     arrivals.release()  # a merge's wait: frozen there too, the running step's
     with arrivals.waiting():
         frozen.seconds = 0.42
+    with arrivals.step(8.0, 8):  # its optimizer step: a step that trained
+        pass
     arrivals.begin_step()
     assert arrivals.arrive(1.0).active == pytest.approx(0.1)
 
@@ -86,7 +88,8 @@ def test_time_frozen_while_peers_wait_at_the_sync_point_counts_in_the_running_st
     arrivals = ArrivalClock(clock=clock, throttle=frozen)
     arrivals.attach(torch.device("cpu"))
     arrivals.begin_step(new_epoch=True)
-    clock.now = 0.5
+    with arrivals.step(8.0, 8):
+        clock.now = 0.5
     arrivals.arrive(1.0)
     clock.now, frozen.seconds = 0.9, 0.25  # frozen for 0.25 s of the 0.4 s at the sync point
     arrivals.release()
