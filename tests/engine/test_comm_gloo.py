@@ -27,13 +27,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 WORLD_SIZE = 2
 
 
-def _run_collectives(rank: int, world_size: int, init_file: str) -> None:
+def _join_gloo(rank: int, world_size: int, init_file: str) -> None:
+    """Join a gloo process group of ``world_size`` through ``init_file``."""
     # A forked worker can hang in its first OpenMP kernel if the test process ran one before it forked (as
     # Lightning's forked replicas, one intra-op thread each).
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
+
+
+def _run_collectives(rank: int, world_size: int, init_file: str) -> None:
+    _join_gloo(rank, world_size, init_file)
     try:
         comm = default_communicator(torch.device("cpu"))
         assert isinstance(comm, TorchCommunicator)
@@ -104,10 +109,7 @@ def _check_host_collectives(comm: TorchCommunicator, rank: int, world_size: int)
 
 
 def _use_subgroups(rank: int, world_size: int, init_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
+    _join_gloo(rank, world_size, init_file)
     try:
         world = TorchCommunicator(torch.device("cpu"))
         pair = dist.new_group([0, 1])
