@@ -58,6 +58,8 @@ class PeriodReport:
         finite: 0 when the replica's model was not finite at this merge: it is left out and restored.
         center_norm: the L2 norm of the merged model after the previous merge, as this replica computed it, for
             adaptive normalization (every replica reads rank zero's, so all decide alike); −1 when not tracked.
+        first_step: the plans' key of the first step the report measures (−1 when it measures none), so that a
+            replica's speed model restarts on the first report that holds only steps after a change.
     """
 
     merge_weight: float
@@ -71,6 +73,7 @@ class PeriodReport:
     stop: float = 0.0
     finite: float = 1.0
     center_norm: float = -1.0
+    first_step: float = -1.0
 
     @classmethod
     def size(cls) -> int:

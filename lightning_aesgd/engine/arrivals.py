@@ -85,13 +85,14 @@ class ArrivalClock:
 
     # --- within a step --------------------------------------------------------------------------------------
 
-    def begin_step(self, new_epoch: bool = False) -> None:
+    def begin_step(self, new_epoch: bool = False, key: int | None = None) -> None:
         """A step begins (its batch fetched): the step before it is complete. Starts the clock if paused.
 
         The step before joins the next report, but for the fit's ``unmeasured_step``, a step that ran into a new
         epoch (``new_epoch``: loader workers started, epoch-end hooks ran, or the fit's first step, resumed
         mid-epoch included, follows a checkpoint's restore), and a step without an optimizer step (a replica
-        sitting out), whose time trained nothing.
+        sitting out), whose time trained nothing. ``key`` names the beginning step in the plans' numbering
+        (:meth:`~lightning_aesgd.engine.sampler.PlanBook.sizes_at`); by default, the steps begun in this fit.
         """
         now = self._timeline.stamp()
         if self._release is not None:
@@ -99,7 +100,7 @@ class ArrivalClock:
         unmeasured = self.unmeasured_step is not None and self._steps_begun == self.unmeasured_step + 1
         if self._step.steps and not (new_epoch or unmeasured):
             self._period.absorb(self._step)
-        self._step = _Period(self._timeline)
+        self._step = _Period(self._timeline, first_step=self._steps_begun if key is None else key)
         self._release = now
         self._steps_begun += 1
 
@@ -221,6 +222,7 @@ class ArrivalClock:
             stop=1.0 if stop else 0.0,
             finite=1.0 if finite else 0.0,
             center_norm=center_norm,
+            first_step=float(shown.first_step),
         )
 
     def release(self) -> None:
@@ -254,7 +256,8 @@ the optimizer step."""
 class _Period:
     """Work, planned samples, steps, loader time and timed spans (:data:`_ACTIVE` …) of one step or several."""
 
-    def __init__(self, timeline: Timeline) -> None:
+    def __init__(self, timeline: Timeline, first_step: int = -1) -> None:
+        self.first_step = first_step  # the key of the first step (−1: no step yet)
         self.work = 0.0
         self.planned = 0.0
         self.steps = 0
@@ -281,6 +284,8 @@ class _Period:
 
     def absorb(self, step: _Period) -> None:
         """Add ``step``'s work and spans to this period's (``step`` began after all of this period's spans)."""
+        if not self.steps:
+            self.first_step = step.first_step
         self.work += step.work
         self.planned += step.planned
         self.steps += step.steps

@@ -354,7 +354,8 @@ class StepPipeline(ABC):
         self._global_step = global_step
         # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch included
         # (checkpoint restore, first fetch): the step before it is no training step's time.
-        self.arrivals.begin_step(new_epoch=batch_idx == 0 or self._first_step)
+        key = self._step_key if self.sampler is not None else None
+        self.arrivals.begin_step(new_epoch=batch_idx == 0 or self._first_step, key=key)
         self._first_step = False
 
     def _scheduled_lr_factor(self) -> float:

@@ -113,7 +113,6 @@ class PlanLoop:
         self.held_out: frozenset[int] = frozenset()  # the replicas sitting out the current segment
         self._left_out_once: set[int] = set()  # replicas left out at least once in this fit
         self._restart_from: dict[int, int] = {}  # replica → the step from which its models restart
-        self._latest_report = -1  # the step of the latest reports received
 
     def attach(self, num_replicas: int) -> None:
         """Start a fit of ``num_replicas`` replicas; the models of an earlier fit of as many are kept."""
@@ -121,7 +120,7 @@ class PlanLoop:
             self.arrival_model = ArrivalModel(num_replicas, self.settings.speed_smoothing)
         self.stop_requested = False
         self.leaving_out_forbidden = None
-        self._restart_from, self._latest_report = {}, -1
+        self._restart_from = {}
         self._note_left_out()
 
     @property
@@ -192,10 +191,9 @@ class PlanLoop:
         for rank, start in list(self._restart_from.items()):
             if self.plan_book.latest[rank] == 0:  # left out since: nothing of it to restart while it idles
                 del self._restart_from[rank]
-            elif self._latest_report + 1 >= start:  # these reports measure steps from then on only
+            elif reports[rank].measured and reports[rank].first_step >= start:  # only steps from then on
                 self.arrival_model.restart_next(rank)
                 del self._restart_from[rank]
-        self._latest_report = step
         self.arrival_model.update(reports)
         self.stop_requested = any(report.stop > 0 for report in reports)
         self.merge_weights = [report.merge_weight for report in reports]
@@ -339,7 +337,6 @@ class PlanLoop:
             "speed_changed": self._speed_changed,
             "left_out_once": set(self._left_out_once),
             "restart_from": dict(self._restart_from),
-            "latest_report": self._latest_report,
         }
 
     def adopt_shared_state(self, state: dict[str, Any]) -> None:
@@ -355,7 +352,6 @@ class PlanLoop:
         self._speed_changed = bool(state["speed_changed"])
         self._left_out_once = set(state["left_out_once"])
         self._restart_from = dict(state["restart_from"])
-        self._latest_report = int(state["latest_report"])
 
     def lone_taker(self, step: int) -> int | None:
         """The only replica with samples in step ``step``'s plan, or ``None`` (several, or no plan book yet)."""

@@ -157,8 +157,8 @@ def test_without_a_reference_every_report_weighs_one():
     assert restored.smoothing_now == long.smoothing_now
 
 
-def test_a_default_report_measures_nothing_and_says_finite_and_untracked():
-    assert PeriodReport(2.0).as_row() == [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0]
+def test_a_default_report_measures_nothing_and_says_finite_untracked_and_of_no_step():
+    assert PeriodReport(2.0).as_row() == [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0, -1.0]
     assert not PeriodReport(2.0).measured
 
 

@@ -74,6 +74,24 @@ def test_each_step_is_timed_with_its_own_batch_from_its_beginning_to_the_next_st
     assert reports[2].active == pytest.approx(2.4)
 
 
+def test_a_report_names_the_first_step_it_measures_in_the_plans_numbering_or_none():
+    """The plan loop restarts a replica's speed model on the first report that holds only steps after a change."""
+    clock = Clock()
+    arrivals = ArrivalClock(clock=clock)
+    arrivals.attach(torch.device("cpu"))
+    assert arrivals.arrive(1.0).first_step == -1  # nothing measured
+    for key in (40, 41, 42):  # the keys are the engine's, not the clock's count; step 41 begins an epoch
+        arrivals.begin_step(new_epoch=key == 41, key=key)
+        with arrivals.step(8.0, 8):
+            clock.now += 0.1
+    arrivals.begin_step(key=43)
+    assert arrivals.arrive(1.0).first_step == 41  # step 40 ran into the new epoch: unmeasured
+    assert arrivals.arrive(1.0).first_step == -1
+    arrivals, clock = _arrivals()  # no keys given: the steps begun in this fit, counted from 0
+    _whole_step(arrivals, clock, 8.0, 0.1)
+    assert arrivals.arrive(1.0).first_step == 1
+
+
 def test_a_fits_first_step_is_reported_at_its_second_and_its_unmeasured_step_by_no_report():
     """DDP's reducer rebuilds its buckets in a fit's second forward, a broadcast that waits for the slowest."""
     arrivals, clock = _fit_start(unmeasured_step=1)

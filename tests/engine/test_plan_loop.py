@@ -46,19 +46,21 @@ class Replica:
         self.plans.receive(rows, step)
 
 
-def _report(size: int, seconds: float, stop: bool = False) -> list[float]:
-    """The report of one whole step of ``size`` samples that took ``seconds``, less its waits for peers."""
-    return PeriodReport(1.0, work=float(size), planned=size, steps=1.0, active=seconds, stop=float(stop)).as_row()
+def _report(size: int, seconds: float, step: int, stop: bool = False) -> list[float]:
+    """The report of one whole step, ``step``, of ``size`` samples that took ``seconds``, less its waits for peers."""
+    stopping = float(stop)
+    return PeriodReport(1.0, float(size), size, steps=1.0, active=seconds, stop=stopping, first_step=step).as_row()
 
 
 def _group(num_replicas: int, lag: int = 3, **settings) -> list[Replica]:
     return [Replica(num_replicas, lag, **settings) for _ in range(num_replicas)]
 
 
-def _run(replicas, factors_at, steps, overhead=0.0, noise=0.0, seed=0, start=0):
+def _run(replicas, factors_at, steps, overhead=0.0, noise=0.0, seed=0, start=0, late=0):
     """Replica i's step takes fᵢ·(overhead + size·t₁) (t₁ the per-sample time); a report every step.
 
-    With ``noise`` σ, each arrival time is multiplied by a log-normal factor ``exp(N(0, σ²))``.
+    With ``noise`` σ, each arrival time is multiplied by a log-normal factor ``exp(N(0, σ²))``. With ``late`` 1 a
+    sync point reports the step before it, as the arrival clock does (a step is whole once the next begins).
 
     Nothing is timed inside the optimizer step (no busy time): the plan loops see the replicas' speeds only through
     their step times, as with slowness in data loading, hooks or CPU quotas.
@@ -68,11 +70,15 @@ def _run(replicas, factors_at, steps, overhead=0.0, noise=0.0, seed=0, start=0):
         sizes = replicas[0].plans.plan_book.sizes_at(step)
         for replica in replicas[1:]:
             assert replica.plans.plan_book.sizes_at(step) == sizes  # every replica slices the step the same way
-        rows = []
-        for rank in range(len(replicas)):
-            jitter = math.exp(rng.gauss(0.0, noise)) if noise else 1.0
-            seconds = jitter * factors_at(step)[rank] * (overhead + sizes[rank] * SECONDS_PER_SAMPLE)
-            rows.append(_report(sizes[rank], seconds))
+        measured = step - late
+        rows = [PeriodReport(1.0).as_row()] * len(replicas)  # nothing whole yet
+        if measured >= 0:
+            reported = replicas[0].plans.plan_book.sizes_at(measured)
+            rows = []
+            for rank in range(len(replicas)):
+                jitter = math.exp(rng.gauss(0.0, noise)) if noise else 1.0
+                seconds = jitter * factors_at(measured)[rank] * (overhead + reported[rank] * SECONDS_PER_SAMPLE)
+                rows.append(_report(reported[rank], seconds, measured))
         for replica in replicas:
             replica.receive(rows, step)
         plans.append(sizes)
@@ -357,7 +363,7 @@ def test_static_planner_never_changes_the_plan():
 
 def test_any_replica_asking_to_stop_stops_every_replica():
     replicas = _group(2)
-    rows = [_report(64, 0.1, stop=rank == 1) for rank in range(len(replicas))]
+    rows = [_report(64, 0.1, 0, stop=rank == 1) for rank in range(len(replicas))]
     for replica in replicas:
         replica.receive(rows, step=0)
     assert all(replica.plans.stop_requested for replica in replicas)
@@ -528,7 +534,7 @@ def test_a_loop_that_missed_sync_points_takes_its_peers_plans_and_keeps_the_step
     assert book.last_served_step == 4
     assert missed.plans.arrival_model.rates() == peer.arrival_model.rates()
     mine, theirs = missed.plans.shared_state(), peer.shared_state()
-    for name in ("merge_weights", "next_plan", "speed_changed", "left_out_once", "restart_from", "latest_report"):
+    for name in ("merge_weights", "next_plan", "speed_changed", "left_out_once", "restart_from"):
         assert mine[name] == theirs[name], name
 
 
@@ -603,7 +609,7 @@ def test_each_replica_keeps_its_own_batch_bounds():
 def test_the_history_is_a_ring_of_typed_records_so_memory_stays_flat():
     (replica,) = _group(1)
     for step in range(HISTORY_LENGTH + 10):
-        replica.receive([_report(10, 0.01)], step)
+        replica.receive([_report(10, 0.01, step)], step)
     assert len(replica.plans.history) == HISTORY_LENGTH
     latest = replica.plans.history[-1]
     assert isinstance(latest, PlanRecord)
@@ -719,10 +725,12 @@ def test_only_a_plain_average_leaves_a_lone_replica_as_it_is():
     assert not ElasticAverage(alpha=0.5).replaces_replicas_with_mean
 
 
-def test_when_a_replica_is_first_left_out_the_others_models_follow_their_new_speed_at_once():
+@pytest.mark.parametrize("late", [0, 1])
+def test_when_a_replica_is_first_left_out_the_others_models_follow_their_new_speed_at_once(late):
     """Replica 3 shares the cores with the others: while it works they run 1.3x slower. Left out, they speed up by
     barely more than a level shift's threshold, which the plans' moves of their batches would hide, so their models
-    restart from the first report that measures only steps without it."""
+    restart from the first report that measures only steps without it: where the sync points report the step
+    before them (``late``), not the report that still holds the last step with it."""
     replicas, overhead = _group(4, planner="proportional"), 100 * SECONDS_PER_SAMPLE  # mostly fixed cost
 
     def factors_at(step):
@@ -730,14 +738,14 @@ def test_when_a_replica_is_first_left_out_the_others_models_follow_their_new_spe
         return (contention, contention, 2 * contention, 4)
 
     plans: list = []
-    while not plans or plans[-1][3] > 0:
-        plans += _run(replicas, factors_at, steps=1, overhead=overhead, start=len(plans))
+    while len(plans) < late + 1 or plans[-1 - late][3] > 0:
+        plans += _run(replicas, factors_at, steps=1, overhead=overhead, start=len(plans), late=late)
     assert len(plans) < 20
     loop = replicas[0].plans
-    models, sizes = loop.arrival_model.models(), plans[-1]
+    models, sizes, measured = loop.arrival_model.models(), plans[-1 - late], len(plans) - 1 - late
     for rank in range(3):
-        measured = factors_at(len(plans) - 1)[rank] * (overhead + sizes[rank] * SECONDS_PER_SAMPLE)
-        assert models[rank].seconds(sizes[rank]) == pytest.approx(measured, rel=0.01)
+        seconds = factors_at(measured)[rank] * (overhead + sizes[rank] * SECONDS_PER_SAMPLE)
+        assert models[rank].seconds(sizes[rank]) == pytest.approx(seconds, rel=0.01)
     assert not loop.arrival_model.restarts_pending()
 
 

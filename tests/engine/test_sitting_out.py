@@ -105,7 +105,7 @@ def _sit_out_run(factors_at, steps, lag=3):
         rows = [PeriodReport(merge_weight=0.0).as_row()] * 3
         for rank in present:
             size = sizes[present[0]][rank]
-            rows[rank] = _report(size, factors_at(step)[rank] * (1e-3 + size * SECONDS_PER_SAMPLE))
+            rows[rank] = _report(size, factors_at(step)[rank] * (1e-3 + size * SECONDS_PER_SAMPLE), step)
         for rank in present:
             replicas[rank].receive(rows, step)
         plans.append(sizes[present[0]])

@@ -168,7 +168,7 @@ def planned_step_times(
     times, planning = np.zeros(steps), np.zeros(steps)
     sizes: tuple[int, ...] = book.latest
     work, active, idle = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas)  # since the previous report
-    period_steps = 0
+    period_steps, first_step = 0, -1
     for step in range(steps):
         sizes = book.sizes_at(step)
         seconds = costs * SECONDS_PER_SAMPLE * np.asarray(sizes) * noise[step]
@@ -177,30 +177,37 @@ def planned_step_times(
             # Each replica's period: its whole steps' time, the waits for peers left out; idle steps beside working
             # ones measure nothing (an idle step pays no fixed cost), as the strategy's arrival clock reports them.
             measured = np.where((idle > 0) & (idle < period_steps), 0, period_steps)
-            table = report_table(np.asarray(sizes) / total, work, measured, active)
+            table = report_table(np.asarray(sizes) / total, work, measured, active, first_step)
             start = clock()  # each replica wrote its own row; every rank reads the table the all-reduce returns
             loop.receive(table.tolist(), step)
             reports.space_out(loop)
             planning[step] = clock() - start
             work, active, idle, period_steps = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas), 0
         if step != BUCKET_REBUILD_STEP:  # the step is whole once the next begins: the next report's
+            first_step = first_step if period_steps else step
             work, active, period_steps = work + sizes, active + seconds, period_steps + 1
             idle += np.asarray(sizes) == 0
     return times, planning, sizes
 
 
-def report_table(merge_weights: np.ndarray, work: np.ndarray, steps: np.ndarray, active: np.ndarray) -> np.ndarray:
+def report_table(
+    merge_weights: np.ndarray, work: np.ndarray, steps: np.ndarray, active: np.ndarray, first_step: int = -1
+) -> np.ndarray:
     """Every replica's :class:`PeriodReport` row (planned samples = work), as the strategy's report all-reduce returns.
 
+    ``first_step`` is the period's first step, the same on every replica.
+
     Example:
-        >>> row = report_table(np.array([0.5]), np.array([64.0]), np.array([2]), np.array([0.128]))[0]
-        >>> PeriodReport.from_row(row.tolist()) == PeriodReport(0.5, work=64.0, planned=64.0, steps=2, active=0.128)
+        >>> row = report_table(np.array([0.5]), np.array([64.0]), np.array([2]), np.array([0.128]), 6)[0]
+        >>> report = PeriodReport(0.5, work=64.0, planned=64.0, steps=2, active=0.128, first_step=6)
+        >>> PeriodReport.from_row(row.tolist()) == report
         True
     """
     table = np.tile(np.asarray(PeriodReport(0.0).as_row()), (len(work), 1))
     for name, column in (("merge_weight", merge_weights), ("work", work), ("planned", work), ("steps", steps)):
         table[:, PeriodReport.field_index(name)] = column
     table[:, PeriodReport.field_index("active")] = active
+    table[:, PeriodReport.field_index("first_step")] = first_step
     return table
 
 
