@@ -55,6 +55,7 @@ CASES: dict[str, Case] = {
         Case("user", "user", HETEROGENEOUS),
         Case("user+workers", "user", HETEROGENEOUS, workers=1),
         Case("data", "data", HETEROGENEOUS, workers=1),
+        Case("data-inline", "data", HETEROGENEOUS),  # no loader workers: fetched in the training process
         Case("hook", "hook", HETEROGENEOUS),
         Case("quota", "quota", HETEROGENEOUS, step_ms=0.0, network="cnn"),
         # CPU quotas on the small MLP: real work of a few milliseconds a step, where fixed costs weigh most.
