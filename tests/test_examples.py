@@ -72,8 +72,9 @@ def test_every_example_is_tested_here():
 @pytest.mark.timeout(180)
 def test_existing_project_gains_the_strategy_with_one_argument(tmp_path):
     pytest.importorskip("sklearn", reason="the example trains on scikit-learn's bundled digits")
-    # The popen launcher runs the script again for rank 1: two interpreter start-ups in a row.
-    output = run_ok("existing_project.py", tmp_path, timeout=170)
+    # The popen launcher runs the script again for rank 1: two interpreter start-ups in a row. Four steps: the first
+    # report (and so the summary) falls at the fourth.
+    output = run_ok("existing_project.py", tmp_path, timeout=170, steps=4)
     assert SUMMARY in output
     (accuracy,) = metric(rf"validation accuracy of the trained model: {NUMBER}", output)
     assert 0.0 <= accuracy <= 1.0
@@ -81,7 +82,8 @@ def test_existing_project_gains_the_strategy_with_one_argument(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_plain_python_tests_the_merged_model_and_logs_telemetry(tmp_path):
-    # Merges at steps 0 and 2: the first holds no whole step yet, the second steps 0 and 1 (speeds, balance).
+    # Merges at steps 0 and 2: the first holds no whole step yet, the second step 1 (speeds, balance); step 0, the
+    # fit's first, is measured by none.
     output = run_ok("plain_python.py", tmp_path, timeout=110, steps=3)
     assert SUMMARY in output
     p_at_1, p_at_5 = metric(rf"test P@1 = {NUMBER}, P@5 = {NUMBER}", output)

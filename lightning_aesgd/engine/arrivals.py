@@ -29,6 +29,13 @@ import torch
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.timing import HostTimeline, SpanLedger, Timeline, timeline_for
 
+ONE_TIME_STEP = 0
+"""The step of a fit (counted from 0) that no report measures: its one-time costs (lazy initialisation, the first
+allocations, the optimizer's state, on a GPU the libraries' setup and kernel selection) are common to every replica.
+Measured, they made a first step about 2.5 times a settled one (XMC mini on CPU replicas), and the speed models,
+slow to forget it, restarted one replica at a time as their misses crossed the level-shift threshold: equal
+replicas then looked unequal, and their first plan moved by up to a fifth."""
+
 
 class ArrivalClock:
     """Times one replica's steps, less its waits for peers; hands out a report of its whole steps at each sync point.
@@ -46,7 +53,8 @@ class ArrivalClock:
             this replica's own (the peers waited for it) and counts as active. On the host's clock only.
         unmeasured_step: a step of each fit (counted from 0) that no report measures, where the replica waits for
             peers in a way the clock cannot tell from its own work (under gradient synchronisation, DDP's bucket
-            rebuild: :data:`~lightning_aesgd.engine.gradient_sync.BUCKET_REBUILD_STEP`); ``None``: none.
+            rebuild: :data:`~lightning_aesgd.engine.gradient_sync.BUCKET_REBUILD_STEP`); ``None``: none. A fit's
+            first step is never measured either (:data:`ONE_TIME_STEP`).
     """
 
     def __init__(
@@ -88,16 +96,17 @@ class ArrivalClock:
     def begin_step(self, new_epoch: bool = False, key: int | None = None) -> None:
         """A step begins (its batch fetched): the step before it is complete. Starts the clock if paused.
 
-        The step before joins the next report, but for the fit's ``unmeasured_step``, a step that ran into a new
-        epoch (``new_epoch``: loader workers started, epoch-end hooks ran, or the fit's first step, resumed
-        mid-epoch included, follows a checkpoint's restore), and a step without an optimizer step (a replica
-        sitting out), whose time trained nothing. ``key`` names the beginning step in the plans' numbering
-        (:meth:`~lightning_aesgd.engine.sampler.PlanBook.sizes_at`); by default, the steps begun in this fit.
+        The step before joins the next report, but for the fit's first step and its ``unmeasured_step``, a step that
+        ran into a new epoch (``new_epoch``: loader workers started, epoch-end hooks ran), and a step without an
+        optimizer step (a replica sitting out), whose time trained nothing. ``key`` names the beginning step in the
+        plans' numbering (:meth:`~lightning_aesgd.engine.sampler.PlanBook.sizes_at`); by default, the steps begun in
+        this fit.
         """
         now = self._timeline.stamp()
         if self._release is not None:
             self._step.spans.add(_ACTIVE, self._release, now)
-        unmeasured = self.unmeasured_step is not None and self._steps_begun == self.unmeasured_step + 1
+        closing = self._steps_begun - 1  # the step that ends here, counted from the fit's first (0)
+        unmeasured = closing in (ONE_TIME_STEP, self.unmeasured_step)
         if self._step.steps and not (new_epoch or unmeasured):
             self._period.absorb(self._step)
         self._step = _Period(self._timeline, first_step=self._steps_begun if key is None else key)

@@ -152,7 +152,6 @@ class StepPipeline(ABC):
         self._comm_in_use: Communicator | None = None
         self._step_key = 0
         self._global_step = 0
-        self._first_step = True
         self._saved_step_batch_size: int | None = None  # the checkpoint's, when resuming
 
     # --- what each sync mode implements ---------------------------------------------------------------------
@@ -250,7 +249,6 @@ class StepPipeline(ABC):
         self.hooks = hooks if hooks is not None else TrainerHooks()
         self.arrivals.attach(device)
         self.plans.attach(comm.world_size)
-        self._first_step = True
         self._saved_step_batch_size = None
         self._start(module, comm, device)
 
@@ -352,11 +350,10 @@ class StepPipeline(ABC):
         if self.sampler is not None:
             self._step_key = self.sampler.step_key(epoch, batch_idx)
         self._global_step = global_step
-        # A new epoch (loader workers started, epoch-end hooks ran) or a fit's first step, resumed mid-epoch included
-        # (checkpoint restore, first fetch): the step before it is no training step's time.
+        # A new epoch (loader workers started, epoch-end hooks ran): the step before it is no training step's time.
+        # A fit's first step, resumed mid-epoch included, is the clock's own to leave out (its one-time costs).
         key = self._step_key if self.sampler is not None else None
-        self.arrivals.begin_step(new_epoch=batch_idx == 0 or self._first_step, key=key)
-        self._first_step = False
+        self.arrivals.begin_step(new_epoch=batch_idx == 0, key=key)
 
     def _scheduled_lr_factor(self) -> float:
         """The learning-rate schedule's factor for this step (1 without a schedule)."""

@@ -30,21 +30,27 @@ SETTLED_SPREAD = 0.1
 """A plan whose predicted step times agree within this fraction counts as settled: reports may then space out."""
 
 
+FIRST_REPORT_STEP = 3
+"""A fit's first report, at its fourth step (counted from 0): the clock measures none of its first step
+(:data:`~lightning_aesgd.engine.arrivals.ONE_TIME_STEP`) nor its second, in which DDP rebuilds its buckets
+(:data:`~lightning_aesgd.engine.gradient_sync.BUCKET_REBUILD_STEP`); the third is whole once the fourth begins."""
+
+
 class ReportExchange:
     """When reports are due, and the report all-reduces in flight, for one replica under gradient sync."""
 
     def __init__(self) -> None:
         self._in_flight: list[torch.futures.Future[Tensor]] = []
-        self._next_report: int | None = None  # the global step of the next report (None: the fit's second step)
+        self._next_report: int | None = None  # the global step of the next report (None: FIRST_REPORT_STEP)
         self._every = 0  # steps between reports, from the latest reports (0: none received yet)
         self._latest = 0  # the global step of the latest report launched
 
     def start(self) -> None:
-        """A fit begins: its second step reports, and nothing of an earlier fit is in flight.
+        """A fit begins: its step :data:`FIRST_REPORT_STEP` reports, and nothing of an earlier fit is in flight.
 
-        Not its first: a report carries the whole steps completed before it
-        (:class:`~lightning_aesgd.engine.arrivals.ArrivalClock`), and none is at the first step's sync point, so the
-        first plan would wait ``lag + 1`` steps more for a report that measures something.
+        Not sooner: a report carries the whole steps completed before it
+        (:class:`~lightning_aesgd.engine.arrivals.ArrivalClock`), and the first that one measures is step 2, so a
+        report before step 3 would measure nothing, and the first plan would wait ``lag + 1`` steps more.
         """
         self._in_flight, self._next_report, self._every, self._latest = [], None, 0, 0
 
@@ -54,7 +60,7 @@ class ReportExchange:
         :meth:`space_out` may bring it sooner for a probe, where replicas sit out.
         """
         if self._next_report is None:
-            self._next_report = global_step + 1
+            self._next_report = global_step + FIRST_REPORT_STEP
         if global_step < self._next_report:
             return False
         self._next_report = global_step + max(self._every, plans.lag + 1)
@@ -128,7 +134,7 @@ class ReportExchange:
         :func:`~lightning_aesgd.core.schedule.report_seconds`). Settled: the plan's predicted
         step times agree within :data:`SETTLED_SPREAD` (the plan loop's smoothed models, so timing noise on equal
         devices does not count), and every report measured at least ``lag + 1`` steps (the reports after an epoch's
-        start, or a fit's, hold fewer: the step running into the epoch and the fit's second step are not measured).
+        start, or a fit's, hold fewer: the step running into the epoch and a fit's first two steps are not measured).
         """
         shortest = plans.lag + 1
         reports = [report for rank, report in enumerate(plans.latest_reports) if rank not in plans.held_out]

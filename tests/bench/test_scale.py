@@ -53,7 +53,7 @@ def test_without_noise_or_spread_the_plans_are_ddps_and_only_planning_differs():
 def test_a_timed_planning_cost_is_added_to_the_adaptive_steps():
     ticks = iter(range(10**6))
     sim = simulate(4, 1.0, 30, STEP_TIME_RATIOS, noise_scale=0.0, clock=lambda: 1e-3 * next(ticks))
-    reports = len([10, 14, 18, 22, 26])  # the timed steps that report (the cadence test below)
+    reports = len([13, 17, 21, 25, 29])  # the timed steps that report (the cadence test below)
     assert sim.planning_seconds == pytest.approx(1e-3 * reports)  # 1 ms per report taken in
     assert sim.speedup == pytest.approx(sim.ddp_seconds / (sim.adaptive_seconds + 1e-3 * reports))
     assert sim.speedup < sim.speedup_without_planning
@@ -63,14 +63,14 @@ def test_reports_come_at_the_strategys_cadence_and_only_they_cost_planning_time(
     ticks = iter(range(10**6))
     clock = lambda: 1e-3 * next(ticks)  # noqa: E731
     _, planning, _ = planned_step_times(np.ones(4), np.ones((30, 4)), clock)
-    # From a fit's second step, every lag + 1 = 3 steps until the plan is settled and every report measured 3 steps
-    # (the report at step 7, of steps 4-6), then about a quarter second apart: ⌈0.25 s / 64 ms⌉ = 4 steps.
-    assert np.flatnonzero(planning).tolist() == [1, 4, 7, 10, 14, 18, 22, 26]
+    # From a fit's fourth step, every lag + 1 = 3 steps until the plan is settled and every report measured 3 steps
+    # (the report at step 9, of steps 6-8), then about a quarter second apart: ⌈0.25 s / 64 ms⌉ = 4 steps.
+    assert np.flatnonzero(planning).tolist() == [3, 6, 9, 13, 17, 21, 25, 29]
     assert planning[planning > 0] == pytest.approx(1e-3)
     # Steps of 94 ms (the balanced plan of factors [1, 1, 2, 4]): ⌈0.25 / 0.094⌉ = 3, as before settling.
     _, planning, sizes = planned_step_times(np.array([1.0, 1.0, 2.0, 4.0]), np.ones((30, 4)), clock)
     assert sizes == (93, 93, 47, 23)
-    assert np.flatnonzero(planning).tolist() == list(range(1, 30, 3))
+    assert np.flatnonzero(planning).tolist() == list(range(3, 30, 3))
 
 
 def test_reports_of_hundreds_of_replicas_come_further_apart_once_settled():
@@ -78,9 +78,9 @@ def test_reports_of_hundreds_of_replicas_come_further_apart_once_settled():
     clock = lambda: 1e-3 * next(ticks)  # noqa: E731
     # 256 replicas: ⌈0.512 s / 64 ms⌉ = 8 steps apart once settled (core.schedule.report_seconds); 100: 4, as 4 do.
     _, planning, _ = planned_step_times(np.ones(256), np.ones((40, 256)), clock)
-    assert np.flatnonzero(planning).tolist() == [1, 4, 7, 10, 18, 26, 34]
+    assert np.flatnonzero(planning).tolist() == [3, 6, 9, 17, 25, 33]
     _, planning, _ = planned_step_times(np.ones(100), np.ones((40, 100)), clock)
-    assert np.flatnonzero(planning).tolist() == [1, 4, 7, *range(10, 40, 4)]
+    assert np.flatnonzero(planning).tolist() == [3, 6, 9, *range(13, 40, 4)]
 
 
 def test_a_period_with_idle_steps_beside_working_ones_measures_nothing(monkeypatch: pytest.MonkeyPatch):
@@ -92,14 +92,14 @@ def test_a_period_with_idle_steps_beside_working_ones_measures_nothing(monkeypat
         receive(self, rows, step)
 
     monkeypatch.setattr(PlanLoop, "receive", recording)
-    # A replica 60× slower than seven others is left out by the first plan (step 1), from step 1 + lag = 3 on.
+    # A replica 60× slower than seven others is left out by the first plan (step 3), from step 3 + lag = 5 on.
     _, _, sizes = planned_step_times(np.array([1.0] * 7 + [60.0]), np.ones((12, 8)), _no_time)
     assert sizes[-1] == 0
     planned, steps = PeriodReport.field_index("planned"), PeriodReport.field_index("steps")
     by_step = dict(received)
-    assert (by_step[1][planned], by_step[1][steps]) == (BATCH, 1)  # step 0, whole once step 1 began
-    assert (by_step[4][planned], by_step[4][steps]) == (BATCH, 0)  # step 2 worked, step 3 idle: unmeasured
-    assert (by_step[7][planned], by_step[7][steps]) == (0, 3)  # all idle: steps counted, nothing planned
+    assert (by_step[3][planned], by_step[3][steps]) == (BATCH, 1)  # step 2, whole once step 3 began
+    assert (by_step[6][planned], by_step[6][steps]) == (2 * BATCH, 0)  # steps 3-4 worked, step 5 idle: unmeasured
+    assert (by_step[9][planned], by_step[9][steps]) == (0, 3)  # all idle: steps counted, nothing planned
 
 
 def test_without_noise_the_speedup_approaches_the_sum_of_speeds_over_n_times_the_slowest():

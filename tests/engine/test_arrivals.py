@@ -80,32 +80,39 @@ def test_a_report_names_the_first_step_it_measures_in_the_plans_numbering_or_non
     arrivals = ArrivalClock(clock=clock)
     arrivals.attach(torch.device("cpu"))
     assert arrivals.arrive(1.0).first_step == -1  # nothing measured
-    for key in (40, 41, 42):  # the keys are the engine's, not the clock's count; step 41 begins an epoch
-        arrivals.begin_step(new_epoch=key == 41, key=key)
+    for key in (40, 41, 42, 43):  # a fit resumed at step 40: the keys are the engine's, not the clock's count
+        arrivals.begin_step(new_epoch=key == 42, key=key)
         with arrivals.step(8.0, 8):
             clock.now += 0.1
-    arrivals.begin_step(key=43)
-    assert arrivals.arrive(1.0).first_step == 41  # step 40 ran into the new epoch: unmeasured
+    arrivals.begin_step(key=44)
+    assert arrivals.arrive(1.0).first_step == 42  # 40: the fit's first step; 41 ran into a new epoch
     assert arrivals.arrive(1.0).first_step == -1
     arrivals, clock = _arrivals()  # no keys given: the steps begun in this fit, counted from 0
     _whole_step(arrivals, clock, 8.0, 0.1)
     assert arrivals.arrive(1.0).first_step == 1
 
 
-def test_a_fits_first_step_is_reported_at_its_second_and_its_unmeasured_step_by_no_report():
-    """DDP's reducer rebuilds its buckets in a fit's second forward, a broadcast that waits for the slowest."""
+def test_a_fits_first_step_and_its_unmeasured_step_are_reported_by_none():
+    """A fit's first step carries one-time costs; DDP's reducer rebuilds its buckets in a fit's second forward, a
+    broadcast that waits for the slowest."""
     arrivals, clock = _fit_start(unmeasured_step=1)
     assert arrivals.arrive(1.0).steps == 0.0  # nothing whole yet
-    _whole_step(arrivals, clock, 10.0, until=0.4)
-    clock.now = 0.5
-    first = arrivals.arrive(1.0)
-    assert (first.work, first.steps, first.active) == (10.0, 1.0, pytest.approx(0.4))
+    _whole_step(arrivals, clock, 10.0, until=2.0)  # the first step: lazy initialisation, first allocations
     with arrivals.step(12.0, 12):
         clock.now = 3.0  # the bucket rebuild held this replica for the slowest
+    assert arrivals.arrive(1.0).steps == 0.0
     arrivals.begin_step()
     _whole_step(arrivals, clock, 14.0, until=3.5)
     third = arrivals.arrive(1.0)
     assert (third.work, third.steps, third.active) == (14.0, 1.0, pytest.approx(0.5))
+
+
+def test_without_an_unmeasured_step_the_fits_second_step_is_its_first_reported():
+    arrivals, clock = _fit_start()
+    _whole_step(arrivals, clock, 10.0, until=2.0)
+    _whole_step(arrivals, clock, 12.0, until=2.4)
+    second = arrivals.arrive(1.0)
+    assert (second.work, second.steps, second.active) == (12.0, 1.0, pytest.approx(0.4))
 
 
 def test_the_step_running_into_a_new_epoch_is_not_reported_and_those_before_it_are():
@@ -223,9 +230,10 @@ def test_a_new_fit_forgets_the_steps_of_the_last():
     arrivals.detach()
     arrivals.attach(torch.device("cpu"))
     arrivals.begin_step(new_epoch=True)
+    _whole_step(arrivals, clock, 11.0, until=1.2)  # the new fit's first step: its one-time costs, unmeasured
     _whole_step(arrivals, clock, 12.0, until=1.5)
     report = arrivals.arrive(1.0)
-    assert (report.work, report.steps, report.active) == (12.0, 1.0, pytest.approx(0.5))
+    assert (report.work, report.steps, report.active) == (12.0, 1.0, pytest.approx(0.3))
 
 
 def test_a_restart_forgets_the_steps_since_the_latest_report_and_times_from_now():

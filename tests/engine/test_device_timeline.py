@@ -18,6 +18,7 @@ from cuda_run import run_on_cuda
 from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.arrivals import ArrivalClock
 from lightning_aesgd.engine.gradient_sync import BUCKET_REBUILD_STEP
+from lightning_aesgd.engine.report_exchange import FIRST_REPORT_STEP
 from lightning_aesgd.engine.timing import CudaTimeline, HostTimeline, SpanLedger, Timeline
 
 HERE = Path(__file__).resolve().parent
@@ -117,11 +118,11 @@ def _run_gradient_steps(
     return reports, blocking
 
 
-# Reports at steps 1, 3, 5 and 7, as the engine's first report falls at a fit's second step. Each carries the whole
-# steps before it, but for the fit's second: {0}, {2}, {3, 4}, {5, 6}.
+# Reports at steps 3, 5 and 7, as the engine's first report falls at a fit's fourth step. Each carries the whole
+# steps before it, but for the fit's first two (one-time costs, DDP's bucket rebuild): {2}, {3, 4}, {5, 6}.
 SCRIPT = [
     Step(size=8, active=0.10, wait=0.50, reports=False, loader=0.01),
-    Step(size=9, active=0.20, wait=0.40, reports=True, loader=0.02),
+    Step(size=9, active=0.20, wait=0.40, reports=False, loader=0.02),
     Step(size=10, active=0.30, wait=0.30, reports=False, loader=0.03),
     Step(size=11, active=0.40, wait=0.20, reports=True, loader=0.04),
     Step(size=12, active=0.50, wait=0.10, reports=False, loader=0.05),
@@ -138,14 +139,13 @@ def _measured(report: PeriodReport) -> tuple[float, ...]:
 def test_the_host_clock_reports_the_whole_steps_before_the_report():
     arrivals, clock = _arrivals(deferred=False)
     reports, blocking = _run_gradient_steps(arrivals, clock, SCRIPT)
-    first, second, third = reports[:3]
-    assert (first.work, first.planned, first.steps, first.loader) == (8.0, 8.0, 1.0, pytest.approx(0.01))
-    assert (first.active, first.wait_fraction) == (pytest.approx(0.10), pytest.approx(0.50 / 0.60))
-    assert (second.work, second.steps, second.active) == (10.0, 1.0, pytest.approx(0.30))  # not step 1's
+    first, second = reports[:2]
+    assert (first.work, first.planned, first.steps, first.loader) == (10.0, 10.0, 1.0, pytest.approx(0.03))
+    assert (first.active, first.wait_fraction) == (pytest.approx(0.30), pytest.approx(0.30 / 0.60))  # not 0's or 1's
     # Steps 3 and 4: their own time, their waits left out of it (and out of the busy time inside the step).
-    assert (third.work, third.planned, third.steps, third.loader) == (23.0, 23.0, 2.0, pytest.approx(0.09))
-    assert (third.active, third.busy) == (pytest.approx(0.90), pytest.approx(0.90))
-    assert third.wait_fraction == pytest.approx((0.20 + 0.10) / (0.90 + 0.30))
+    assert (second.work, second.planned, second.steps, second.loader) == (23.0, 23.0, 2.0, pytest.approx(0.09))
+    assert (second.active, second.busy) == (pytest.approx(0.90), pytest.approx(0.90))
+    assert second.wait_fraction == pytest.approx((0.20 + 0.10) / (0.90 + 0.30))
     assert blocking == [0] * len(SCRIPT)
 
 
@@ -154,8 +154,8 @@ def test_a_deferred_report_carries_the_steps_of_the_report_before():
     reports, _ = _run_gradient_steps(arrivals, device, SCRIPT)
     assert reports[0].steps == 0  # nothing was reported before a fit's first report
     assert not reports[0].measured
-    assert (reports[1].work, reports[1].steps, reports[1].active) == (8.0, 1.0, pytest.approx(0.10))
-    assert (reports[3].work, reports[3].steps, reports[3].active) == (23.0, 2.0, pytest.approx(0.90))
+    assert (reports[1].work, reports[1].steps, reports[1].active) == (10.0, 1.0, pytest.approx(0.30))
+    assert (reports[2].work, reports[2].steps, reports[2].active) == (23.0, 2.0, pytest.approx(0.90))
 
 
 def test_deferred_reports_are_the_host_reports_one_report_later():
@@ -173,7 +173,7 @@ def test_a_report_blocks_at_most_once_and_steps_without_a_report_never():
     arrivals, device = _arrivals(deferred=True)
     _, blocking = _run_gradient_steps(arrivals, device, SCRIPT)
     # The device never caught up on its own: every report with steps to read waits once, for the latest of them.
-    assert blocking == [0, 0, 0, 1, 0, 1, 0, 1]
+    assert blocking == [0, 0, 0, 0, 0, 1, 0, 1]
 
 
 def test_a_report_does_not_block_where_the_device_has_caught_up():
@@ -188,7 +188,7 @@ def test_a_report_does_not_block_where_the_device_has_caught_up():
 def test_active_time_excludes_waiting_for_peers_on_the_device_timeline():
     """A fast replica that waits most of each step for a slow peer measures its own time, not the peer's."""
     arrivals, device = _arrivals(deferred=True)
-    steps = [Step(size=8, active=0.01, wait=0.99, reports=index % 4 == 1) for index in range(14)]
+    steps = [Step(size=8, active=0.01, wait=0.99, reports=index % 4 == 3) for index in range(14)]
     reports, _ = _run_gradient_steps(arrivals, device, steps)
     measured = [report for report in reports if report.measured]
     assert len(measured) == len(reports) - 1
@@ -201,18 +201,19 @@ def test_a_merge_wait_counts_as_waiting_of_the_step_it_ends():
     """Under model merges the replica arrives after its update; the merge's wait is its step's, read with it."""
     arrivals, device = _arrivals(deferred=True, unmeasured_step=None)
     reports = []
-    for index, (active, wait) in enumerate([(0.2, 0.6), (0.1, 0.1), (0.3, 0.1), (0.4, 0.0), (0.5, 0.0)]):
+    for index, (active, wait) in enumerate([(0.2, 0.6), (0.1, 0.1), (0.3, 0.1), (0.4, 0.0), (0.5, 0.0), (0.6, 0.0)]):
         arrivals.begin_step(new_epoch=index == 0)
         with arrivals.step(8.0, 8):
             device.now += active
         reports.append(arrivals.arrive(1.0))
         device.now += wait  # the merge's all-reduce waits for the slowest replica
         arrivals.release()
-    # Each report reads the steps of the one before: step 0 (whole at step 1) at step 2, step 1 at step 3...
-    assert [report.steps for report in reports] == [0.0, 0.0, 1.0, 1.0, 1.0]
-    assert (reports[2].active, reports[2].wait_fraction) == (pytest.approx(0.2), pytest.approx(0.6 / 0.8))
+    # Each report reads the steps of the one before: step 1 (whole at step 2) at step 3, step 2 at step 4... (step 0,
+    # the fit's first, by none)
+    assert [report.steps for report in reports] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     assert (reports[3].active, reports[3].wait_fraction) == (pytest.approx(0.1), pytest.approx(0.1 / 0.2))
     assert (reports[4].active, reports[4].wait_fraction) == (pytest.approx(0.3), pytest.approx(0.1 / 0.4))
+    assert (reports[5].active, reports[5].wait_fraction) == (pytest.approx(0.4), 0.0)
     assert device.waits <= 3  # at most once for each report with steps to read
 
 
@@ -230,8 +231,8 @@ def test_a_new_fit_starts_without_the_previous_fits_steps():
     _run_gradient_steps(arrivals, device, SCRIPT[:3])
     arrivals.detach()
     arrivals.attach(torch.device("cpu"))
-    reports, _ = _run_gradient_steps(arrivals, device, SCRIPT[:4])
-    assert [(report.steps, report.work) for report in reports] == [(0.0, 0.0), (1.0, 8.0)]  # its own step 0
+    reports, _ = _run_gradient_steps(arrivals, device, SCRIPT[:6])
+    assert [(report.steps, report.work) for report in reports] == [(0.0, 0.0), (1.0, 10.0)]  # its own step 2
 
 
 def test_a_restart_on_a_deferred_timeline_forgets_the_steps_the_next_report_would_have_read():
@@ -392,7 +393,8 @@ def sensed_active_follows_gpu_time() -> None:
                 work = torch.tanh(work @ matrix)
             end.record(compute)
             pairs.append((start, end))
-            due = step % REPORT_EVERY == 1  # the engine's first report falls at a fit's second step
+            # The engine's first report falls at FIRST_REPORT_STEP; it measures steps from the fit's second on.
+            due = step >= FIRST_REPORT_STEP and (step - FIRST_REPORT_STEP) % REPORT_EVERY == 0
             if due:
                 before = timeline.waits
                 reports.append(arrivals.arrive(1.0))
@@ -406,9 +408,9 @@ def sensed_active_follows_gpu_time() -> None:
     assert reports[0].steps == 0
     measured = [report for report in reports if report.measured]
     assert len(measured) == len(reports) - 1, [report.steps for report in reports]
-    covered = int(sum(report.steps for report in measured))  # the first steps: reports follow one another
+    covered = int(sum(report.steps for report in measured))  # steps 1 on: reports follow one another
     sensed = sum(report.active for report in measured) / covered
-    gpu = sum(start.elapsed_time(end) for start, end in pairs[:covered]) / covered / 1000.0
+    gpu = sum(start.elapsed_time(end) for start, end in pairs[1 : 1 + covered]) / covered / 1000.0
     assert abs(sensed - gpu) <= 0.1 * gpu, f"sensed {sensed:.4f} s of activity per step, the GPU worked {gpu:.4f} s"
     assert all(report.wait_fraction > 0.1 for report in measured), [report.wait_fraction for report in measured]
 

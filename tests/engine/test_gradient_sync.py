@@ -635,15 +635,15 @@ def test_replicas_sit_out_only_where_no_state_outlives_a_step_and_the_reducer_do
     assert (engine.plans.leaving_out_forbidden is not None) is hooks.reducer_meets_every_step
 
 
-@pytest.mark.parametrize(("delay", "received"), [(0, [0, 1, 1, 1, 2, 2]), (1, [0, 0, 0, 0, 1, 1])])
+@pytest.mark.parametrize(("delay", "received"), [(0, [0, 0, 0, 1, 1, 1, 2, 2, 2]), (1, [0] * 6 + [1] * 3)])
 def test_a_lone_replicas_reports_reach_its_plans_at_once_or_with_the_next_exchange_and_the_step_gives_the_loss(
     delay, received
 ):
-    """Steps 1 and 4 report (every lag + 1 = 3 steps): synchronous sums take each report in its own step, delayed
+    """Steps 3 and 6 report (every lag + 1 = 3 steps): synchronous sums take each report in its own step, delayed
     ones the previous exchange's at the next, and the end of fit the last. Each step returns its closure's loss."""
     engine, weight, optimizer, loader = _lone(delay=delay)
     record: list[tuple[Any, int]] = []
-    _run(engine, weight, optimizer, loader, range(6), record=record)
+    _run(engine, weight, optimizer, loader, range(9), record=record)
     assert [count for _, count in record] == received
     assert all(isinstance(output, Tensor) for output, _ in record)
     engine.finish()
@@ -738,7 +738,7 @@ def test_a_replica_weighs_its_gradient_by_its_share_and_a_step_without_a_finite_
     caplog, rank
 ):
     """Two replicas alike (the fake's peer), half the step's samples each: the sum of their weighted gradients is the
-    step's mean gradient. At step 1 both are NaN: no update, and the next reports (step 4) count two exclusions,
+    step's mean gradient. At step 1 both are NaN: no update, and the next reports (step 3) count two exclusions,
     which rank zero logs."""
     engine, weight, optimizer, loader = _lone(comm=FakeCommunicator(2, rank))
     with caplog.at_level(logging.WARNING, logger="lightning_aesgd.engine.gradient_sync"):
@@ -746,14 +746,14 @@ def test_a_replica_weighs_its_gradient_by_its_share_and_a_step_without_a_finite_
     assert engine.loss_weight == 0.5
     assert moved == [-1.0, -1.0, -2.0, -3.0, -4.0]
     assert engine.exclusion_count == 2
-    logged = "2 replica step(s) had non-finite gradients before global step 4"
+    logged = "2 replica step(s) had non-finite gradients before global step 3"
     assert (logged in caplog.text) is (rank == 0)
 
 
 def test_the_reports_ride_in_the_last_buckets_sum_where_ddps_reducer_runs_the_sums(monkeypatch):
-    """Two replicas, synchronous sums: the reports of steps 1 and 4 need no all-reduce of their own."""
+    """Two replicas, synchronous sums: the reports of steps 3 and 6 need no all-reduce of their own."""
     monkeypatch.setattr(report_exchange, "_summed", no_report_on_its_own)
     engine, weight, optimizer, loader = _lone(comm=FakeCommunicator(2, 0))
     record: list[tuple[Any, int]] = []
-    _run(engine, weight, optimizer, loader, range(5), record=record)
-    assert [count for _, count in record] == [0, 1, 1, 1, 2]
+    _run(engine, weight, optimizer, loader, range(7), record=record)
+    assert [count for _, count in record] == [0, 0, 0, 1, 1, 1, 2]

@@ -12,7 +12,7 @@ from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine import report_exchange
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
-from lightning_aesgd.engine.report_exchange import ReportExchange, _step_seconds
+from lightning_aesgd.engine.report_exchange import FIRST_REPORT_STEP, ReportExchange, _step_seconds
 
 STEP_BATCH = 64
 
@@ -30,7 +30,8 @@ def _due_steps(exchange: ReportExchange, plans: PlanLoop, steps: int) -> list[in
 
 def test_until_a_report_is_received_reports_are_due_every_lag_plus_one_steps():
     exchange, plans = ReportExchange(), _plans(lag=2)
-    assert _due_steps(exchange, plans, 10) == [1, 4, 7]  # from a fit's second step: its first holds no whole step
+    # From a fit's fourth step: a report holds whole steps, and the fit's first two are measured by none.
+    assert _due_steps(exchange, plans, 10) == [3, 6, 9]
 
 
 def test_reports_travel_in_rank_order_and_the_latest_keep_stay_in_flight():
@@ -127,17 +128,17 @@ def test_an_unsettled_plan_keeps_reports_every_lag_plus_one_steps():
     exchange, plans = ReportExchange(), _plans(lag=2, planner="static")
     fast = PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.02).as_row()
     slow = PeriodReport(0.5, work=128.0, planned=128.0, steps=4.0, active=0.2).as_row()
-    assert _due_steps(exchange, plans, 2) == [1]
-    plans.receive([fast, slow], 1)
+    assert _due_steps(exchange, plans, 4) == [3]
+    plans.receive([fast, slow], 3)
     exchange.space_out(plans)
-    assert _due_steps(exchange, plans, 8) == [4, 7]
+    assert _due_steps(exchange, plans, 10) == [6, 9]
 
 
-def test_a_new_fit_reports_at_its_second_step_again_wherever_it_starts():
+def test_a_new_fit_reports_at_its_fourth_step_again_wherever_it_starts():
     exchange, plans = ReportExchange(), _plans(lag=2)
-    assert [exchange.due(step, plans) for step in range(3)] == [False, True, False]
+    assert [exchange.due(step, plans) for step in range(5)] == [False, False, False, True, False]
     exchange.start()
-    assert [exchange.due(step, plans) for step in range(10, 13)] == [False, True, False]  # resumed at step 10
+    assert [exchange.due(step, plans) for step in range(10, 15)] == [False, False, False, True, False]  # resumed
 
 
 def test_a_carried_table_needs_no_all_reduce_of_its_own_and_a_declined_one_gets_one():
@@ -188,7 +189,7 @@ def test_a_new_exchange_and_a_new_fit_start_with_no_report_received():
     blank = {"next_report": None, "every": 0, "latest": 0}
     assert exchange.state_dict() == blank
     assert exchange.due(0, plans) is False
-    assert exchange.due(1, plans) is True
+    assert exchange.due(FIRST_REPORT_STEP, plans) is True
     exchange.load_state_dict({"next_report": 30, "every": 24, "latest": 6})
     exchange.start()
     assert exchange.state_dict() == blank

@@ -9,10 +9,10 @@ DDP gives every replica ``M/n = 64`` samples. The adaptive side runs the strateg
 later. Reports come when the strategy's own :class:`~lightning_aesgd.engine.report_exchange.ReportExchange`
 (gradient sync, the default) has them come: every ``LAG + 1`` steps until the plan settles, then about every quarter
 second of training; each replica's :class:`~lightning_aesgd.core.sensing.PeriodReport` holds its whole steps since
-its previous report (not the step that reports, nor a fit's second step, in which DDP rebuilds its buckets: as the
-strategy's :class:`~lightning_aesgd.engine.arrivals.ArrivalClock` has it); a period with idle steps (batch 0) beside
-working ones measures nothing, as in the strategy. The plan loop's probes follow the strategy's segments
-(:data:`~lightning_aesgd.engine.sitting_out.SEGMENT_STEPS`). What the model leaves out is the sums without a
+its previous report (not the step that reports, nor a fit's first two steps, its one-time costs and DDP's bucket
+rebuild: as the strategy's :class:`~lightning_aesgd.engine.arrivals.ArrivalClock` has it); a period with idle steps
+(batch 0) beside working ones measures nothing, as in the strategy. The plan loop's probes follow the strategy's
+segments (:data:`~lightning_aesgd.engine.sitting_out.SEGMENT_STEPS`). What the model leaves out is the sums without a
 left-out replica (it has no sums); no fleet the scale program draws (spreads up to 8) leaves one out. The time of
 taking the reports in (the planning cost) is added to the step that reports. It is the CPU time of the calls: on a
 shared machine their wall time also counts whatever else runs, and on a replica's own host the two agree (planning
@@ -34,6 +34,7 @@ import numpy as np
 
 from lightning_aesgd.bench.slowness.cases import BATCH
 from lightning_aesgd.core.sensing import PeriodReport
+from lightning_aesgd.engine.arrivals import ONE_TIME_STEP
 from lightning_aesgd.engine.gradient_sync import BUCKET_REBUILD_STEP
 from lightning_aesgd.engine.plan_loop import PlanLoop
 from lightning_aesgd.engine.plan_settings import PlanSettings
@@ -183,7 +184,7 @@ def planned_step_times(
             reports.space_out(loop)
             planning[step] = clock() - start
             work, active, idle, period_steps = np.zeros(replicas), np.zeros(replicas), np.zeros(replicas), 0
-        if step != BUCKET_REBUILD_STEP:  # the step is whole once the next begins: the next report's
+        if step not in (ONE_TIME_STEP, BUCKET_REBUILD_STEP):  # whole once the next step begins: the next report's
             first_step = first_step if period_steps else step
             work, active, period_steps = work + sizes, active + seconds, period_steps + 1
             idle += np.asarray(sizes) == 0
