@@ -58,8 +58,8 @@ class PeriodReport:
         finite: 0 when the replica's model was not finite at this merge: it is left out and restored.
         center_norm: the L2 norm of the merged model after the previous merge, as this replica computed it, for
             adaptive normalization (every replica reads rank zero's, so all decide alike); −1 when not tracked.
-        first_step: the plans' key of the first step the report measures (−1 when it measures none), so that a
-            replica's speed model restarts on the first report that holds only steps after a change.
+        first_step: the plans' key of the period's first step (−1 before any), so that a replica's speed model
+            restarts on the first measured report that holds only steps after a change.
     """
 
     merge_weight: float

@@ -30,11 +30,12 @@ from lightning_aesgd.core.sensing import PeriodReport
 from lightning_aesgd.engine.timing import HostTimeline, SpanLedger, Timeline, timeline_for
 
 ONE_TIME_STEP = 0
-"""The step of a fit (counted from 0) that no report measures: its one-time costs (lazy initialisation, the first
-allocations, the optimizer's state, on a GPU the libraries' setup and kernel selection) are common to every replica.
-Measured, they made a first step about 2.5 times a settled one (XMC mini on CPU replicas), and the speed models,
-slow to forget it, restarted one replica at a time as their misses crossed the level-shift threshold: equal
-replicas then looked unequal, and their first plan moved by up to a fifth."""
+"""The step of a fit (counted from 0) that no report measures, or a replica's first step with samples where it sat
+out or idled the fit's first steps (a resumed fit whose plans leave it out). Its one-time costs (lazy
+initialisation, the first allocations, the optimizer's state, on a GPU the libraries' setup and kernel selection)
+are common to every replica. Measured, they made a first step about 2.5 times a settled one (XMC mini on CPU
+replicas), and the speed models, slow to forget it, restarted one replica at a time as their misses crossed the
+level-shift threshold: equal replicas then looked unequal, and their first plan moved by up to a fifth."""
 
 
 class ArrivalClock:
@@ -78,6 +79,7 @@ class ArrivalClock:
         self._wait_started: Any = None
         self._in_step = False  # inside an optimizer step, whose waits for peers are not busy time
         self._steps_begun = 0  # steps of this fit begun so far
+        self._worked = False  # whether a step of this fit has had samples (the first that does is not measured)
 
     def attach(self, device: torch.device) -> None:
         """Start measuring a replica that works on ``device``."""
@@ -90,23 +92,26 @@ class ArrivalClock:
         self._step, self._period, self._previous = _Period(self._timeline), _Period(self._timeline), None
         self._release = self._arrival = self._wait_started = None
         self._steps_begun = 0
+        self._worked = False
 
     # --- within a step --------------------------------------------------------------------------------------
 
     def begin_step(self, new_epoch: bool = False, key: int | None = None) -> None:
         """A step begins (its batch fetched): the step before it is complete. Starts the clock if paused.
 
-        The step before joins the next report, but for the fit's first step and its ``unmeasured_step``, a step that
-        ran into a new epoch (``new_epoch``: loader workers started, epoch-end hooks ran), and a step without an
-        optimizer step (a replica sitting out), whose time trained nothing. ``key`` names the beginning step in the
-        plans' numbering (:meth:`~lightning_aesgd.engine.sampler.PlanBook.sizes_at`); by default, the steps begun in
-        this fit.
+        The step before joins the next report, but for the fit's first step with samples (:data:`ONE_TIME_STEP`) and
+        its ``unmeasured_step``, a step that ran into a new epoch (``new_epoch``: loader workers started, epoch-end
+        hooks ran), and a step without an optimizer step (a replica sitting out), whose time trained nothing.
+        ``key`` names the beginning step in the plans' numbering
+        (:meth:`~lightning_aesgd.engine.sampler.PlanBook.sizes_at`); by default, the steps begun in this fit.
         """
         now = self._timeline.stamp()
         if self._release is not None:
             self._step.spans.add(_ACTIVE, self._release, now)
-        closing = self._steps_begun - 1  # the step that ends here, counted from the fit's first (0)
-        unmeasured = closing in (ONE_TIME_STEP, self.unmeasured_step)
+        worked = self._step.planned > 0
+        first_work = worked and not self._worked  # its one-time costs: ONE_TIME_STEP, unless the replica sat out
+        unmeasured = first_work or self._steps_begun - 1 == self.unmeasured_step  # counted from the fit's first (0)
+        self._worked = self._worked or worked
         if self._step.steps and not (new_epoch or unmeasured):
             self._period.absorb(self._step)
         self._step = _Period(self._timeline, first_step=self._steps_begun if key is None else key)
@@ -120,7 +125,8 @@ class ArrivalClock:
         nothing. On a deferred timeline the steps of the latest report, due to be read at the next, go too: they
         were measured before the replica sat out.
         """
-        self._step, self._period, self._previous = _Period(self._timeline), _Period(self._timeline), None
+        running = _Period(self._timeline, first_step=self._step.first_step)  # the same step, timed from now
+        self._step, self._period, self._previous = running, _Period(self._timeline), None
         self._release = self._timeline.stamp()
 
     @contextmanager

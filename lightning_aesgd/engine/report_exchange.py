@@ -50,7 +50,9 @@ class ReportExchange:
 
         Not sooner: a report carries the whole steps completed before it
         (:class:`~lightning_aesgd.engine.arrivals.ArrivalClock`), and the first that one measures is step 2, so a
-        report before step 3 would measure nothing, and the first plan would wait ``lag + 1`` steps more.
+        report before step 3 would measure nothing, and the first plan would wait ``lag + 1`` steps more (on a
+        device's deferred timeline a report shows the steps of the one before, and the first measured report comes
+        a report later). A fit of 3 steps or fewer exchanges no report.
         """
         self._in_flight, self._next_report, self._every, self._latest = [], None, 0, 0
 

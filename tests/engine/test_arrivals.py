@@ -28,8 +28,10 @@ def _fit_start(unmeasured_step: int | None = None) -> tuple[ArrivalClock, Clock]
 
 
 def _arrivals() -> tuple[ArrivalClock, Clock]:
-    """A clock at the beginning of a fit's second step, the first having taken no time (nothing to report)."""
+    """A clock at the beginning of a fit's second step, the first (which no report measures) having taken no time."""
     arrivals, clock = _fit_start()
+    with arrivals.step(1.0, 1):
+        pass
     arrivals.begin_step()
     return arrivals, clock
 
@@ -354,11 +356,39 @@ def test_a_period_mixing_idle_steps_with_working_ones_reports_no_steps_and_an_id
 
 def test_without_an_unmeasured_step_a_fits_second_step_is_reported_like_any():
     """Model merging has no DDP reducer: its second step is its own."""
-    arrivals, clock = _fit_start()
-    arrivals.begin_step()
+    arrivals, clock = _arrivals()
     _whole_step(arrivals, clock, 12.0, until=0.3)
     report = arrivals.arrive(1.0)
     assert (report.work, report.steps, report.active) == (12.0, 1.0, pytest.approx(0.3))
+
+
+def test_a_replica_that_sat_out_a_fits_first_steps_has_its_first_step_with_samples_unmeasured():
+    """A resumed fit whose plans leave a replica out: its first step with samples carries the one-time costs."""
+    arrivals, clock = _fit_start()
+    for _ in range(3):  # steps sat out: Lightning's step without the strategy's optimizer step
+        clock.now += 0.01
+        arrivals.begin_step()
+    arrivals.restart()  # back in
+    _whole_step(arrivals, clock, 10.0, until=clock.now + 2.0)  # the first allocations, the optimizer's state
+    _whole_step(arrivals, clock, 12.0, until=clock.now + 0.3)
+    report = arrivals.arrive(1.0)
+    assert (report.work, report.steps, report.active) == (12.0, 1.0, pytest.approx(0.3))
+
+
+def test_a_restart_keeps_the_running_steps_key():
+    """The replica catches up at the beginning of a step, which then trains: the next report begins with it."""
+    clock = Clock()
+    arrivals = ArrivalClock(clock=clock)
+    arrivals.attach(torch.device("cpu"))
+    for key in (100, 101, 102):
+        arrivals.begin_step(key=key)
+        if key == 102:
+            arrivals.restart()
+        with arrivals.step(8.0, 8):
+            clock.now += 0.1
+    arrivals.begin_step(key=103)
+    report = arrivals.arrive(1.0)
+    assert (report.steps, report.first_step) == (1.0, 102)
 
 
 def test_a_step_without_an_optimizer_step_is_not_reported():

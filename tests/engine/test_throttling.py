@@ -55,7 +55,9 @@ def test_frozen_time_inside_a_wait_is_the_replicas_own_active_time():
     arrivals = ArrivalClock(clock=clock, throttle=frozen)
     arrivals.attach(torch.device("cpu"))
     arrivals.begin_step(new_epoch=True)
-    arrivals.begin_step()  # the fit's first step, unmeasured, took no time
+    with arrivals.step(1.0, 1):  # the fit's first step, unmeasured, took no time
+        pass
+    arrivals.begin_step()
     with arrivals.step(8.0, 8):
         clock.now = 0.1
         frozen.seconds = 0.02  # frozen while computing: already in the active wall time, not added again
@@ -89,7 +91,9 @@ def test_time_frozen_while_peers_wait_at_the_sync_point_counts_in_the_running_st
     arrivals = ArrivalClock(clock=clock, throttle=frozen)
     arrivals.attach(torch.device("cpu"))
     arrivals.begin_step(new_epoch=True)
-    arrivals.begin_step()  # the fit's first step, unmeasured, took no time
+    with arrivals.step(1.0, 1):  # the fit's first step, unmeasured, took no time
+        pass
+    arrivals.begin_step()
     with arrivals.step(8.0, 8):
         clock.now = 0.5
     arrivals.arrive(1.0)
